@@ -1,0 +1,20 @@
+"""Device layer of BSR: registrations and chunk layout, install/gather backends, staging pool.
+
+Free of storage and protocol: nothing here knows about tiers, keys or requests.
+"""
+
+from . import presets
+from .install import available_backends, gather_window, install_window
+from .registration import Registration, TensorSpec
+from .staging_pool import SlotLease, StagingPool
+
+__all__ = [
+    "Registration",
+    "SlotLease",
+    "StagingPool",
+    "TensorSpec",
+    "available_backends",
+    "gather_window",
+    "install_window",
+    "presets",
+]

@@ -1,0 +1,238 @@
+"""Registration model: the destination tensors a model registers and the staged chunk layout.
+
+A staged chunk (one object of the external tier, per TP rank) is the concatenation of every
+registered tensor's entries for `chunk_tokens` tokens. Each tensor's segment starts at a
+16-byte aligned offset so kernels can use wide accesses where entry widths allow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+SEGMENT_ALIGN = 16
+DEFAULT_CHUNK_TOKENS = 256
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.int32: "int32",
+    torch.float64: "float64",
+    torch.int64: "int64",
+}
+_DTYPES_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype name {name!r}; known: {sorted(_DTYPES_BY_NAME)}") from None
+
+
+def align_up(n: int, a: int = SEGMENT_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One destination tensor of shape (num_blocks, block_size, *entry_shape).
+
+    One entry covers `token_ratio` tokens (compressed caches: 4, 128). Tensors of one group
+    share a block table, so they must agree on tokens per block (block_size * token_ratio).
+    `sliding_window` (tokens) is descriptive: the engine marks blocks outside it as -1.
+    """
+
+    name: str
+    dtype: torch.dtype
+    entry_shape: tuple[int, ...]
+    block_size: int
+    token_ratio: int = 1
+    group: int = 0
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "entry_shape", tuple(int(d) for d in self.entry_shape))
+        dtype_name(self.dtype)  # raises on unsupported dtypes
+        if not self.name:
+            raise ValueError("TensorSpec needs a name")
+        if any(d <= 0 for d in self.entry_shape):
+            raise ValueError(f"tensor {self.name!r}: entry_shape {self.entry_shape} has a non-positive dim")
+        if self.block_size <= 0:
+            raise ValueError(f"tensor {self.name!r}: block_size must be positive, got {self.block_size}")
+        if self.token_ratio <= 0:
+            raise ValueError(f"tensor {self.name!r}: token_ratio must be positive, got {self.token_ratio}")
+        if self.group < 0:
+            raise ValueError(f"tensor {self.name!r}: group must be >= 0, got {self.group}")
+
+    @property
+    def entry_bytes(self) -> int:
+        return math.prod(self.entry_shape) * self.dtype.itemsize
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.block_size * self.token_ratio
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, *self.entry_shape)
+
+    def to_dict(self) -> dict:
+        d = {
+            "name": self.name,
+            "dtype": dtype_name(self.dtype),
+            "entry_shape": list(self.entry_shape),
+            "block_size": self.block_size,
+            "token_ratio": self.token_ratio,
+            "group": self.group,
+        }
+        if self.sliding_window is not None:
+            d["sliding_window"] = self.sliding_window
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TensorSpec:
+        known = {"name", "dtype", "entry_shape", "block_size", "token_ratio", "group", "sliding_window"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"tensor spec {d.get('name', '?')!r}: unknown fields {sorted(unknown)}")
+        return cls(
+            name=str(d["name"]),
+            dtype=dtype_from_name(d["dtype"]),
+            entry_shape=tuple(d["entry_shape"]),
+            block_size=int(d["block_size"]),
+            token_ratio=int(d.get("token_ratio", 1)),
+            group=int(d.get("group", 0)),
+            sliding_window=d.get("sliding_window"),
+        )
+
+
+@dataclass(frozen=True)
+class Registration:
+    """The ordered destination tensors of a model and the chunk layout derived from them."""
+
+    specs: tuple[TensorSpec, ...]
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "specs", tuple(self.specs))
+        if not self.specs:
+            raise ValueError("a registration needs at least one tensor")
+        if self.chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
+        names = [s.name for s in self.specs]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"duplicate tensor names in registration: {dup}")
+        for s in self.specs:
+            if self.chunk_tokens % s.token_ratio:
+                raise ValueError(
+                    f"tensor {s.name!r}: chunk_tokens {self.chunk_tokens} is not a multiple of "
+                    f"token_ratio {s.token_ratio}"
+                )
+        groups = sorted({s.group for s in self.specs})
+        if groups != list(range(len(groups))):
+            raise ValueError(f"groups must be numbered 0..G-1 without gaps, got {groups}")
+        for g in groups:
+            tpb = {s.tokens_per_block for s in self.specs if s.group == g}
+            if len(tpb) != 1:
+                raise ValueError(
+                    f"group {g}: tensors disagree on tokens per block (block_size*token_ratio): {sorted(tpb)}"
+                )
+
+    # -- layout ----------------------------------------------------------------------------
+    @property
+    def num_tensors(self) -> int:
+        return len(self.specs)
+
+    @property
+    def num_groups(self) -> int:
+        return max(s.group for s in self.specs) + 1
+
+    def entries_per_chunk(self, i: int) -> int:
+        return self.chunk_tokens // self.specs[i].token_ratio
+
+    def segment_bytes(self, i: int) -> int:
+        return self.entries_per_chunk(i) * self.specs[i].entry_bytes
+
+    @cached_property
+    def segment_offsets(self) -> tuple[int, ...]:
+        offsets, off = [], 0
+        for i in range(self.num_tensors):
+            offsets.append(off)
+            off = align_up(off + self.segment_bytes(i))
+        return tuple(offsets)
+
+    @cached_property
+    def chunk_bytes(self) -> int:
+        """c: bytes of one staged chunk (per TP rank), segments 16-byte aligned."""
+        last = self.num_tensors - 1
+        return align_up(self.segment_offsets[last] + self.segment_bytes(last))
+
+    def group_tokens_per_block(self, g: int) -> int:
+        return next(s.tokens_per_block for s in self.specs if s.group == g)
+
+    def blocks_needed(self, g: int, num_tokens: int) -> int:
+        """Block-table length group g needs to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.group_tokens_per_block(g))
+
+    # -- identity --------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"chunk_tokens": self.chunk_tokens, "tensors": [s.to_dict() for s in self.specs]}
+
+    @classmethod
+    def from_dict(cls, d: dict, name: str = "custom") -> Registration:
+        if "tensors" not in d:
+            raise ValueError("registration file needs a 'tensors' list")
+        return cls(
+            specs=tuple(TensorSpec.from_dict(t) for t in d["tensors"]),
+            chunk_tokens=int(d.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)),
+            name=name,
+        )
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Stable hex digest of the geometry (names, dtypes, shapes, ratios, blocks, groups, chunk)."""
+        blob = json.dumps({"layout_version": 1, **self.to_dict()}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+    # -- destinations ----------------------------------------------------------------------
+    def allocate(
+        self, num_blocks: int | list[int] | tuple[int, ...], device: str | torch.device = "cpu"
+    ) -> list[torch.Tensor]:
+        """Destination tensors in registration order; num_blocks may be given per group."""
+        per_group = _per_group(num_blocks, self.num_groups)
+        return [
+            torch.empty(s.shape(per_group[s.group]), dtype=s.dtype, device=device) for s in self.specs
+        ]
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.num_tensors} tensors, {self.num_groups} groups, "
+            f"c = {self.chunk_bytes:,} B per {self.chunk_tokens}-token chunk"
+        )
+
+
+def _per_group(num_blocks: int | list[int] | tuple[int, ...], num_groups: int) -> list[int]:
+    if isinstance(num_blocks, int):
+        return [num_blocks] * num_groups
+    if len(num_blocks) != num_groups:
+        raise ValueError(f"num_blocks has {len(num_blocks)} entries for {num_groups} groups")
+    return [int(n) for n in num_blocks]

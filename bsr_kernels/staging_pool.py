@@ -1,0 +1,212 @@
+"""StagingPool: the only staging memory a bounded restore uses.
+
+A fixed buffer of W chunks, allocated once, split into 1 or 2 slots. A slot is leased for
+one window, filled by the tier, read by the install kernel, and released. Release is
+synchronize-then-release: the bytes stay counted as live until the install that read them
+has completed (its event fired), and a slot is handed out again only after that.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class CompletionEvent:
+    """A CUDA event on GPU; on CPU installs are synchronous, so recording marks completion."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = torch.cuda.Event() if device.type == "cuda" else None
+        self._recorded = False
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> None:
+        if self._cuda is not None:
+            self._cuda.record(stream if stream is not None else torch.cuda.current_stream())
+        self._recorded = True
+
+    def query(self) -> bool:
+        return self._cuda.query() if (self._cuda is not None and self._recorded) else True
+
+    def synchronize(self) -> None:
+        if self._cuda is not None and self._recorded:
+            self._cuda.synchronize()
+
+
+@dataclass
+class Slot:
+    index: int
+    offset: int  # byte offset in the pool buffer
+    capacity_chunks: int
+    event: CompletionEvent
+    leased_chunks: int = 0  # chunks counted live (held by a lease or draining)
+    leased: bool = False
+    pending: bool = False  # released with an install in flight
+
+
+@dataclass
+class SlotLease:
+    """A leased slot: `view` is the window's staging bytes (num_chunks * chunk_bytes)."""
+
+    pool: StagingPool
+    slot: Slot
+    num_chunks: int
+    view: torch.Tensor = field(repr=False)
+
+    def chunk(self, i: int) -> torch.Tensor:
+        c = self.pool.chunk_bytes
+        return self.view[i * c : (i + 1) * c]
+
+
+class StagingPool:
+    """A fixed staging buffer of `capacity_chunks` chunks of `chunk_bytes`, in 1 or 2 slots.
+
+    Two slots split the capacity ceil(W/2) + floor(W/2), so the pool never exceeds W chunks.
+    On a CUDA machine host staging is pinned so the install can read it directly.
+    """
+
+    def __init__(
+        self,
+        chunk_bytes: int,
+        capacity_chunks: int,
+        num_slots: int = 1,
+        device: str | torch.device = "cpu",
+        pin_memory: bool | None = None,
+    ) -> None:
+        if chunk_bytes <= 0 or chunk_bytes % 16:
+            raise ValueError(f"chunk_bytes must be a positive multiple of 16, got {chunk_bytes}")
+        if capacity_chunks <= 0:
+            raise ValueError(f"a staging pool needs at least one chunk, got {capacity_chunks}")
+        if num_slots not in (1, 2):
+            raise ValueError(f"num_slots must be 1 or 2, got {num_slots}")
+        if num_slots == 2 and capacity_chunks < 2:
+            num_slots = 1  # one chunk cannot be split; depth 2 degrades to depth 1
+        self.device = torch.device(device)
+        self.chunk_bytes = chunk_bytes
+        self.capacity_chunks = capacity_chunks
+        if pin_memory is None:
+            pin_memory = self.device.type == "cpu" and torch.cuda.is_available()
+        self.pinned = bool(pin_memory)
+        self.buffer = torch.empty(
+            capacity_chunks * chunk_bytes, dtype=torch.uint8, device=self.device, pin_memory=self.pinned
+        )
+        sizes = [capacity_chunks] if num_slots == 1 else [-(-capacity_chunks // 2), capacity_chunks // 2]
+        self.slots: list[Slot] = []
+        off = 0
+        for i, n in enumerate(sizes):
+            self.slots.append(Slot(i, off, n, CompletionEvent(self.device)))
+            off += n * chunk_bytes
+        self._cond = threading.Condition()
+        self._next = 0
+        self._live_chunks = 0
+        self._peak_chunks = 0
+
+    # -- meters ----------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_chunks * self.chunk_bytes
+
+    @property
+    def slot_chunks(self) -> list[int]:
+        return [s.capacity_chunks for s in self.slots]
+
+    @property
+    def live_bytes(self) -> int:
+        with self._cond:
+            self._reap()
+            return self._live_chunks * self.chunk_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak_chunks * self.chunk_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.live_bytes
+
+    def reset_peak(self) -> None:
+        with self._cond:
+            self._reap()
+            self._peak_chunks = self._live_chunks
+
+    # -- leasing ---------------------------------------------------------------------------
+    def acquire(self, num_chunks: int, timeout: float | None = None) -> SlotLease:
+        """Lease the next slot (round-robin) for `num_chunks` chunks, waiting for its previous
+        install to complete. Raises ValueError if no slot can ever hold `num_chunks`."""
+        if num_chunks <= 0:
+            raise ValueError(f"num_chunks must be positive, got {num_chunks}")
+        if num_chunks > max(self.slot_chunks):
+            raise ValueError(
+                f"window of {num_chunks} chunks exceeds the staging slot capacity "
+                f"({max(self.slot_chunks)} chunks of {self.chunk_bytes:,} B)"
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                slot = self._pick(num_chunks)
+                if slot is not None:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"no staging slot free for {num_chunks} chunks within {timeout}s")
+                self._cond.wait(0.01 if remaining is None else min(0.01, remaining))
+            slot.leased = True
+            slot.leased_chunks = num_chunks
+            self._live_chunks += num_chunks
+            self._peak_chunks = max(self._peak_chunks, self._live_chunks)
+            view = self.buffer[slot.offset : slot.offset + num_chunks * self.chunk_bytes]
+            return SlotLease(self, slot, num_chunks, view)
+
+    def _pick(self, num_chunks: int) -> Slot | None:
+        n = len(self.slots)
+        for k in range(n):
+            slot = self.slots[(self._next + k) % n]
+            if slot.leased or slot.capacity_chunks < num_chunks:
+                continue
+            if slot.pending:
+                slot.event.synchronize()  # synchronize-then-reuse
+                self._finish(slot)
+            self._next = (slot.index + 1) % n
+            return slot
+        return None
+
+    def _finish(self, slot: Slot) -> None:
+        self._live_chunks -= slot.leased_chunks
+        slot.leased_chunks = 0
+        slot.pending = False
+
+    def _reap(self) -> None:
+        for slot in self.slots:
+            if slot.pending and slot.event.query():
+                self._finish(slot)
+
+    def record_install(self, lease: SlotLease, stream: torch.cuda.Stream | None = None) -> None:
+        """Record the completion event of the install that reads this lease."""
+        lease.slot.event.record(stream)
+
+    def release(self, lease: SlotLease, *, wait: bool = True) -> None:
+        """Give the slot back. With wait=True (default) block until its install completed;
+        otherwise its bytes stay live until the event fires or the slot is next acquired."""
+        with self._cond:
+            slot = lease.slot
+            if not slot.leased:
+                raise RuntimeError(f"slot {slot.index} released twice")
+            slot.leased = False
+            slot.pending = True
+            if wait:
+                slot.event.synchronize()
+                self._finish(slot)
+            else:
+                self._reap()
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait for every pending install and return all bytes not held by a lease."""
+        with self._cond:
+            for slot in self.slots:
+                if slot.pending:
+                    slot.event.synchronize()
+                    self._finish(slot)
+            self._cond.notify_all()

@@ -1,0 +1,132 @@
+"""Checks that run before any byte moves: every problem is a ValueError naming what is wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .registration import SEGMENT_ALIGN, Registration
+
+
+@dataclass(frozen=True)
+class WindowArgs:
+    """Validated, normalised arguments of one install/gather call."""
+
+    staging: torch.Tensor
+    kv: tuple[torch.Tensor, ...]
+    block_tables: tuple[torch.Tensor, ...]  # int64, contiguous, on the block tables' device
+    first_chunk: int
+    num_chunks: int
+
+
+def check_window(
+    staging: torch.Tensor,
+    reg: Registration,
+    kv: Sequence[torch.Tensor],
+    block_tables: Sequence[torch.Tensor],
+    first_chunk: int,
+    num_chunks: int,
+    *,
+    fingerprint: str | None = None,
+    staging_name: str = "staging",
+) -> WindowArgs:
+    if fingerprint is not None and fingerprint != reg.fingerprint:
+        raise ValueError(
+            f"registration fingerprint mismatch: staged objects have {fingerprint}, "
+            f"destination registration {reg.name} has {reg.fingerprint}"
+        )
+    if isinstance(first_chunk, bool) or int(first_chunk) != first_chunk or first_chunk < 0:
+        raise ValueError(f"first_chunk must be a non-negative integer, got {first_chunk!r}")
+    if isinstance(num_chunks, bool) or int(num_chunks) != num_chunks or num_chunks < 0:
+        raise ValueError(f"num_chunks must be a non-negative integer, got {num_chunks!r}")
+    first_chunk, num_chunks = int(first_chunk), int(num_chunks)
+    _check_staging(staging, reg, num_chunks, staging_name)
+    kv = tuple(kv)
+    if len(kv) != reg.num_tensors:
+        raise ValueError(f"expected {reg.num_tensors} destination tensors for {reg.name}, got {len(kv)}")
+    group_blocks: dict[int, tuple[int, str]] = {}
+    device = kv[0].device if kv else None
+    for spec, t in zip(reg.specs, kv):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"tensor {spec.name!r}: destination is not a tensor ({type(t).__name__})")
+        if t.dtype != spec.dtype:
+            raise ValueError(f"tensor {spec.name!r}: dtype {t.dtype}, registration says {spec.dtype}")
+        if tuple(t.shape[1:]) != (spec.block_size, *spec.entry_shape) or t.dim() != 2 + len(spec.entry_shape):
+            raise ValueError(
+                f"tensor {spec.name!r}: shape {tuple(t.shape)}, registration says "
+                f"(num_blocks, {spec.block_size}, {', '.join(map(str, spec.entry_shape))})"
+            )
+        if t.device != device:
+            raise ValueError(f"tensor {spec.name!r}: on {t.device}, other destinations on {device}")
+        if not t.is_contiguous():
+            raise ValueError(f"tensor {spec.name!r}: destination is not contiguous")
+        nb = t.shape[0]
+        prev = group_blocks.setdefault(spec.group, (nb, spec.name))
+        if prev[0] != nb:
+            raise ValueError(
+                f"tensor {spec.name!r}: {nb} blocks, but {prev[1]!r} of the same group {spec.group} has {prev[0]}"
+            )
+    tables = _check_block_tables(reg, block_tables, first_chunk, num_chunks, group_blocks)
+    return WindowArgs(staging, kv, tables, first_chunk, num_chunks)
+
+
+def _check_staging(staging: torch.Tensor, reg: Registration, num_chunks: int, name: str) -> None:
+    if not isinstance(staging, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(staging).__name__}")
+    if staging.dtype != torch.uint8 or staging.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D uint8 tensor, got {staging.dtype} with shape {tuple(staging.shape)}")
+    if not staging.is_contiguous():
+        raise ValueError(f"{name} is not contiguous")
+    need = num_chunks * reg.chunk_bytes
+    if staging.numel() < need:
+        raise ValueError(
+            f"{name} too small: {staging.numel():,} B for {num_chunks} chunks of {reg.chunk_bytes:,} B "
+            f"({need:,} B needed)"
+        )
+    if staging.numel() and staging.data_ptr() % SEGMENT_ALIGN:
+        raise ValueError(f"{name} misaligned: address {staging.data_ptr():#x} is not {SEGMENT_ALIGN}-byte aligned")
+
+
+def _check_block_tables(
+    reg: Registration,
+    block_tables: Sequence[torch.Tensor],
+    first_chunk: int,
+    num_chunks: int,
+    group_blocks: dict[int, tuple[int, str]],
+) -> tuple[torch.Tensor, ...]:
+    block_tables = tuple(block_tables)
+    if len(block_tables) != reg.num_groups:
+        raise ValueError(f"expected {reg.num_groups} block tables (one per group), got {len(block_tables)}")
+    out = []
+    first_tok = first_chunk * reg.chunk_tokens
+    end_tok = (first_chunk + num_chunks) * reg.chunk_tokens
+    for g, table in enumerate(block_tables):
+        if not isinstance(table, torch.Tensor) or table.dim() != 1:
+            raise ValueError(f"block table of group {g} must be a 1-D tensor")
+        if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
+            raise ValueError(f"block table of group {g} must hold integers, got {table.dtype}")
+        table = table.to(torch.int64).contiguous()
+        need = reg.blocks_needed(g, end_tok)
+        if table.numel() < need:
+            raise ValueError(
+                f"block table of group {g} too short: {table.numel()} blocks, chunks "
+                f"{first_chunk}..{first_chunk + num_chunks - 1} need {need}"
+            )
+        lo = first_tok // reg.group_tokens_per_block(g)
+        window = table[lo:need]
+        if window.numel():
+            nb, tname = group_blocks[g]
+            bad = window[(window < -1) | (window >= nb)]
+            if bad.numel():
+                raise ValueError(
+                    f"block table of group {g}: block id {int(bad[0])} out of range [-1, {nb}) "
+                    f"for tensor {tname!r}"
+                )
+            resident = window[window >= 0]
+            if resident.numel() != torch.unique(resident).numel():
+                raise ValueError(f"block table of group {g}: duplicated block ids in chunks {first_chunk}.."
+                                 f"{first_chunk + num_chunks - 1}")
+        out.append(table)
+    return tuple(out)

@@ -1,0 +1,1 @@
+"""Protocol layer of BSR: tiers, probe, window plan, windowed retrieve, admission, commit."""

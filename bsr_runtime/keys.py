@@ -1,0 +1,91 @@
+"""Object keys: one object per (chunk, TP rank).
+
+A key binds the registration fingerprint, the TP rank and world size, the chunk's position in
+a prefix hash chain (the token ids of every chunk up to and including it) and a tenant salt.
+Keys are opaque strings of hex digits and a fixed prefix: safe as store keys; tiers that map
+keys to file names hash them again and never use a key as a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+KEY_VERSION = "bsr1"
+
+
+def _h(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Everything a key binds except the chunk: registration, TP geometry, tenant."""
+
+    fingerprint: str
+    tp_rank: int = 0
+    tp_world: int = 1
+    salt: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_world:
+            raise ValueError(f"tp_rank {self.tp_rank} out of range for world size {self.tp_world}")
+
+    @property
+    def _prefix(self) -> str:
+        tenant = _h(b"tenant", self.salt.encode()).hex()[:16]
+        return f"{KEY_VERSION}-{tenant}-{self.fingerprint[:16]}-r{self.tp_rank}of{self.tp_world}"
+
+    def key(self, chain_hash: bytes) -> str:
+        return f"{self._prefix}-{chain_hash.hex()}"
+
+
+
+class PrefixKeys:
+    """Keys of one request's prefix, produced window by window.
+
+    Holds only the running chain hash (O(1) auxiliary state): asking for consecutive windows
+    walks the chain once; asking out of order restarts the walk from chunk 0.
+    """
+
+    def __init__(self, space: KeySpace, tokens: Sequence[int], chunk_tokens: int) -> None:
+        self.space = space
+        self.tokens = tokens
+        self.chunk_tokens = chunk_tokens
+        self.num_chunks = len(tokens) // chunk_tokens
+        self._cursor = 0
+        self._hash = _CHAIN_START
+
+    def window(self, first_chunk: int, num_chunks: int) -> list[str]:
+        end = first_chunk + num_chunks
+        if end > self.num_chunks or first_chunk < 0 or num_chunks < 0:
+            raise ValueError(
+                f"chunks {first_chunk}..{end - 1} outside a prefix of {self.num_chunks} whole chunks"
+            )
+        if first_chunk < self._cursor:
+            self._cursor, self._hash = 0, _CHAIN_START
+        out = []
+        while self._cursor < end:
+            k = self._cursor
+            self._hash = _h(self._hash, _token_bytes(self.tokens[k * self.chunk_tokens : (k + 1) * self.chunk_tokens]))
+            self._cursor += 1
+            if k >= first_chunk:
+                out.append(self.space.key(self._hash))
+        return out
+
+
+_CHAIN_START = b"\0" * 16
+
+
+def _token_bytes(chunk: Sequence[int]) -> bytes:
+    try:
+        import numpy as np
+
+        return np.asarray(chunk, dtype=np.int64).tobytes()
+    except (ImportError, TypeError):
+        return b"".join(int(t).to_bytes(8, "little", signed=True) for t in chunk)

@@ -1,0 +1,133 @@
+"""The tier interface: probe keys, fetch keys into staging views (async, with a deadline), put.
+
+A tier stores opaque objects of exactly `chunk_bytes` bytes under string keys (see keys.py).
+Fetches land directly in the caller's staging views; the tier never allocates a second copy
+of a window. Every failure surfaces as a `TierError` subclass so the runtime can fail closed.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+class TierError(RuntimeError):
+    """Any failure of a tier operation (the restore fails closed on it)."""
+
+
+class MissingObjectError(TierError):
+    """A key that was expected is not present (evicted after the probe, never written)."""
+
+
+class CorruptObjectError(TierError):
+    """An object failed its integrity check (length, registration, checksum)."""
+
+
+class FetchTimeoutError(TierError):
+    """A fetch did not complete before its deadline."""
+
+
+class TierUnavailableError(TierError):
+    """The store cannot be reached."""
+
+
+@dataclass
+class FetchHandle:
+    """An in-flight fetch. `wait()` returns when every key is present in its view, or raises."""
+
+    keys: tuple[str, ...]
+    deadline: float  # time.monotonic() seconds
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _error: BaseException | None = field(default=None, repr=False)
+    bytes_read: int = 0
+
+    def set_result(self, nbytes: int) -> None:
+        self.bytes_read = nbytes
+        self._done.set()
+
+    def set_error(self, err: BaseException) -> None:
+        self._error = err
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> int:
+        import time
+
+        remaining = self.deadline - time.monotonic()
+        if not self._done.wait(max(0.0, remaining)):
+            raise FetchTimeoutError(f"fetch of {len(self.keys)} objects missed its deadline")
+        if self._error is not None:
+            if isinstance(self._error, TierError):
+                raise self._error
+            raise TierError(f"fetch failed: {self._error}") from self._error
+        return self.bytes_read
+
+
+class Tier(ABC):
+    """One storage tier. Implementations: MemoryTier (tests), FilesystemTier, MooncakeTier."""
+
+    name: str = "tier"
+
+    def __init__(self, chunk_bytes: int, fingerprint: str) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.fingerprint = fingerprint
+        self.faults = FaultPlan()
+
+    @abstractmethod
+    def probe(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys are present. Holds nothing: no staging, no locks after return."""
+
+    @abstractmethod
+    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float) -> FetchHandle:
+        """Start reading each key's object into the matching view (uint8, chunk_bytes each)."""
+
+    @abstractmethod
+    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
+        """Store each view (uint8, chunk_bytes) under its key, overwriting atomically."""
+
+    def delete(self, keys: Sequence[str]) -> None:  # pragma: no cover - optional
+        raise NotImplementedError
+
+    def register_staging(self, buffer: torch.Tensor) -> None:
+        """Called once with the staging pool's buffer (Mooncake registers it for zero copy)."""
+
+    def close(self) -> None:
+        """Release connections, threads and registrations."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+@dataclass
+class FaultPlan:
+    """Faults a tier injects on demand (tests and `bsr faults`). All off by default.
+
+    - unavailable: every operation raises TierUnavailableError
+    - drop_after_probe: keys deleted right after they are probed present (eviction race)
+    - delay_s: each fetch completes this many seconds late (past a short deadline = timeout)
+    - corrupt_keys: objects whose bytes are flipped when fetched
+    - fail_fetch: called with the key list of each fetch; raise inside to fail it
+    """
+
+    unavailable: bool = False
+    drop_after_probe: set[str] = field(default_factory=set)
+    delay_s: float = 0.0
+    corrupt_keys: set[str] = field(default_factory=set)
+    fail_fetch: Callable[[Sequence[str]], None] | None = None
+
+    def clear(self) -> None:
+        self.unavailable = False
+        self.drop_after_probe = set()
+        self.delay_s = 0.0
+        self.corrupt_keys = set()
+        self.fail_fetch = None
