@@ -43,6 +43,19 @@ def check_window(
         raise ValueError(f"num_chunks must be a non-negative integer, got {num_chunks!r}")
     first_chunk, num_chunks = int(first_chunk), int(num_chunks)
     _check_staging(staging, reg, num_chunks, staging_name)
+    kv, tables = check_destinations(reg, kv, block_tables, first_chunk, num_chunks)
+    return WindowArgs(staging, kv, tables, first_chunk, num_chunks)
+
+
+def check_destinations(
+    reg: Registration,
+    kv: Sequence[torch.Tensor],
+    block_tables: Sequence[torch.Tensor],
+    first_chunk: int,
+    num_chunks: int,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Destination tensors and block tables for chunks first_chunk.. of a request; returns
+    them normalised (block tables as contiguous int64)."""
     kv = tuple(kv)
     if len(kv) != reg.num_tensors:
         raise ValueError(f"expected {reg.num_tensors} destination tensors for {reg.name}, got {len(kv)}")
@@ -68,8 +81,7 @@ def check_window(
             raise ValueError(
                 f"tensor {spec.name!r}: {nb} blocks, but {prev[1]!r} of the same group {spec.group} has {prev[0]}"
             )
-    tables = _check_block_tables(reg, block_tables, first_chunk, num_chunks, group_blocks)
-    return WindowArgs(staging, kv, tables, first_chunk, num_chunks)
+    return kv, _check_block_tables(reg, block_tables, first_chunk, num_chunks, group_blocks)
 
 
 def _check_staging(staging: torch.Tensor, reg: Registration, num_chunks: int, name: str) -> None:

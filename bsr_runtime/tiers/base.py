@@ -56,6 +56,11 @@ class FetchHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def quiesce(self, timeout: float | None = None) -> bool:
+        """Wait (ignoring the deadline) until the tier stopped writing into the views.
+        Tiers complete a handle only when none of its reads can still land."""
+        return self._done.wait(timeout)
+
     def wait(self) -> int:
         import time
 
@@ -96,6 +101,9 @@ class Tier(ABC):
 
     def register_staging(self, buffer: torch.Tensor) -> None:
         """Called once with the staging pool's buffer (Mooncake registers it for zero copy)."""
+
+    def unregister_staging(self, buffer: torch.Tensor) -> None:
+        """Undo register_staging (the whole-plan path registers a fresh buffer per restore)."""
 
     def close(self) -> None:
         """Release connections, threads and registrations."""

@@ -1,0 +1,48 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (the test suite).
+# Each sets up what it needs on a fresh machine, idempotently: Debian's libibverbs1 (for the
+# Mooncake wheel; installed when run as root), a virtual environment in .venv, the CPU build of
+# torch 2.13.0 first (never a CUDA torch), then this package with its test extras.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SYSTEM_PYTHON ?= python3
+STAMP := $(VENV)/.bsr-installed
+PYTEST_ARGS ?=
+
+.PHONY: all setup demo test lint clean-venv
+
+all: test
+
+$(PY):
+	$(SYSTEM_PYTHON) -m venv $(VENV)
+
+debs:
+	@if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian package libibverbs1 (needed by the Mooncake wheel)"; \
+	    (apt-get install -y -qq libibverbs1 >/dev/null 2>&1 || \
+	     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1)); \
+	  else echo "note: libibverbs1 is missing and this is not root: Mooncake tests will fail to import"; fi; \
+	fi
+
+$(STAMP): $(PY) pyproject.toml setup.py $(wildcard csrc/*)
+	@$(PY) -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null || \
+	  $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+setup: debs $(STAMP)
+
+demo: setup
+	$(VENV)/bin/bsr demo
+
+# TRITON_INTERPRET=1 runs the Triton kernels on CPU tensors, so the Triton backend is tested here.
+test: setup
+	$(VENV)/bin/ruff check .
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean-venv:
+	rm -rf $(VENV)

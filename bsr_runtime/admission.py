@@ -1,0 +1,112 @@
+"""Admission: how concurrent restores share staging.
+
+- SerialAdmission (default, as the paper's prototype): one restore at a time process-wide.
+- ByteBudget(B): concurrent restores; every window reserves its bytes from B before it is
+  fetched and returns them after its install completed. FIFO: a blocking reservation waits
+  its turn. Deadlock-free because a restore only blocks while holding nothing: a second
+  (pipelined) window is taken with `try_reserve`, never waited for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+
+
+class SerialAdmission:
+    """One bounded restore at a time in this process."""
+
+    _process_lock = threading.Lock()
+
+    def __init__(self, lock: threading.Lock | None = None) -> None:
+        self._lock = lock or SerialAdmission._process_lock
+        self.max_wait_s = 0.0
+
+    @contextmanager
+    def restore(self, timeout: float | None = None):
+        t0 = time.monotonic()
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"restore admission not granted within {timeout}s")
+        self.max_wait_s = max(self.max_wait_s, time.monotonic() - t0)
+        try:
+            yield self
+        finally:
+            self._lock.release()
+
+    # with a serial lock, windows need no reservation of their own
+    def reserve(self, nbytes: int, timeout: float | None = None) -> None:
+        return None
+
+    def try_reserve(self, nbytes: int) -> bool:
+        return True
+
+    def release(self, nbytes: int) -> None:
+        return None
+
+
+class ByteBudget:
+    """A global byte budget B shared by concurrent restores (FIFO, no deadlock)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"byte budget must be positive, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._used = 0
+        self._peak = 0
+        self._cond = threading.Condition()
+        self._queue: deque[int] = deque()
+        self._tickets = itertools.count()
+        self.max_wait_s = 0.0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak
+
+    @contextmanager
+    def restore(self, timeout: float | None = None):
+        yield self
+
+    def _take(self, nbytes: int) -> None:
+        self._used += nbytes
+        self._peak = max(self._peak, self._used)
+
+    def reserve(self, nbytes: int, timeout: float | None = None) -> None:
+        if nbytes > self.budget_bytes:
+            raise ValueError(f"a window of {nbytes:,} B exceeds the byte budget B = {self.budget_bytes:,} B")
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
+        with self._cond:
+            ticket = next(self._tickets)
+            self._queue.append(ticket)
+            try:
+                while self._queue[0] != ticket or self._used + nbytes > self.budget_bytes:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"{nbytes:,} B not granted from the budget within {timeout}s")
+                    self._cond.wait(remaining)
+                self._take(nbytes)
+            finally:
+                self._queue.remove(ticket)
+                self._cond.notify_all()
+        self.max_wait_s = max(self.max_wait_s, time.monotonic() - t0)
+
+    def try_reserve(self, nbytes: int) -> bool:
+        with self._cond:
+            if self._queue or self._used + nbytes > self.budget_bytes:
+                return False
+            self._take(nbytes)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            if nbytes > self._used:
+                raise RuntimeError(f"budget release of {nbytes} B exceeds the {self._used} B reserved")
+            self._used -= nbytes
+            self._cond.notify_all()

@@ -1,0 +1,60 @@
+"""Window plan: the confirmed prefix of N chunks cut into windows of at most W chunks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Window:
+    index: int
+    first_chunk: int
+    num_chunks: int
+    slot: int  # staging slot the window is fetched into
+
+
+def slot_sizes(window_chunks: int, depth: int) -> list[int]:
+    """Slot capacities of a W-chunk pool: [W] at depth 1, [ceil(W/2), floor(W/2)] at depth 2."""
+    if depth not in (1, 2):
+        raise ValueError(f"pipeline_depth must be 1 or 2, got {depth}")
+    if depth == 1 or window_chunks < 2:
+        return [window_chunks]
+    return [-(-window_chunks // 2), window_chunks // 2]
+
+
+def plan_windows(num_chunks: int, window_chunks: int, depth: int = 1) -> Iterator[Window]:
+    """Windows G_1..G_K over chunks 0..N-1, generated lazily (no per-plan list).
+
+    W = 0 is the whole-plan path: one window of N chunks. Slots alternate at depth 2 and each
+    window is at most its slot's size, so two live windows never exceed W chunks together.
+    """
+    if num_chunks < 0:
+        raise ValueError(f"num_chunks must be >= 0, got {num_chunks}")
+    if window_chunks < 0:
+        raise ValueError(f"prefetch_window_chunks (W) must be >= 0, got {window_chunks}")
+    if num_chunks == 0:
+        return
+    if window_chunks == 0:
+        yield Window(0, 0, num_chunks, 0)
+        return
+    sizes = slot_sizes(window_chunks, depth)
+    first, index = 0, 0
+    while first < num_chunks:
+        slot = index % len(sizes)
+        n = min(sizes[slot], num_chunks - first)
+        yield Window(index, first, n, slot)
+        first += n
+        index += 1
+
+
+def count_windows(num_chunks: int, window_chunks: int, depth: int = 1) -> int:
+    if num_chunks == 0:
+        return 0
+    if window_chunks == 0:
+        return 1
+    sizes = slot_sizes(window_chunks, depth)
+    pair = sum(sizes)
+    full, rest = divmod(num_chunks, pair)
+    extra = 0 if rest == 0 else (1 if rest <= sizes[0] else 2)
+    return full * len(sizes) + extra

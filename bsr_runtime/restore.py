@@ -1,0 +1,277 @@
+"""The windowed retrieve: restore a confirmed prefix window by window with bounded staging.
+
+Per window: lease a staging slot, fetch the window's objects straight into it, wait for
+complete presence (a missing key or timeout fails the restore), install into the window's
+destination blocks with one kernel launch, record the slot's event, and release the slot
+only after that install completed (synchronize-then-release). W = 0 keeps the legacy
+whole-plan path (the whole plan staged at once) as the baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from bsr_kernels import Registration, StagingPool, install_window
+from bsr_kernels.validate import check_destinations
+
+from .admission import ByteBudget, SerialAdmission
+from .keys import KeySpace, PrefixKeys
+from .plan import Window, count_windows, plan_windows, slot_sizes
+from .tiers.base import FetchHandle, Tier, TierError
+
+MAX_WINDOW_CHUNKS = 1 << 16  # an absurd W is a configuration error, not a huge allocation
+
+
+@dataclass(frozen=True)
+class RestoreConfig:
+    prefetch_window_chunks: int = 32  # W; 0 = legacy whole-plan path
+    pipeline_depth: int = 1  # 2: fetch window j+1 while window j installs
+    fetch_timeout_s: float = 30.0  # per window
+    backend: str = "auto"
+    admission_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        w = self.prefetch_window_chunks
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"prefetch_window_chunks (W) must be an integer >= 0, got {w!r}")
+        if w > MAX_WINDOW_CHUNKS:
+            raise ValueError(f"prefetch_window_chunks (W) = {w} is absurd (max {MAX_WINDOW_CHUNKS})")
+        slot_sizes(max(w, 1), self.pipeline_depth)  # validates depth
+        if not self.fetch_timeout_s > 0:
+            raise ValueError(f"fetch_timeout_s must be positive, got {self.fetch_timeout_s}")
+
+
+@dataclass
+class RestoreRequest:
+    """One request's restore on one TP rank: its prefix tokens, keys and destination blocks."""
+
+    request_id: str
+    tokens: Sequence[int]
+    keyspace: KeySpace
+    kv: Sequence[torch.Tensor]
+    block_tables: Sequence[torch.Tensor]  # one per group, block ids from token 0
+
+
+@dataclass
+class RestoreReport:
+    request_id: str
+    tier: str
+    ok: bool
+    num_chunks: int
+    committed_tokens: int
+    window_chunks: int
+    pipeline_depth: int
+    windows: int
+    windows_installed: int
+    chunk_bytes: int
+    bytes_moved: int
+    peak_staging_bytes: int
+    fetch_s: float = 0.0
+    install_s: float = 0.0
+    sync_s: float = 0.0
+    total_s: float = 0.0
+    error: str | None = None
+    failed_window: int | None = None
+    backend: str | None = None
+    tiers_tried: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RestoreFailed(RuntimeError):
+    def __init__(self, window: int | None, cause: BaseException) -> None:
+        super().__init__(f"window {window}: {cause}")
+        self.window = window
+        self.cause = cause
+
+
+@dataclass
+class _InFlight:
+    window: Window
+    lease: object
+    handle: FetchHandle
+    reserved: int
+
+
+class BoundedRestorer:
+    """Restores confirmed prefixes with staging bounded by W chunks (or the whole plan at W = 0).
+
+    Owns the staging pool (allocated once for W > 0) and the install stream; `admission`
+    decides how concurrent restores share staging (default: one at a time per process).
+    """
+
+    def __init__(self, reg: Registration, config: RestoreConfig | None = None, *,
+                 admission: SerialAdmission | ByteBudget | None = None,
+                 stream: torch.cuda.Stream | None = None, staging_device: str = "cpu") -> None:
+        self.reg = reg
+        self.config = config or RestoreConfig()
+        self.admission = admission or SerialAdmission()
+        self.stream = stream
+        self.staging_device = staging_device
+        w = self.config.prefetch_window_chunks
+        if isinstance(self.admission, ByteBudget) and w * reg.chunk_bytes > self.admission.budget_bytes:
+            raise ValueError(
+                f"W = {w} chunks of {reg.chunk_bytes:,} B exceeds the byte budget B = "
+                f"{self.admission.budget_bytes:,} B"
+            )
+        self.pool = (
+            StagingPool(reg.chunk_bytes, w, num_slots=self.config.pipeline_depth, device=staging_device)
+            if w > 0 else None
+        )
+        self._registered: set[int] = set()
+
+    @property
+    def staging_capacity_bytes(self) -> int:
+        return self.pool.capacity_bytes if self.pool else 0
+
+    def close(self) -> None:
+        self.pool = None
+
+    # -- public ----------------------------------------------------------------------------
+    def restore(self, req: RestoreRequest, tier: Tier, num_chunks: int) -> RestoreReport:
+        """Restore chunks 0..num_chunks-1 (the confirmed prefix) of `req` from `tier`.
+
+        Bad arguments raise ValueError before any byte moves. A tier or install failure
+        returns a report with ok=False (committed_tokens = 0) after every slot, lease and
+        reservation is released; the caller fails the request closed.
+        """
+        reg, cfg = self.reg, self.config
+        if num_chunks < 0 or num_chunks * reg.chunk_tokens > len(req.tokens):
+            raise ValueError(f"confirmed prefix of {num_chunks} chunks exceeds the request's "
+                             f"{len(req.tokens)} tokens")
+        if req.keyspace.fingerprint != reg.fingerprint:
+            raise ValueError("request keyspace was built for another registration "
+                             f"({req.keyspace.fingerprint} != {reg.fingerprint})")
+        kv, tables = check_destinations(reg, req.kv, req.block_tables, 0, num_chunks)
+        w = cfg.prefetch_window_chunks
+        report = RestoreReport(
+            request_id=req.request_id, tier=tier.name, ok=False, num_chunks=num_chunks, committed_tokens=0,
+            window_chunks=w, pipeline_depth=cfg.pipeline_depth,
+            windows=count_windows(num_chunks, w, cfg.pipeline_depth), windows_installed=0,
+            chunk_bytes=reg.chunk_bytes, bytes_moved=0, peak_staging_bytes=0, tiers_tried=[tier.name],
+        )
+        if num_chunks == 0:
+            report.ok = True
+            return report
+        t0 = time.perf_counter()
+        keys = PrefixKeys(req.keyspace, req.tokens, reg.chunk_tokens)
+        pool = self.pool or StagingPool(reg.chunk_bytes, num_chunks, device=self.staging_device)
+        pool.reset_peak()
+        try:
+            with self.admission.restore(cfg.admission_timeout_s):
+                self._register(tier, pool)
+                try:
+                    self._run_windows(pool, keys, kv, tables, tier, num_chunks, report)
+                    report.ok = True
+                    report.committed_tokens = num_chunks * reg.chunk_tokens
+                except RestoreFailed as e:
+                    report.error = f"{type(e.cause).__name__}: {e.cause}"
+                    report.failed_window = e.window
+                finally:
+                    if self.pool is None:
+                        self._unregister(tier, pool)
+        finally:
+            pool.drain()
+            report.peak_staging_bytes = pool.peak_bytes
+            report.total_s = time.perf_counter() - t0
+        return report
+
+    # -- the loop --------------------------------------------------------------------------
+    def _run_windows(self, pool, keys, kv, tables, tier, num_chunks, report) -> None:
+        cfg = self.config
+        deadline_s = cfg.fetch_timeout_s
+        inflight: _InFlight | None = None
+        try:
+            for win in plan_windows(num_chunks, cfg.prefetch_window_chunks, cfg.pipeline_depth):
+                nbytes = win.num_chunks * self.reg.chunk_bytes
+                if inflight is not None and not self.admission.try_reserve(nbytes):
+                    # never block on the budget while holding a window: finish it first
+                    self._finish(pool, inflight, kv, tables, report)
+                    inflight = None
+                if inflight is None:
+                    self.admission.reserve(nbytes, cfg.admission_timeout_s)
+                nxt = self._submit(pool, keys, tier, win, nbytes, deadline_s)
+                if inflight is not None:
+                    self._finish(pool, inflight, kv, tables, report)
+                inflight = nxt
+                if cfg.pipeline_depth == 1 or pool is not self.pool:
+                    self._finish(pool, inflight, kv, tables, report)
+                    inflight = None
+            if inflight is not None:
+                self._finish(pool, inflight, kv, tables, report)
+                inflight = None
+        except RestoreFailed:
+            if inflight is not None:
+                self._abandon(pool, inflight)
+            raise
+
+    def _submit(self, pool, keys, tier, win: Window, nbytes: int, timeout_s: float) -> _InFlight:
+        try:
+            lease = pool.acquire(win.num_chunks)
+        except BaseException as e:
+            self.admission.release(nbytes)
+            raise RestoreFailed(win.index, e) from e
+        try:
+            window_keys = keys.window(win.first_chunk, win.num_chunks)
+            views = [lease.chunk(i) for i in range(win.num_chunks)]
+            handle = tier.fetch(window_keys, views, time.monotonic() + timeout_s)
+        except BaseException as e:
+            pool.release(lease)
+            self.admission.release(nbytes)
+            raise RestoreFailed(win.index, e) from e
+        return _InFlight(win, lease, handle, nbytes)
+
+    def _finish(self, pool, f: _InFlight, kv, tables, report: RestoreReport) -> None:
+        """Wait for the window's objects, install them, then synchronize and release."""
+        win = f.window
+        try:
+            t = time.perf_counter()
+            try:
+                f.handle.wait()
+            finally:
+                report.fetch_s += time.perf_counter() - t
+            t = time.perf_counter()
+            report.backend = install_window(
+                f.lease.view, self.reg, kv, tables, win.first_chunk, win.num_chunks,
+                backend=self.config.backend, stream=self.stream, fingerprint=self.reg.fingerprint,
+            )
+            pool.record_install(f.lease, self.stream)
+            report.install_s += time.perf_counter() - t
+        except (TierError, RuntimeError, ValueError, TimeoutError, OSError) as e:
+            self._abandon(pool, f)
+            raise RestoreFailed(win.index, e) from e
+        t = time.perf_counter()
+        pool.release(f.lease)  # synchronize-then-release
+        self.admission.release(f.reserved)
+        report.sync_s += time.perf_counter() - t
+        report.windows_installed += 1
+        report.bytes_moved += win.num_chunks * self.reg.chunk_bytes
+
+    def _abandon(self, pool, f: _InFlight) -> None:
+        """Release a window's slot after a failure, once nothing can still write into it.
+
+        A fetch that does not settle within another timeout keeps its slot: the pool is
+        retired (the late read may still land in it) and a fresh one takes its place."""
+        settled = f.handle.quiesce(self.config.fetch_timeout_s)
+        pool.record_install(f.lease, self.stream)
+        pool.release(f.lease)
+        self.admission.release(f.reserved)
+        if not settled and pool is self.pool:
+            self.pool = StagingPool(self.reg.chunk_bytes, pool.capacity_chunks, num_slots=len(pool.slots),
+                                    device=self.staging_device)
+
+    # -- tier buffer registration (Mooncake registers staging for zero-copy gets) -----------
+    def _register(self, tier: Tier, pool: StagingPool) -> None:
+        key = (id(tier), pool.buffer.data_ptr())
+        if key not in self._registered:
+            tier.register_staging(pool.buffer)
+            self._registered.add(key)
+
+    def _unregister(self, tier: Tier, pool: StagingPool) -> None:
+        self._registered.discard((id(tier), pool.buffer.data_ptr()))
+        tier.unregister_staging(pool.buffer)
