@@ -2,8 +2,116 @@
 
 BSR_BUILD_CUDA=1 forces the build (an nvcc error fails the install), =0 skips it. Without
 nvcc the package installs without the library and says so in one line.
+
+The library goes to bsr_kernels/lib/libbsr_cuda.so in the source tree (what an editable
+install imports) and, for regular installs, into the build tree too, with a copy of csrc/
+under bsr_kernels/csrc/ for the first-use compile fallback of bsr_kernels.cuda_backend.
+It is rebuilt only when a file in csrc/ is newer than it. nvcc links cudart statically, so
+the library loads on machines without libcudart (it then reports "no CUDA device").
 """
 
-from setuptools import setup
+from __future__ import annotations
 
-setup()
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+SOURCE = CSRC / "bsr_install.cu"
+LIB_NAME = "libbsr_cuda.so"
+LIB_DIR = ROOT / "bsr_kernels" / "lib"
+# sm_90 SASS plus compute_90 PTX (newer GPUs JIT the PTX); BSR_CUDA_GENCODE overrides.
+GENCODE = ["-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90"]
+NVCC_FLAGS = ["-O3", "-Xcompiler", "-fPIC", "-shared"]
+
+
+def _say(msg: str) -> None:
+    print(f"bsr: {msg}", file=sys.stderr, flush=True)
+
+
+def find_nvcc() -> str | None:
+    """nvcc on PATH, else $CUDA_HOME/bin (or $CUDA_PATH/bin), else /usr/local/cuda/bin."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and (Path(home) / "bin" / "nvcc").is_file():
+            return str(Path(home) / "bin" / "nvcc")
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.is_file() else None
+
+
+def _up_to_date(lib: Path) -> bool:
+    if not lib.is_file():
+        return False
+    built = lib.stat().st_mtime
+    return all(f.stat().st_mtime < built for f in CSRC.iterdir() if f.is_file())
+
+
+def build_cuda_library() -> Path | None:
+    """Compile csrc/ into bsr_kernels/lib; returns the library path or None when skipped."""
+    mode = os.environ.get("BSR_BUILD_CUDA", "").strip()
+    if mode == "0":
+        _say("BSR_BUILD_CUDA=0, CUDA library skipped; torch/Triton backends only")
+        return None
+    forced = mode == "1"
+    lib = LIB_DIR / LIB_NAME
+    if not SOURCE.is_file():  # e.g. an sdist made without csrc/
+        if forced:
+            raise RuntimeError(f"bsr: BSR_BUILD_CUDA=1 but {SOURCE} is missing")
+        _say(f"{SOURCE} not found, CUDA library skipped; torch/Triton backends only")
+        return None
+    nvcc = find_nvcc()
+    if nvcc is None:
+        if forced:
+            raise RuntimeError("bsr: BSR_BUILD_CUDA=1 but nvcc was not found on PATH or in $CUDA_HOME/bin")
+        _say("nvcc not found, CUDA library skipped; torch/Triton backends only")
+        return None
+    if _up_to_date(lib):
+        _say(f"CUDA library up to date: {lib}")
+        return lib
+    LIB_DIR.mkdir(parents=True, exist_ok=True)
+    gencode = os.environ.get("BSR_CUDA_GENCODE", "").split() or GENCODE
+    tmp = lib.with_name(f".{LIB_NAME}.{os.getpid()}.tmp")
+    cmd = [nvcc, *NVCC_FLAGS, *gencode, "-o", str(tmp), str(SOURCE)]
+    _say("building CUDA library: " + " ".join(cmd))
+    t0 = time.monotonic()
+    try:
+        subprocess.run(cmd, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        tmp.unlink(missing_ok=True)
+        if forced:
+            raise RuntimeError(f"bsr: nvcc failed ({e}); BSR_BUILD_CUDA=1 makes this fatal") from e
+        _say(f"nvcc failed ({e}), CUDA library skipped; torch/Triton backends only")
+        return None
+    os.replace(tmp, lib)
+    _say(f"built {lib} in {time.monotonic() - t0:.1f} s")
+    return lib
+
+
+class BuildPyWithCuda(build_py):
+    def run(self) -> None:
+        lib = build_cuda_library()
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return  # an editable install imports bsr_kernels/lib from the source tree
+        pkg = Path(self.build_lib) / "bsr_kernels"
+        if lib is not None:
+            (pkg / "lib").mkdir(parents=True, exist_ok=True)
+            self.copy_file(str(lib), str(pkg / "lib" / LIB_NAME))
+            _say(f"CUDA library packaged: {pkg / 'lib' / LIB_NAME}")
+        (pkg / "csrc").mkdir(parents=True, exist_ok=True)
+        for f in sorted(CSRC.iterdir()):
+            if f.is_file() and f.suffix in (".cu", ".h", ".cuh"):
+                self.copy_file(str(f), str(pkg / "csrc" / f.name))
+
+
+setup(cmdclass={"build_py": BuildPyWithCuda})

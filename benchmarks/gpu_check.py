@@ -1,0 +1,342 @@
+"""GPU check of the install/gather backends (run it through benchmarks/gpu_check.sh).
+
+1. Correctness on the GPU: every backend (CUDA zero-copy, CUDA with a host->device copy,
+   CUDA device-staged, Triton host/device staging, torch) against the torch reference, for
+   the scaled (1/64) and unscaled DeepSeek-V4-Flash presets with and without MTP: poisoned
+   destinations, random staging (never zero), shuffled block tables with -1 holes, a window
+   at a non-zero first chunk; install and gather.
+2. Throughput per window size W in {1, 8, 16, 32, 64} on the unscaled preset (c = chunk
+   bytes, W*c bytes per install): CUDA install zero-copy (kernel reads pinned host memory),
+   CUDA with one H2D copy then the kernel, CUDA device-staged (kernel only), Triton (host
+   staging: bulk copy + kernel; device staging: kernel only), a bulk cudaMemcpyAsync H2D of
+   the same bytes (torch copy_ from pinned host), and a cudaMemcpyAsync per tensor per block
+   (torch copy_ per tensor per block), with the ratios CUDA/bulk, Triton/bulk, CUDA/loop.
+
+Writes the report to benchmarks/results/gpu_check_<date>.txt (rewritten after each row, so
+a run cut short keeps what it measured). Exit status 1 when a correctness check fails or the
+CUDA backend is not available, 2 when torch has no CUDA. Well under 5 minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # runs from a plain checkout too
+
+import torch  # noqa: E402
+
+from bsr_kernels import cuda_backend, presets  # noqa: E402
+from bsr_kernels.install import gather_window, install_window  # noqa: E402
+from bsr_kernels.install_torch import gather_torch, install_torch  # noqa: E402
+from bsr_kernels.registration import Registration  # noqa: E402
+from bsr_kernels.validate import check_window  # noqa: E402
+
+POISON = 0xA5
+WINDOWS = (1, 8, 16, 32, 64)
+
+
+class Report:
+    """Printed lines, also kept in a file once `saving` is on (after CUDA is confirmed)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lines: list[str] = []
+        self.saving = False
+
+    def add(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+        self.save()
+
+    def save(self) -> None:
+        if self.saving:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("\n".join(self.lines) + "\n")
+
+
+# -- data ------------------------------------------------------------------------------------
+def random_bytes(n: int, device: torch.device, pinned: bool = False) -> torch.Tensor:
+    """Random bytes in 1..255 (never zero), generated on the GPU."""
+    data = torch.randint(1, 256, (n,), dtype=torch.uint8, device=device)
+    if device.type == "cuda" and pinned:
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        host.copy_(data)
+        return host
+    return data
+
+
+def make_tables(reg: Registration, first: int, num: int, seed: int, neg: float, device: torch.device):
+    """Shuffled block tables for chunks first..first+num-1 (-1 before the window and in holes)."""
+    gen = torch.Generator().manual_seed(seed)
+    tables, nblocks = [], []
+    first_tok, end_tok = first * reg.chunk_tokens, (first + num) * reg.chunk_tokens
+    for g in range(reg.num_groups):
+        need = reg.blocks_needed(g, end_tok)
+        lo = first_tok // reg.group_tokens_per_block(g)
+        nb = need - lo + 2
+        ids = torch.randperm(nb, generator=gen)[: need - lo]
+        ids[torch.rand(need - lo, generator=gen) < neg] = -1
+        tables.append(torch.cat([torch.full((lo,), -1), ids]).to(torch.int64).to(device))
+        nblocks.append(nb)
+    return tables, nblocks
+
+
+def poisoned(reg: Registration, nblocks, device) -> list[torch.Tensor]:
+    kv = reg.allocate(nblocks, device)
+    for t in kv:
+        t.view(torch.uint8).fill_(POISON)
+    return kv
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True))
+
+
+# -- 1. correctness ----------------------------------------------------------------------------
+def check_registration(reg: Registration, first: int, num: int, seed: int, dev: torch.device, rep: Report) -> bool:
+    tables, nblocks = make_tables(reg, first, num, seed, neg=0.15, device=dev)
+    n = num * reg.chunk_bytes
+    host = random_bytes(n, dev, pinned=True)
+    devs = host.to(dev)
+    ref = poisoned(reg, nblocks, dev)
+    install_torch(reg, check_window(devs, reg, ref, tables, first, num))
+    src_kv = reg.allocate(nblocks, dev)
+    for t in src_kv:
+        t.view(torch.uint8).view(-1).copy_(random_bytes(t.numel() * t.element_size(), dev))
+    gref = torch.full((n,), POISON, dtype=torch.uint8, device=dev)
+    gather_torch(reg, check_window(gref, reg, src_kv, tables, first, num, staging_name="out"))
+    torch.cuda.synchronize()
+
+    variants = [  # (label, backend, staging kind, zero_copy)
+        ("cuda zero-copy", "cuda", "pinned", True),
+        ("cuda host->dev copy", "cuda", "pinned", False),
+        ("cuda device-staged", "cuda", "device", True),
+        ("triton host-staged", "triton", "pinned", True),
+        ("triton device-staged", "triton", "device", True),
+        ("torch", "torch", "device", True),
+    ]
+    ok_all = True
+    for label, backend, kind, zc in variants:
+        staging = host if kind == "pinned" else devs
+        results = []
+        for op in ("install", "gather"):
+            try:
+                if op == "install":
+                    kv = poisoned(reg, nblocks, dev)
+                    install_window(staging, reg, kv, tables, first, num, backend=backend, zero_copy=zc)
+                    torch.cuda.synchronize()
+                    good = same(kv, ref)
+                else:
+                    out = torch.full((n,), POISON, dtype=torch.uint8, device=dev)
+                    if kind == "pinned":
+                        out = out.cpu().pin_memory()
+                    gather_window(out, reg, src_kv, tables, first, num, backend=backend, zero_copy=zc)
+                    torch.cuda.synchronize()
+                    good = torch.equal(out.to(dev), gref)
+                results.append("ok" if good else "MISMATCH")
+                ok_all &= good
+            except Exception as e:  # report and go on with the other backends
+                unavailable = isinstance(e, ValueError) and "not available" in str(e)
+                if unavailable and backend == "triton":
+                    results.append("skipped (triton unavailable)")
+                else:
+                    results.append(f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                    ok_all = False
+                if os.environ.get("BSR_GPU_CHECK_TRACEBACK"):
+                    traceback.print_exc()
+        rep.add(f"  {reg.name:<22} {label:<22} install: {results[0]:<10} gather: {results[1]}")
+    return ok_all
+
+
+# -- 2. throughput -----------------------------------------------------------------------------
+def bench(fn, stream: torch.cuda.Stream, min_s: float = 0.15, max_iters: int = 50) -> float:
+    """Seconds per call, timed with CUDA events on `stream` (launch gaps included)."""
+    with torch.cuda.stream(stream):
+        fn()  # warm-up (Triton compiles here)
+        stream.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        stream.synchronize()
+        once = max(time.perf_counter() - t0, 1e-6)
+        iters = max(2, min(max_iters, int(min_s / once)))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(iters):
+            fn()
+        end.record(stream)
+        end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def block_copies(reg: Registration, kv, tables_cpu, staging: torch.Tensor, num: int):
+    """(dst, src) byte views: one copy per tensor per destination block of the window."""
+    pairs = []
+    cb = reg.chunk_bytes
+    for i, (spec, t) in enumerate(zip(reg.specs, kv, strict=True)):
+        eb, bs, epc = spec.entry_bytes, spec.block_size, reg.entries_per_chunk(i)
+        rows = t.view(torch.uint8).view(t.shape[0], bs * eb)
+        table = tables_cpu[spec.group]
+        end = num * epc
+        for k in range(-(-end // bs)):
+            b = int(table[k])
+            if b < 0:
+                continue
+            e, stop = k * bs, min((k + 1) * bs, end)
+            while e < stop:  # split where a block straddles chunks
+                c, j = divmod(e, epc)
+                run = min(stop, (c + 1) * epc) - e
+                slot = e - k * bs
+                s0 = c * cb + reg.segment_offsets[i] + j * eb
+                pairs.append((rows[b, slot * eb:(slot + run) * eb], staging[s0:s0 + run * eb]))
+                e += run
+    return pairs
+
+
+def throughput(dev: torch.device, rep: Report, deadline: float) -> None:
+    from bsr_kernels import install_triton
+
+    reg = presets.dsv4_flash()
+    cb, wmax = reg.chunk_bytes, max(WINDOWS)
+    rep.add(f"registration {reg.describe()}")
+    host = random_bytes(wmax * cb, dev, pinned=True)
+    devs = host.to(dev)
+    bulk_dst = torch.empty_like(devs)
+    gen = torch.Generator().manual_seed(1)
+    tables_cpu, nblocks = [], []
+    for g in range(reg.num_groups):
+        need = reg.blocks_needed(g, wmax * reg.chunk_tokens)
+        tables_cpu.append(torch.randperm(need, generator=gen).to(torch.int64))
+        nblocks.append(need)
+    tables = [t.to(dev) for t in tables_cpu]
+    kv = reg.allocate(nblocks, dev)
+    stream = torch.cuda.Stream(dev)
+    have_cuda = cuda_backend.available()
+    have_triton = install_triton.available(dev)
+
+    cols = ("W", "MiB", "cuda-zc", "cuda-h2d+k", "cuda-dev", "triton-host", "triton-dev", "bulk-H2D", "loop-H2D",
+            "copies", "cuda/bulk", "triton/bulk", "cuda/loop")
+    rep.add("GB/s = W*c bytes / time per install (10^9 B/s); cuda-zc: kernel reads pinned host memory;")
+    rep.add("cuda-h2d+k / triton-host: one bulk H2D copy then the kernel; -dev: staging already on the GPU;")
+    rep.add("loop-H2D: torch copy_ (cudaMemcpyAsync) per tensor per block; ratios use cuda-zc and triton-host.")
+    rep.add(" ".join(f"{c:>11}" for c in cols))
+    ctx = dict(reg=reg, host=host, devs=devs, bulk_dst=bulk_dst, kv=kv, tables=tables, tables_cpu=tables_cpu,
+               stream=stream, have_cuda=have_cuda, have_triton=have_triton, rep=rep)
+    for w in WINDOWS:
+        if time.monotonic() > deadline:
+            rep.add(f"{w:>11} skipped: time budget spent")
+            continue
+        rep.add(" ".join(f"{c:>11}" for c in window_row(w, cols, **ctx)))
+
+
+def window_row(w, cols, *, reg, host, devs, bulk_dst, kv, tables, tables_cpu, stream, have_cuda, have_triton,
+               rep) -> list[str]:
+    from bsr_kernels import install_triton
+
+    nbytes = w * reg.chunk_bytes
+    a_host = check_window(host[:nbytes], reg, kv, tables, 0, w)
+    a_dev = check_window(devs[:nbytes], reg, kv, tables, 0, w)
+    res: dict[str, float | None] = {}
+
+    def run(name, fn):
+        try:
+            res[name] = nbytes / bench(fn, stream) / 1e9
+        except Exception as e:
+            res[name] = None
+            rep.add(f"  W={w} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+
+    if have_cuda:
+        run("cuda-zc", lambda: cuda_backend.install(reg, a_host, stream, True))
+        run("cuda-h2d+k", lambda: cuda_backend.install(reg, a_host, stream, False))
+        run("cuda-dev", lambda: cuda_backend.install(reg, a_dev, stream, True))
+    if have_triton:
+        run("triton-host", lambda: install_triton.install(reg, a_host, stream))
+        run("triton-dev", lambda: install_triton.install(reg, a_dev, stream))
+    run("bulk-H2D", lambda: bulk_dst[:nbytes].copy_(host[:nbytes], non_blocking=True))
+    pairs = block_copies(reg, kv, tables_cpu, host, w)
+
+    def loop():
+        for d, s in pairs:
+            d.copy_(s, non_blocking=True)
+
+    run("loop-H2D", loop)
+
+    def ratio(a, b):
+        x, y = res.get(a), res.get(b)
+        return f"{x / y:.2f}x" if x and y else "-"
+
+    def gbs(name):
+        v = res.get(name)
+        return f"{v:.1f}" if v else "-"
+
+    return [str(w), f"{nbytes / 2**20:.0f}", *(gbs(c) for c in cols[2:9]), str(len(pairs)),
+            ratio("cuda-zc", "bulk-H2D"), ratio("triton-host", "bulk-H2D"), ratio("cuda-zc", "loop-H2D")]
+
+
+# -- main ----------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-s", type=float, default=240.0, help="skip remaining windows after this long")
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    t_start = time.monotonic()
+    stamp = dt.datetime.now().strftime("%Y%m%d_%H%M%S")
+    rep = Report(args.out or ROOT / "benchmarks" / "results" / f"gpu_check_{stamp}.txt")
+    rep.add(f"bsr gpu_check {stamp} on {platform.node()}")
+    rep.add(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda})")
+    if not torch.cuda.is_available():
+        rep.add("torch.cuda is unavailable: this torch build has no CUDA or no GPU/driver is visible. "
+                "Install a CUDA-enabled torch (e.g. from the PyTorch CUDA wheel index) and rerun.")
+        return 2
+    rep.saving = True
+    dev = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(dev)
+    rep.add(f"device {props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}, "
+            f"{props.multi_processor_count} SMs")
+    rep.add(f"CUDA library: {cuda_backend.library_path() or 'not loaded'}; status: {cuda_backend.device_status()}")
+    if cuda_backend.load_error():
+        rep.add(f"CUDA library load error: {cuda_backend.load_error()}")
+    rep.add(f"cuda backend available: {cuda_backend.available()}")
+    torch.manual_seed(0)
+
+    rep.add("")
+    rep.add("== correctness against the torch reference (GPU) ==")
+    ok = True
+    cases = [
+        (presets.dsv4_flash(scale=1 / 64), 3, 4),
+        (presets.dsv4_flash(mtp=True, scale=1 / 64), 2, 5),
+        (presets.dsv4_flash(), 1, 2),
+        (presets.dsv4_flash(mtp=True), 2, 1),
+    ]
+    for k, (reg, first, num) in enumerate(cases):
+        ok &= check_registration(reg, first, num, 100 + k, dev, rep)
+        torch.cuda.empty_cache()
+    rep.add(f"correctness: {'PASS' if ok else 'FAIL'} ({time.monotonic() - t_start:.1f} s)")
+
+    if not args.skip_bench:
+        rep.add("")
+        rep.add("== install throughput (unscaled DeepSeek-V4-Flash) ==")
+        try:
+            throughput(dev, rep, t_start + args.budget_s)
+        except Exception as e:
+            rep.add(f"throughput: ERROR {type(e).__name__}: {e}")
+            traceback.print_exc()
+            ok = False
+    rep.add("")
+    rep.add(f"done in {time.monotonic() - t_start:.1f} s; report {rep.path}")
+    if not cuda_backend.available():
+        rep.add("FAIL: the CUDA backend is not available on this GPU machine")
+        ok = False
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

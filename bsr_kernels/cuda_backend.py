@@ -1,0 +1,331 @@
+"""CUDA backend: the C-ABI library built from csrc/ (libbsr_cuda.so), loaded with ctypes.
+
+No torch ABI coupling: the library gets raw data pointers, int64 descriptor tables
+(bsr_kernels.descriptors) and a CUDA stream handle. It links cudart statically.
+
+Where the library comes from, first hit wins:
+1. $BSR_CUDA_LIB (an explicit path);
+2. bsr_kernels/lib/libbsr_cuda.so, built by setup.py at install time when nvcc was found;
+3. a first-use build cache, $BSR_CACHE_DIR or ~/.cache/bsr, keyed by a hash of the csrc/
+   sources and the GPU's compute capability. When nothing above exists and a CUDA device is
+   visible to torch, the same csrc/bsr_install.cu is compiled there with nvcc (PATH,
+   $CUDA_HOME/bin, /usr/local/cuda/bin, or the pip `nvidia-cuda-nvcc` wheel) for that
+   GPU's architecture. cupy's RawModule is not used for this: NVRTC compiles kernels only,
+   not the host-side C API the ctypes contract needs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from .descriptors import block_table_pointers, descriptor_table
+from .registration import Registration
+from .validate import WindowArgs
+
+ABI_VERSION = 1
+LIB_NAME = "libbsr_cuda.so"
+MAX_ENTRY_BYTES = 1 << 30  # BSR_MAX_ENTRY_BYTES in csrc/bsr_layout.h
+NVCC_FLAGS = ("-O3", "-Xcompiler", "-fPIC", "-shared")
+
+_PKG = Path(__file__).resolve().parent
+_LOCK = threading.Lock()
+_STATE: dict = {"loaded": False, "lib": None, "error": None, "path": None}
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+_WINDOW_ARGS = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64]
+
+
+def source_dir() -> Path | None:
+    """csrc/ beside the package (editable/source tree) or bsr_kernels/csrc (regular install)."""
+    for d in (_PKG.parent / "csrc", _PKG / "csrc"):
+        if (d / "bsr_install.cu").is_file():
+            return d
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.bsr_last_error.restype = ctypes.c_char_p
+    lib.bsr_last_error.argtypes = []
+    lib.bsr_abi_version.restype = ctypes.c_int
+    lib.bsr_abi_version.argtypes = []
+    lib.bsr_device_count.restype = ctypes.c_int
+    lib.bsr_device_count.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    for name in ("bsr_install", "bsr_gather", "bsr_host_install", "bsr_host_gather"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [*_WINDOW_ARGS, _ptr if name in ("bsr_install", "bsr_gather") else _i64]
+    lib.bsr_host_access_width.restype = ctypes.c_int
+    lib.bsr_host_access_width.argtypes = [_i64, _i64, _i64, _i64, ctypes.c_uint64, ctypes.c_uint64,
+                                          ctypes.POINTER(ctypes.c_int)]
+
+
+def load(path: str | os.PathLike) -> ctypes.CDLL:
+    """Load one library file and check its ABI version; raises OSError/RuntimeError."""
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    version = lib.bsr_abi_version()
+    if version != ABI_VERSION:
+        raise RuntimeError(f"{path}: ABI version {version}, this package needs {ABI_VERSION}")
+    return lib
+
+
+def find_nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    candidates = [Path(os.environ[v]) / "bin" / "nvcc" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
+    try:
+        import nvidia.cuda_nvcc as wheel  # type: ignore[import-not-found]
+
+        candidates.extend(Path(p) / "bin" / "nvcc" for p in wheel.__path__)
+    except ImportError:
+        pass
+    return next((str(p) for p in candidates if p.is_file()), None)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("BSR_CACHE_DIR") or Path.home() / ".cache" / "bsr")
+
+
+def _cached_build(src: Path) -> Path | None:
+    """The first-use build for the current GPU (compiling it if needed), or None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}"
+    digest = hashlib.sha256()
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.suffix in (".cu", ".h", ".cuh"):
+            digest.update(f.name.encode() + f.read_bytes())
+    out = _cache_dir() / f"{digest.hexdigest()[:16]}-sm{arch}" / LIB_NAME
+    if out.is_file():
+        return out
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError(f"{LIB_NAME} is not installed and nvcc was not found to build it at first use")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{LIB_NAME}.{os.getpid()}.tmp")
+    gencode = ["-gencode", f"arch=compute_{arch},code=sm_{arch}",
+               "-gencode", f"arch=compute_{arch},code=compute_{arch}"]
+    cmd = [nvcc, *NVCC_FLAGS, *gencode, "-o", str(tmp), str(src / "bsr_install.cu")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"first-use nvcc build failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def _warn_if_stale(lib: Path) -> None:
+    src = source_dir()
+    if src is None:
+        return
+    built = lib.stat().st_mtime
+    newer = [f.name for f in src.iterdir() if f.is_file() and f.stat().st_mtime > built]
+    if newer:
+        warnings.warn(f"{lib} is older than {', '.join(sorted(newer))} in {src}: rebuild it "
+                      "(pip install -e . --no-deps)", RuntimeWarning, stacklevel=3)
+
+
+def _load_default() -> None:
+    errors = []
+    explicit = os.environ.get("BSR_CUDA_LIB")
+    candidates = [Path(explicit)] if explicit else [_PKG / "lib" / LIB_NAME]
+    for path in candidates:
+        if not path.is_file():
+            errors.append(f"{path} not found")
+            continue
+        try:
+            _STATE.update(lib=load(path), path=str(path), error=None)
+            _warn_if_stale(path)
+            return
+        except (OSError, RuntimeError, AttributeError) as e:
+            errors.append(f"{path}: {e}")
+    if not explicit:
+        src = source_dir()
+        try:
+            built = _cached_build(src) if src is not None else None
+            if built is not None:
+                _STATE.update(lib=load(built), path=str(built), error=None)
+                return
+            errors.append("no first-use build: " + ("no CUDA device" if src is not None else "csrc/ sources not found"))
+        except (OSError, RuntimeError, AttributeError) as e:
+            errors.append(str(e))
+    _STATE["error"] = "; ".join(errors) + " (build it with BSR_BUILD_CUDA=1 pip install -e . and nvcc on PATH)"
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (load_error() says why). Loads on first call."""
+    with _LOCK:
+        if not _STATE["loaded"]:
+            _STATE["loaded"] = True
+            _load_default()
+        return _STATE["lib"]
+
+
+def library_path() -> str | None:
+    library()
+    return _STATE["path"]
+
+
+def load_error() -> str | None:
+    library()
+    return _STATE["error"]
+
+
+def last_error(lib: ctypes.CDLL | None = None) -> str:
+    lib = lib if lib is not None else library()
+    if lib is None:
+        return load_error() or "CUDA library not loaded"
+    return (lib.bsr_last_error() or b"").decode(errors="replace")
+
+
+def device_status() -> str:
+    """One line on the CUDA situation; never raises. Contains "no CUDA device" when there is none."""
+    try:
+        lib = library()
+        if lib is None:
+            torch_side = f"{torch.cuda.device_count()} CUDA device(s) visible to torch" if torch.cuda.is_available() \
+                else "no CUDA device visible to torch"
+            return f"{torch_side}; CUDA library not loaded: {load_error()}"
+        n = ctypes.c_int(0)
+        if lib.bsr_device_count(ctypes.byref(n)) != 0:
+            return last_error(lib)
+        if not torch.cuda.is_available():
+            return f"{n.value} CUDA device(s), but this torch build has no CUDA ({torch.__version__})"
+        return f"{n.value} CUDA device(s); library {_STATE['path']}"
+    except Exception as e:  # a status line must not raise
+        return f"CUDA status unknown: {type(e).__name__}: {e}"
+
+
+def available() -> bool:
+    """Library loaded, a CUDA device present, and torch built with CUDA."""
+    try:
+        lib = library()
+        if lib is None or not torch.cuda.is_available():
+            return False
+        n = ctypes.c_int(0)
+        return lib.bsr_device_count(ctypes.byref(n)) == 0 and n.value > 0
+    except Exception:
+        return False
+
+
+# -- device calls ------------------------------------------------------------------------------
+def _check_entries(reg: Registration) -> None:
+    wide = [s.name for s in reg.specs if s.entry_bytes > MAX_ENTRY_BYTES]
+    if wide:
+        raise ValueError(f"entries wider than {MAX_ENTRY_BYTES} B are not supported by the CUDA kernels: {wide}")
+
+
+def _device_staging(kind: str, a: WindowArgs, device: torch.device, zero_copy: bool,
+                    nbytes: int) -> tuple[torch.Tensor, bool]:
+    """The staging tensor the kernel reads/writes and whether it stands in for a.staging."""
+    staging = a.staging
+    if staging.device.type == "cpu" and zero_copy:
+        if not staging.is_pinned():
+            raise ValueError(
+                "zero_copy=True needs pinned host staging (torch.Tensor.pin_memory() or a StagingPool on "
+                "a CUDA machine); this staging is pageable. Pin it or pass zero_copy=False to copy it "
+                "to the device first."
+            )
+        return staging, False
+    if staging.device == device:
+        return staging, False
+    if kind == "gather":  # gather writes every byte of the window: no need to copy the old contents
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), True
+    return staging[:nbytes].to(device, non_blocking=True), True
+
+
+def _run(kind: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool) -> None:
+    if a.num_chunks == 0:
+        return
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"CUDA backend unavailable: {load_error()}")
+    _check_entries(reg)
+    device = a.kv[0].device
+    if device.type != "cuda":
+        raise ValueError(f"the CUDA backend needs destinations on a CUDA device, got {device}")
+    nbytes = a.num_chunks * reg.chunk_bytes
+    with torch.cuda.device(device):
+        current = torch.cuda.current_stream(device)
+        stream = stream if stream is not None else current
+        if stream != current:
+            stream.wait_stream(current)  # descriptors, tables and kv written on the current stream
+        with torch.cuda.stream(stream):
+            desc = descriptor_table(reg, a.kv, device)
+            ptrs, tables = block_table_pointers(a.block_tables, device)
+            staged, copied = _device_staging(kind, a, device, zero_copy, nbytes)
+            fn = lib.bsr_install if kind == "install" else lib.bsr_gather
+            rc = fn(staged.data_ptr(), reg.chunk_bytes, a.first_chunk, a.num_chunks, desc.data_ptr(),
+                    reg.num_tensors, ptrs.data_ptr(), reg.num_groups, ctypes.c_void_p(stream.cuda_stream))
+            if rc != 0:
+                raise RuntimeError(f"{'bsr_install' if kind == 'install' else 'bsr_gather'}: {last_error(lib)}")
+            for t in (desc, ptrs, *tables, *((staged,) if staged.device.type == "cuda" else ())):
+                t.record_stream(stream)  # keep them allocated until the kernel has run
+            if kind == "gather" and copied:
+                a.staging[:nbytes].copy_(staged, non_blocking=a.staging.is_pinned())
+
+
+def install(reg: Registration, a: WindowArgs, stream=None, zero_copy: bool = True) -> None:
+    """One launch: scatter the window's staged chunks into every tensor's destination blocks."""
+    _run("install", reg, a, stream, zero_copy)
+
+
+def gather(reg: Registration, a: WindowArgs, stream=None, zero_copy: bool = True) -> None:
+    """One launch: the inverse of install (-1 entries and segment padding read as zero)."""
+    _run("gather", reg, a, stream, zero_copy)
+
+
+# -- host emulation (tests) --------------------------------------------------------------------
+def _host_call(kind: str, reg: Registration, a: WindowArgs, lib: ctypes.CDLL | None, split: int) -> None:
+    lib = lib if lib is not None else library()
+    if lib is None:
+        raise RuntimeError(f"CUDA library not loaded: {load_error()}")
+    cpu = torch.device("cpu")
+    tensors = (a.staging, *a.kv, *a.block_tables)
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("host_install/host_gather need CPU tensors")
+    if a.num_chunks == 0:
+        return
+    desc = descriptor_table(reg, a.kv, cpu)
+    ptrs, tables = block_table_pointers(a.block_tables, cpu)
+    fn = lib.bsr_host_install if kind == "install" else lib.bsr_host_gather
+    rc = fn(a.staging.data_ptr(), reg.chunk_bytes, a.first_chunk, a.num_chunks, desc.data_ptr(), reg.num_tensors,
+            ptrs.data_ptr(), reg.num_groups, split)
+    del tables
+    if rc != 0:
+        raise RuntimeError(f"bsr_host_{kind}: {last_error(lib)}")
+
+
+def host_install(reg: Registration, a: WindowArgs, lib: ctypes.CDLL | None = None, split: int = 0) -> None:
+    """The kernel's piece/batch/unit code run on CPU tensors (split 0 = the launch heuristic)."""
+    _host_call("install", reg, a, lib, split)
+
+
+def host_gather(reg: Registration, a: WindowArgs, lib: ctypes.CDLL | None = None, split: int = 0) -> None:
+    _host_call("gather", reg, a, lib, split)
+
+
+def access_width(entry_bytes: int, seg_offset: int, chunk_bytes: int, block_stride: int, staging_addr: int,
+                 dst_addr: int, lib: ctypes.CDLL | None = None) -> int:
+    """The vector width (bytes) the kernels use for one tensor, from the shared header."""
+    lib = lib if lib is not None else library()
+    if lib is None:
+        raise RuntimeError(f"CUDA library not loaded: {load_error()}")
+    w = ctypes.c_int(0)
+    if lib.bsr_host_access_width(entry_bytes, seg_offset, chunk_bytes, block_stride, staging_addr, dst_addr,
+                                 ctypes.byref(w)):
+        raise RuntimeError(last_error(lib))
+    return w.value

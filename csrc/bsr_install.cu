@@ -1,0 +1,388 @@
+/*
+ * bsr_install.cu: install (staging -> destination blocks) and gather (the inverse) for every
+ * registered tensor of a window in ONE kernel launch, behind a C ABI loaded with ctypes.
+ *
+ * Grid: x = num_tensors * split (tensor t, piece s of its segment), y = window chunks (strided
+ * when more than 65535). A CTA resolves the destinations of up to BSR_ENTRY_BATCH entries of
+ * its piece into shared memory, then copies the piece as a flat run of vector units of the
+ * widest access the alignment allows (bsr_access_width): staging addresses are linear in the
+ * unit index, destination addresses come from the resolved entry offsets. No division in the
+ * copy loop: each thread tracks (entry, unit-in-entry) incrementally.
+ *
+ * The staging pointer may be device memory or pinned host memory (zero-copy over UVA).
+ * Gather writes zeros for entries of -1 blocks and for the padding between segments, like
+ * bsr_kernels.install_torch.gather_torch.
+ *
+ * The bsr_host_* functions run the same piece/batch/unit code on CPU memory (threads emulated
+ * one after another), so the index arithmetic is tested on machines without a GPU.
+ */
+#include <cuda_runtime.h>
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "bsr_layout.h"
+
+#define BSR_API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+thread_local char g_last_error[1024] = "";
+
+int set_error(int code, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_last_error, sizeof(g_last_error), fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+int cuda_error(const char* what, cudaError_t e) {
+    return set_error(BSR_ERR_CUDA, "%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+// ---- vector accesses ------------------------------------------------------------------
+template <typename V>
+__host__ __device__ __forceinline__ V vload(const uint8_t* p) {
+#if defined(__CUDA_ARCH__)
+    return *reinterpret_cast<const V*>(p);
+#else
+    V v;
+    memcpy(&v, p, sizeof(V));
+    return v;
+#endif
+}
+
+template <typename V>
+__host__ __device__ __forceinline__ void vstore(uint8_t* p, const V& v) {
+#if defined(__CUDA_ARCH__)
+    *reinterpret_cast<V*>(p) = v;
+#else
+    memcpy(p, &v, sizeof(V));
+#endif
+}
+
+template <typename V>
+__host__ __device__ __forceinline__ V vzero() {
+    V v;
+    memset(&v, 0, sizeof(V));
+    return v;
+}
+
+// ---- one piece of one (chunk, tensor) segment ---------------------------------------------
+struct Piece {
+    uint8_t* staging;  // window base, device-accessible (or host memory in the emulation)
+    int64_t chunk_bytes;
+    int64_t first_chunk;
+    bsr_desc d;
+    const int64_t* table;  // the tensor's group block table
+    int64_t c;             // window chunk
+    int64_t b0;            // first entry of the batch (within the chunk's segment)
+    int64_t nb;            // entries in the batch (<= BSR_ENTRY_BATCH)
+};
+
+// Phase 1: destination byte offset of each batch entry (-1 = skip). Returns 1 when a block id
+// is outside [-1, num_blocks) (such entries are skipped, never written).
+__host__ __device__ __forceinline__ int resolve(const Piece& p, int64_t* off, int tid, int nthreads) {
+    int bad = 0;
+    for (int64_t j = tid; j < p.nb; j += nthreads) {
+        bsr_loc l = bsr_locate(p.c, p.first_chunk, p.b0 + j, p.chunk_bytes, &p.d, p.table);
+        if (l.block < -1 || l.block >= p.d.num_blocks) {
+            bad = 1;
+            off[j] = -1;
+        } else {
+            off[j] = l.block >= 0 ? l.dst_off : -1;
+        }
+    }
+    return bad;
+}
+
+// Phase 2: copy the batch as nb * (entry_bytes / sizeof(V)) vector units. The batch holds at
+// most 2^30 bytes (bsr_batch_entries), so unit indices fit 32 bits.
+template <typename V, bool GATHER>
+__host__ __device__ __forceinline__ void copy_units(const Piece& p, const int64_t* off, int tid, int nthreads) {
+    const uint32_t w = (uint32_t)sizeof(V);
+    const uint32_t upe = (uint32_t)(p.d.entry_bytes / w);  // units per entry
+    const uint32_t total = (uint32_t)p.nb * upe;
+    uint8_t* stage = p.staging + p.c * p.chunk_bytes + p.d.seg_offset + p.b0 * p.d.entry_bytes;
+    uint8_t* dst = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(p.d.dst_base));
+    const uint32_t nt = (uint32_t)nthreads;
+    const uint32_t step_j = nt / upe, step_o = nt % upe;
+    uint32_t j = (uint32_t)tid / upe, o = (uint32_t)tid % upe;  // unit u = tid lies in entry j at unit o
+    for (uint32_t u = (uint32_t)tid; u < total; u += BSR_UNROLL * nt) {
+        V v[BSR_UNROLL];
+        uint8_t* where[BSR_UNROLL];
+#pragma unroll
+        for (int k = 0; k < BSR_UNROLL; ++k) {
+            const uint32_t uk = u + (uint32_t)k * nt;
+            where[k] = nullptr;
+            if (uk < total) {
+                const int64_t base = off[j];
+                if (base >= 0) where[k] = dst + base + (int64_t)o * w;
+                if (GATHER) {
+                    v[k] = base >= 0 ? vload<V>(where[k]) : vzero<V>();
+                } else if (base >= 0) {
+                    v[k] = vload<V>(stage + (uint64_t)uk * w);
+                }
+            }
+            j += step_j;
+            o += step_o;
+            if (o >= upe) {
+                o -= upe;
+                ++j;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < BSR_UNROLL; ++k) {
+            const uint32_t uk = u + (uint32_t)k * nt;
+            if (uk < total) {
+                if (GATHER) {
+                    vstore<V>(stage + (uint64_t)uk * w, v[k]);
+                } else if (where[k]) {
+                    vstore<V>(where[k], v[k]);
+                }
+            }
+        }
+    }
+}
+
+template <bool GATHER>
+__host__ __device__ __forceinline__ void copy_batch(int width, const Piece& p, const int64_t* off, int tid,
+                                                    int nthreads) {
+    switch (width) {
+        case 16: copy_units<uint4, GATHER>(p, off, tid, nthreads); break;
+        case 8: copy_units<uint2, GATHER>(p, off, tid, nthreads); break;
+        case 4: copy_units<uint32_t, GATHER>(p, off, tid, nthreads); break;
+        case 2: copy_units<uint16_t, GATHER>(p, off, tid, nthreads); break;
+        default: copy_units<uint8_t, GATHER>(p, off, tid, nthreads); break;
+    }
+}
+
+// Gather: zero the padding after tensor t's segment (and before segment 0) in chunk c.
+__host__ __device__ __forceinline__ void zero_padding(uint8_t* staging, int64_t c, int64_t chunk_bytes,
+                                                      const int64_t* desc, int64_t t, int64_t num_tensors,
+                                                      int tid, int nthreads) {
+    const bsr_desc d = bsr_desc_row(desc, t);
+    uint8_t* chunk = staging + c * chunk_bytes;
+    const int64_t end = bsr_next_segment(desc, t, num_tensors, chunk_bytes);
+    for (int64_t x = d.seg_offset + d.entries_per_chunk * d.entry_bytes + tid; x < end; x += nthreads) chunk[x] = 0;
+    if (t == 0)
+        for (int64_t x = tid; x < d.seg_offset; x += nthreads) chunk[x] = 0;
+}
+
+// ---- the kernel: one launch for every tensor of the window ---------------------------------
+template <bool GATHER>
+__global__ void __launch_bounds__(BSR_THREADS)
+    bsr_window_kernel(uint8_t* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
+                      const int64_t* __restrict__ desc, int64_t num_tensors, const int64_t* __restrict__ table_ptrs,
+                      int64_t num_groups, int64_t split) {
+    __shared__ int64_t off[BSR_ENTRY_BATCH];
+    const int64_t t = blockIdx.x / split, s = blockIdx.x % split;
+    if (t >= num_tensors) return;
+    Piece p;
+    p.staging = staging;
+    p.chunk_bytes = chunk_bytes;
+    p.first_chunk = first_chunk;
+    p.d = bsr_desc_row(desc, t);
+    if (p.d.group < 0 || p.d.group >= num_groups || p.d.entry_bytes <= 0 || p.d.entry_bytes > BSR_MAX_ENTRY_BYTES ||
+        p.d.block_size <= 0)
+        return;  // rejected by the Python wrapper before launch
+    p.table = reinterpret_cast<const int64_t*>(static_cast<uintptr_t>(table_ptrs[p.d.group]));
+    int64_t i0, i1;
+    bsr_piece_range(p.d.entries_per_chunk, split, s, &i0, &i1);
+    const int width = bsr_access_width(p.d.entry_bytes, p.d.seg_offset, chunk_bytes, p.d.block_stride,
+                                       (uint64_t)(uintptr_t)staging, (uint64_t)p.d.dst_base);
+    const int64_t batch = bsr_batch_entries(p.d.entry_bytes);
+    for (int64_t c = blockIdx.y; c < num_chunks; c += gridDim.y) {
+        p.c = c;
+        if (GATHER && s == 0) zero_padding(staging, c, chunk_bytes, desc, t, num_tensors, threadIdx.x, blockDim.x);
+        for (int64_t b0 = i0; b0 < i1; b0 += batch) {
+            p.b0 = b0;
+            p.nb = i1 - b0 < batch ? i1 - b0 : batch;
+            const int bad = resolve(p, off, threadIdx.x, blockDim.x);
+#if defined(BSR_DEBUG)
+            if (bad) __trap();
+#else
+            (void)bad;
+#endif
+            __syncthreads();
+            copy_batch<GATHER>(width, p, off, threadIdx.x, blockDim.x);
+            __syncthreads();
+        }
+    }
+}
+
+// ---- host emulation: the same pieces, batches and units, threads run one after another ----
+template <bool GATHER>
+int host_window(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks, const int64_t* desc,
+                int64_t num_tensors, const int64_t* table_ptrs, int64_t num_groups, int64_t split) {
+    if (num_chunks < 0 || first_chunk < 0 || num_tensors < 0 || num_groups < 0 || chunk_bytes <= 0)
+        return set_error(BSR_ERR_INVALID, "invalid window: chunk_bytes=%lld first_chunk=%lld num_chunks=%lld "
+                         "num_tensors=%lld num_groups=%lld", (long long)chunk_bytes, (long long)first_chunk,
+                         (long long)num_chunks, (long long)num_tensors, (long long)num_groups);
+    if (num_chunks == 0 || num_tensors == 0) return BSR_OK;
+    if (!staging || !desc || !table_ptrs) return set_error(BSR_ERR_INVALID, "null staging, descriptor or table pointer");
+    int64_t max_entries = 1;
+    for (int64_t t = 0; t < num_tensors; ++t) {
+        const bsr_desc d = bsr_desc_row(desc, t);
+        if (d.group < 0 || d.group >= num_groups)
+            return set_error(BSR_ERR_INVALID, "tensor %lld: group %lld outside [0, %lld)", (long long)t,
+                             (long long)d.group, (long long)num_groups);
+        if (d.entry_bytes <= 0 || d.entry_bytes > BSR_MAX_ENTRY_BYTES || d.block_size <= 0 || d.entries_per_chunk < 0 || d.dst_base == 0)
+            return set_error(BSR_ERR_INVALID, "tensor %lld: invalid descriptor row", (long long)t);
+        if (d.seg_offset + d.entries_per_chunk * d.entry_bytes > chunk_bytes)
+            return set_error(BSR_ERR_INVALID, "tensor %lld: segment ends past chunk_bytes %lld", (long long)t,
+                             (long long)chunk_bytes);
+        if (d.entries_per_chunk > max_entries) max_entries = d.entries_per_chunk;
+    }
+    if (split <= 0) split = bsr_choose_split(num_tensors, num_chunks, max_entries, 132);
+    int64_t off[BSR_ENTRY_BATCH];
+    uint8_t* stage = static_cast<uint8_t*>(staging);
+    const int nthreads = BSR_THREADS;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+        for (int64_t t = 0; t < num_tensors; ++t) {
+            Piece p;
+            p.staging = stage;
+            p.chunk_bytes = chunk_bytes;
+            p.first_chunk = first_chunk;
+            p.d = bsr_desc_row(desc, t);
+            p.table = reinterpret_cast<const int64_t*>(static_cast<uintptr_t>(table_ptrs[p.d.group]));
+            p.c = c;
+            const int width = bsr_access_width(p.d.entry_bytes, p.d.seg_offset, chunk_bytes, p.d.block_stride,
+                                               (uint64_t)(uintptr_t)stage, (uint64_t)p.d.dst_base);
+            for (int64_t s = 0; s < split; ++s) {
+                if (GATHER && s == 0)
+                    for (int tid = 0; tid < nthreads; ++tid)
+                        zero_padding(stage, c, chunk_bytes, desc, t, num_tensors, tid, nthreads);
+                int64_t i0, i1;
+                bsr_piece_range(p.d.entries_per_chunk, split, s, &i0, &i1);
+                const int64_t batch = bsr_batch_entries(p.d.entry_bytes);
+                for (int64_t b0 = i0; b0 < i1; b0 += batch) {
+                    p.b0 = b0;
+                    p.nb = i1 - b0 < batch ? i1 - b0 : batch;
+                    int bad = 0;
+                    for (int tid = 0; tid < nthreads; ++tid) bad |= resolve(p, off, tid, nthreads);
+                    if (bad)
+                        return set_error(BSR_ERR_INVALID, "tensor %lld chunk %lld: block id outside [-1, %lld)",
+                                         (long long)t, (long long)(first_chunk + c), (long long)p.d.num_blocks);
+                    for (int tid = 0; tid < nthreads; ++tid) copy_batch<GATHER>(width, p, off, tid, nthreads);
+                }
+            }
+        }
+    }
+    return BSR_OK;
+}
+
+// ---- device launch -----------------------------------------------------------------------
+int sm_count_of_current_device(int* sms) {
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return cuda_error("cudaGetDevice", e);
+    static int cache[256];  // 0 = not queried yet
+    if (dev >= 0 && dev < 256 && cache[dev] > 0) {
+        *sms = cache[dev];
+        return BSR_OK;
+    }
+    int n = 0;
+    e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) return cuda_error("cudaDeviceGetAttribute(MultiProcessorCount)", e);
+    if (dev >= 0 && dev < 256) cache[dev] = n;
+    *sms = n;
+    return BSR_OK;
+}
+
+template <bool GATHER>
+int device_window(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks, const int64_t* desc,
+                  int64_t num_tensors, const int64_t* table_ptrs, int64_t num_groups, void* stream) {
+    if (num_chunks < 0 || first_chunk < 0 || num_tensors < 0 || num_groups < 0 || chunk_bytes <= 0)
+        return set_error(BSR_ERR_INVALID, "invalid window: chunk_bytes=%lld first_chunk=%lld num_chunks=%lld "
+                         "num_tensors=%lld num_groups=%lld", (long long)chunk_bytes, (long long)first_chunk,
+                         (long long)num_chunks, (long long)num_tensors, (long long)num_groups);
+    if (num_chunks == 0 || num_tensors == 0) return BSR_OK;
+    if (!staging || !desc || !table_ptrs) return set_error(BSR_ERR_INVALID, "null staging, descriptor or table pointer");
+
+    // Pinned host staging is read in place (zero-copy); pageable host memory cannot be.
+    cudaPointerAttributes attr;
+    cudaError_t e = cudaPointerGetAttributes(&attr, staging);
+    if (e != cudaSuccess) return cuda_error("cudaPointerGetAttributes(staging)", e);
+    void* stage_dev = staging;
+    if (attr.type == cudaMemoryTypeUnregistered)
+        return set_error(BSR_ERR_INVALID, "staging %p is pageable host memory: pin it for zero-copy or copy it "
+                         "to the device first", staging);
+    if (attr.type == cudaMemoryTypeHost && attr.devicePointer) stage_dev = attr.devicePointer;
+
+    int sms = 0;
+    int rc = sm_count_of_current_device(&sms);
+    if (rc != BSR_OK) return rc;
+    // Descriptors live on the device, so the longest segment is unknown here: pieces past a
+    // short segment's end exit at once.
+    const int64_t split = bsr_choose_split(num_tensors, num_chunks, BSR_MAX_SPLIT, sms);
+    if (num_tensors * split > 0x7fffffffLL)
+        return set_error(BSR_ERR_INVALID, "too many tensors for one launch: %lld", (long long)num_tensors);
+    dim3 grid((unsigned)(num_tensors * split), (unsigned)(num_chunks < 65535 ? num_chunks : 65535), 1);
+    cudaGetLastError();  // clear a stale error of an earlier, unrelated call
+    bsr_window_kernel<GATHER><<<grid, BSR_THREADS, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<uint8_t*>(stage_dev), chunk_bytes, first_chunk, num_chunks, desc, num_tensors, table_ptrs,
+        num_groups, split);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return cuda_error(GATHER ? "bsr_gather launch" : "bsr_install launch", e);
+    return BSR_OK;
+}
+
+}  // namespace
+
+// ---- C ABI ----------------------------------------------------------------------------------
+BSR_API const char* bsr_last_error(void) { return g_last_error; }
+
+BSR_API int bsr_abi_version(void) { return BSR_ABI_VERSION; }
+
+BSR_API int bsr_device_count(int* n) {
+    if (!n) return set_error(BSR_ERR_INVALID, "bsr_device_count: null output pointer");
+    *n = 0;
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return set_error(BSR_ERR_NO_DEVICE, "no CUDA device: %s (%s)", cudaGetErrorName(e), cudaGetErrorString(e));
+    }
+    if (count <= 0) return set_error(BSR_ERR_NO_DEVICE, "no CUDA device: the driver reports 0 devices");
+    *n = count;
+    return BSR_OK;
+}
+
+BSR_API int bsr_install(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
+                        const int64_t* desc_dev, int64_t num_tensors, const int64_t* table_ptrs_dev,
+                        int64_t num_groups, void* stream) {
+    return device_window<false>(staging, chunk_bytes, first_chunk, num_chunks, desc_dev, num_tensors, table_ptrs_dev,
+                                num_groups, stream);
+}
+
+BSR_API int bsr_gather(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
+                       const int64_t* desc_dev, int64_t num_tensors, const int64_t* table_ptrs_dev,
+                       int64_t num_groups, void* stream) {
+    return device_window<true>(staging, chunk_bytes, first_chunk, num_chunks, desc_dev, num_tensors, table_ptrs_dev,
+                               num_groups, stream);
+}
+
+BSR_API int bsr_host_install(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
+                             const int64_t* desc, int64_t num_tensors, const int64_t* table_ptrs,
+                             int64_t num_groups, int64_t split) {
+    return host_window<false>(staging, chunk_bytes, first_chunk, num_chunks, desc, num_tensors, table_ptrs,
+                              num_groups, split);
+}
+
+BSR_API int bsr_host_gather(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
+                            const int64_t* desc, int64_t num_tensors, const int64_t* table_ptrs, int64_t num_groups,
+                            int64_t split) {
+    return host_window<true>(staging, chunk_bytes, first_chunk, num_chunks, desc, num_tensors, table_ptrs,
+                             num_groups, split);
+}
+
+BSR_API int bsr_host_access_width(int64_t entry_bytes, int64_t seg_offset, int64_t chunk_bytes, int64_t block_stride,
+                                  uint64_t staging_addr, uint64_t dst_addr, int* width) {
+    if (!width) return set_error(BSR_ERR_INVALID, "bsr_host_access_width: null output pointer");
+    *width = bsr_access_width(entry_bytes, seg_offset, chunk_bytes, block_stride, staging_addr, dst_addr);
+    return BSR_OK;
+}

@@ -1,0 +1,311 @@
+"""The CUDA backend's C library: it builds with nvcc, loads with ctypes without a GPU, and its
+index arithmetic (csrc/bsr_layout.h, run through the kernels' own piece/batch/unit code by
+bsr_host_install / bsr_host_gather) matches the torch reference byte for byte."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bsr_kernels import cuda_backend, presets
+from bsr_kernels.install_torch import gather_torch, install_torch
+from bsr_kernels.registration import Registration, TensorSpec
+from bsr_kernels.validate import WindowArgs, check_window
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "csrc"
+POISON = 0xA5
+# Same flags as setup.py (checked below).
+NVCC_FLAGS = ["-O3", "-Xcompiler", "-fPIC", "-shared",
+              "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90"]
+EXPORTS = ("bsr_last_error", "bsr_abi_version", "bsr_device_count", "bsr_install", "bsr_gather",
+           "bsr_host_install", "bsr_host_gather", "bsr_host_access_width")
+
+
+# -- the library -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def built_lib(tmp_path_factory) -> tuple[Path, float]:
+    nvcc = cuda_backend.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    out = tmp_path_factory.mktemp("bsr_cuda") / "libbsr_cuda.so"
+    t0 = time.monotonic()
+    proc = subprocess.run([nvcc, *NVCC_FLAGS, "-o", str(out), str(CSRC / "bsr_install.cu")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return out, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def lib(request) -> ctypes.CDLL:
+    """The library freshly built from csrc/ here; without nvcc, the installed one."""
+    if cuda_backend.find_nvcc() is not None:
+        path, _ = request.getfixturevalue("built_lib")
+        return cuda_backend.load(path)
+    installed = cuda_backend.library()
+    if installed is None:
+        pytest.skip(f"no nvcc and no installed library: {cuda_backend.load_error()}")
+    return installed
+
+
+def test_library_builds_and_loads(built_lib):
+    path, seconds = built_lib
+    assert path.stat().st_size > 0
+    lib = cuda_backend.load(path)
+    assert lib.bsr_abi_version() == cuda_backend.ABI_VERSION
+    for name in EXPORTS:
+        assert hasattr(lib, name), name
+    assert seconds < 300
+
+
+def test_setup_py_uses_the_same_flags():
+    text = (ROOT / "setup.py").read_text()
+    for flag in NVCC_FLAGS:
+        assert f'"{flag}"' in text, flag
+
+
+def test_header_is_plain_c_and_cxx():
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no host C compiler")
+    for lang, std in (("c", "c99"), ("c++", "c++11")):
+        proc = subprocess.run([cc, f"-std={std}", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-x", lang,
+                               str(CSRC / "bsr_layout.h")], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_descriptor_columns_match_header():
+    from bsr_kernels.descriptors import DESC_FIELDS
+
+    header = (CSRC / "bsr_layout.h").read_text()
+    cols = {m[0].lower(): int(m[1]) for m in re.findall(r"#define BSR_DESC_([A-Z_]+) (\d+)", header)}
+    assert cols.pop("cols") == len(DESC_FIELDS)
+    assert cols == {name: i for i, name in enumerate(DESC_FIELDS)}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_no_device_is_reported_cleanly(lib):
+    n = ctypes.c_int(-1)
+    rc = lib.bsr_device_count(ctypes.byref(n))
+    assert rc != 0 and n.value == 0
+    assert "no CUDA device" in lib.bsr_last_error().decode()
+    status = cuda_backend.device_status()
+    assert isinstance(status, str) and "no CUDA device" in status
+    assert cuda_backend.available() is False
+
+
+# -- byte-for-byte against the torch reference -------------------------------------------------
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8).reshape(-1)
+
+
+def _random_bytes(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(1, 256, (n,), dtype=torch.uint8, generator=gen)  # never zero
+
+
+def _tables(reg: Registration, first: int, num: int, gen: torch.Generator, neg: float):
+    """Per group: a block table whose window part is a shuffled subset of the destination's
+    blocks with some -1; the parts outside the window hold ids no kernel may read."""
+    tables, nblocks = [], []
+    first_tok, end_tok = first * reg.chunk_tokens, (first + num) * reg.chunk_tokens
+    for g in range(reg.num_groups):
+        need = reg.blocks_needed(g, end_tok)
+        lo = first_tok // reg.group_tokens_per_block(g)
+        spare = int(torch.randint(0, 3, (1,), generator=gen))
+        nb = need - lo + spare
+        ids = torch.randperm(nb, generator=gen)[: need - lo]
+        ids[torch.rand(need - lo, generator=gen) < neg] = -1
+        tail = int(torch.randint(0, 3, (1,), generator=gen))
+        table = torch.cat([torch.full((lo,), -7), ids, torch.full((tail,), -9)]).to(torch.int64)
+        tables.append(table)
+        nblocks.append(nb)
+    return tables, nblocks
+
+
+def _written_mask(reg: Registration, i: int, table: torch.Tensor, first: int, num: int, nb: int):
+    """(nb, block_size) bool: slots the window writes, computed entry by entry in Python."""
+    spec = reg.specs[i]
+    per = reg.entries_per_chunk(i)
+    mask = torch.zeros(nb, spec.block_size, dtype=torch.bool)
+    tab = table.tolist()
+    for e in range(first * per, (first + num) * per):
+        b = tab[e // spec.block_size]
+        if b >= 0:
+            mask[b, e % spec.block_size] = True
+    return mask
+
+
+def check_case(reg: Registration, lib, first: int, num: int, seed: int, neg: float = 0.2, split: int = 0,
+               poison_check: bool = True) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    tables, nblocks = _tables(reg, first, num, gen, neg)
+    cb, tail = reg.chunk_bytes, 48
+    staging = _random_bytes(num * cb + tail, gen)
+
+    # install: poisoned destinations, reference vs the library's host path
+    kv_ref = reg.allocate(nblocks)
+    for t in kv_ref:
+        _bytes(t).fill_(POISON)
+    kv_lib = [t.clone() for t in kv_ref]
+    install_torch(reg, check_window(staging, reg, kv_ref, tables, first, num))
+    cuda_backend.host_install(reg, check_window(staging, reg, kv_lib, tables, first, num), lib, split)
+    for spec, r, t in zip(reg.specs, kv_ref, kv_lib, strict=True):
+        assert torch.equal(_bytes(r), _bytes(t)), f"install differs from the reference for {spec.name}"
+    if poison_check:
+        for i, (spec, t) in enumerate(zip(reg.specs, kv_lib, strict=True)):
+            mask = _written_mask(reg, i, tables[spec.group], first, num, nblocks[spec.group])
+            rows = _bytes(t).view(t.shape[0], spec.block_size, spec.entry_bytes)
+            assert bool((rows[~mask] == POISON).all()), f"{spec.name}: bytes outside the window changed"
+
+    # gather: random destinations into a poisoned staging buffer
+    kv_src = reg.allocate(nblocks)
+    for t in kv_src:
+        _bytes(t).copy_(_random_bytes(_bytes(t).numel(), gen))
+    out_ref = torch.full((num * cb + tail,), POISON, dtype=torch.uint8)
+    out_lib = out_ref.clone()
+    gather_torch(reg, check_window(out_ref, reg, kv_src, tables, first, num, staging_name="out"))
+    cuda_backend.host_gather(reg, check_window(out_lib, reg, kv_src, tables, first, num, staging_name="out"),
+                             lib, split)
+    assert torch.equal(out_ref, out_lib), _first_diff(out_ref, out_lib, reg)
+    assert bool((out_lib[num * cb:] == POISON).all()), "gather wrote past the window"
+
+
+def _first_diff(a: torch.Tensor, b: torch.Tensor, reg: Registration) -> str:
+    idx = int((a != b).nonzero()[0])
+    chunk, off = divmod(idx, reg.chunk_bytes)
+    seg = max(i for i, o in enumerate(reg.segment_offsets) if o <= off)
+    return f"gather differs at byte {idx} (chunk {chunk}, offset {off}, segment of {reg.specs[seg].name})"
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_dsv4_flash_scaled(lib, mtp):
+    reg = presets.dsv4_flash(mtp=mtp, scale=1 / 64)
+    check_case(reg, lib, first=3, num=3, seed=11 + mtp)
+
+
+def test_dsv4_flash_unscaled_one_chunk(lib):
+    check_case(presets.dsv4_flash(), lib, first=1, num=1, seed=5, poison_check=False)
+
+
+@pytest.mark.parametrize("split", [0, 1, 5])
+def test_llama_like(lib, split):
+    check_case(presets.llama_like(), lib, first=2, num=2, seed=7, split=split)
+
+
+def test_all_blocks_skipped(lib):
+    check_case(presets.llama_like(layers=1), lib, first=0, num=2, seed=3, neg=1.0)
+
+
+TOKENS_PER_BLOCK = (1, 2, 3, 4, 5, 8, 12, 16, 20, 32, 48, 64, 128, 192, 256, 512, 1024, 4096, 8192)
+WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 40, 132, 584)
+DTYPES = (torch.uint8, torch.float16, torch.float32)
+
+
+@st.composite
+def registrations(draw) -> Registration:
+    specs = []
+    for g in range(draw(st.integers(1, 3))):
+        tpb = draw(st.sampled_from(TOKENS_PER_BLOCK))
+        ratios = [r for r in (1, 4, 128) if tpb % r == 0 and 1 <= tpb // r <= 64]
+        for k in range(draw(st.integers(1, 4))):
+            ratio = draw(st.sampled_from(ratios))
+            dtype = draw(st.sampled_from(DTYPES))
+            width = draw(st.sampled_from([w for w in WIDTHS if w % dtype.itemsize == 0]))
+            n = width // dtype.itemsize
+            shape = (2, n // 2) if n % 2 == 0 and draw(st.booleans()) else (n,)
+            specs.append(TensorSpec(f"g{g}.t{k}", dtype, shape, tpb // ratio, ratio, g))
+    return Registration(tuple(draw(st.permutations(specs))))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reg=registrations(), first=st.integers(0, 5), num=st.integers(1, 3), seed=st.integers(0, 2**31 - 1),
+       neg=st.sampled_from([0.0, 0.2, 0.6]), split=st.sampled_from([0, 1, 2, 3, 7, 32]))
+def test_random_registrations(lib, reg, first, num, seed, neg, split):
+    check_case(reg, lib, first, num, seed, neg, split)
+
+
+def test_out_of_range_block_is_an_error(lib):
+    reg = presets.llama_like(layers=1)
+    kv = reg.allocate(4)
+    tables = (torch.tensor([0, 1, 99, 3] * 8, dtype=torch.int64),)  # 99: past the 4 blocks
+    staging = _random_bytes(reg.chunk_bytes, torch.Generator().manual_seed(0))
+    args = WindowArgs(staging, tuple(kv), tables, 0, 1)  # bypasses check_window on purpose
+    with pytest.raises(RuntimeError, match="block id outside"):
+        cuda_backend.host_install(reg, args, lib)
+
+
+# -- access width ----------------------------------------------------------------------------
+def test_access_width_fixed_cases(lib):
+    def w(eb, seg, cb, stride, sa=0x10000, da=0x20000):
+        return cuda_backend.access_width(eb, seg, cb, stride, sa, da, lib=lib)
+
+    assert w(584, 0, 584 * 256 + 16 * 3, 584 * 64) == 8  # fp8_ds_mla rows: 584 = 8 * 73
+    assert w(584, 149504, 16327232, 584 * 64) == 8
+    assert w(4096, 16, 1024 * 16, 4096 * 64) == 16
+    assert w(64, 32, 4096, 1024) == 16
+    assert w(132, 0, 4096, 132 * 64) == 4
+    assert w(64, 32, 4096, 1024, sa=0x10004) == 4  # staging base only 4-aligned
+    assert w(64, 32, 4096, 1024, da=0x20002) == 2
+    assert w(64, 2, 4096, 1024) == 2  # odd segment offset
+    assert w(64, 32, 4096, 1024, da=0x20001) == 1
+    assert w(12, 0, 4096, 12 * 16) == 4
+    assert w(3, 0, 4096, 48) == 1
+
+
+def _py_width(*values: int) -> int:
+    w = 16
+    while w > 1 and any(v % w for v in values):
+        w //= 2
+    return w
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(1, 2**40), min_size=6, max_size=6))
+def test_access_width_property(lib, vals):
+    assert cuda_backend.access_width(*vals, lib=lib) == _py_width(*vals)
+
+
+def test_dsv4_widths(lib):
+    """The widths the kernels pick for the real DSV4 tensors on 64-byte aligned buffers."""
+    reg = presets.dsv4_flash()
+    kv = reg.allocate(1)
+    staging_addr = 0x7F0000000000
+    got = {}
+    for i, (spec, t) in enumerate(zip(reg.specs, kv, strict=True)):
+        got.setdefault(spec.entry_bytes, set()).add(cuda_backend.access_width(
+            spec.entry_bytes, reg.segment_offsets[i], reg.chunk_bytes, t.stride(0) * t.element_size(),
+            staging_addr, t.data_ptr(), lib=lib))
+    assert got[584] == {8}
+    assert got[132] == {4}
+    assert got[4096] == got[2048] == got[16384] == {16}
+
+
+# -- the Python wrapper without a GPU ---------------------------------------------------------
+def test_zero_copy_needs_pinned_staging():
+    reg = presets.llama_like(layers=1)
+    staging = torch.zeros(reg.chunk_bytes, dtype=torch.uint8)  # pageable
+    args = WindowArgs(staging, tuple(reg.allocate(4)), (torch.arange(32),), 0, 1)
+    with pytest.raises(ValueError, match="pinned"):
+        cuda_backend._device_staging("install", args, torch.device("cuda", 0), True, reg.chunk_bytes)
+
+
+def test_first_use_build(monkeypatch, tmp_path):
+    """Without an installed library, a GPU machine compiles csrc/ into the cache at first use."""
+    if cuda_backend.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    monkeypatch.setenv("BSR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    path = cuda_backend._cached_build(cuda_backend.source_dir())
+    assert path is not None and path.is_file() and path.parent.name.endswith("-sm90")
+    assert cuda_backend.load(path).bsr_abi_version() == cuda_backend.ABI_VERSION
+    assert cuda_backend._cached_build(cuda_backend.source_dir()) == path  # cached: no rebuild
