@@ -216,12 +216,12 @@ class MooncakeMaster:
     def start(self) -> MooncakeMaster:
         if self.running():
             return self
-        if self.workdir is None:
-            self.workdir = Path(tempfile.mkdtemp(prefix="bsr-mooncake-master-"))
-            self.log_path = self.workdir / "mooncake_master.log"
         for port in (self.rpc_port, self.http_port, self.metrics_port):
             if port_answers(port):
                 raise MooncakeMasterError(f"port {port} on {HOST} is already in use")
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="bsr-mooncake-master-"))
+            self.log_path = self.workdir / "mooncake_master.log"
         args = self._args()
         assert self.log_path is not None
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
@@ -242,7 +242,7 @@ class MooncakeMaster:
         try:
             self._wait_ready(t0 + self.start_timeout_s)
         except BaseException:
-            self._terminate()
+            self.stop()  # the error carries the log tail; the workdir goes unless keep_logs
             raise
         self.start_seconds = time.monotonic() - t0
         return self

@@ -426,6 +426,7 @@ def test_master_start_failure_reports_log(tmp_path):
     finally:
         m.stop()
     assert not m.running()
+    assert m.workdir is None  # a failed start leaves no temp dir behind
 
 
 def test_no_threads_left_after_close(mooncake_master, pool):
