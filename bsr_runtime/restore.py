@@ -184,35 +184,32 @@ class BoundedRestorer:
     # -- the loop --------------------------------------------------------------------------
     def _run_windows(self, pool, keys, kv, tables, tier, num_chunks, report) -> None:
         cfg = self.config
-        deadline_s = cfg.fetch_timeout_s
-        inflight: _InFlight | None = None
+        pipelined = len(pool.slots) == 2  # depth 2 with W >= 2; otherwise one window at a time
+        outstanding: list[_InFlight] = []  # submitted, not yet installed (oldest first)
         try:
             for win in plan_windows(num_chunks, cfg.prefetch_window_chunks, cfg.pipeline_depth):
                 nbytes = win.num_chunks * self.reg.chunk_bytes
-                if inflight is not None and not self.admission.try_reserve(nbytes):
+                if outstanding and not self.admission.try_reserve(nbytes):
                     # never block on the budget while holding a window: finish it first
-                    self._finish(pool, inflight, kv, tables, report)
-                    inflight = None
-                if inflight is None:
+                    self._finish(pool, outstanding[0], kv, tables, report)
+                    outstanding.pop(0)
+                if not outstanding:
                     self.admission.reserve(nbytes, cfg.admission_timeout_s)
-                nxt = self._submit(pool, keys, tier, win, nbytes, deadline_s)
-                if inflight is not None:
-                    self._finish(pool, inflight, kv, tables, report)
-                inflight = nxt
-                if cfg.pipeline_depth == 1 or pool is not self.pool:
-                    self._finish(pool, inflight, kv, tables, report)
-                    inflight = None
-            if inflight is not None:
-                self._finish(pool, inflight, kv, tables, report)
-                inflight = None
+                outstanding.append(self._submit(pool, keys, tier, win, nbytes, cfg.fetch_timeout_s))
+                while len(outstanding) > (1 if pipelined else 0):
+                    self._finish(pool, outstanding[0], kv, tables, report)
+                    outstanding.pop(0)
+            while outstanding:
+                self._finish(pool, outstanding[0], kv, tables, report)
+                outstanding.pop(0)
         except RestoreFailed:
-            if inflight is not None:
-                self._abandon(pool, inflight)
+            for f in outstanding:
+                self._abandon(pool, f)
             raise
 
     def _submit(self, pool, keys, tier, win: Window, nbytes: int, timeout_s: float) -> _InFlight:
         try:
-            lease = pool.acquire(win.num_chunks)
+            lease = pool.acquire(win.num_chunks, timeout=timeout_s)
         except BaseException as e:
             self.admission.release(nbytes)
             raise RestoreFailed(win.index, e) from e
@@ -243,8 +240,7 @@ class BoundedRestorer:
             pool.record_install(f.lease, self.stream)
             report.install_s += time.perf_counter() - t
         except (TierError, RuntimeError, ValueError, TimeoutError, OSError) as e:
-            self._abandon(pool, f)
-            raise RestoreFailed(win.index, e) from e
+            raise RestoreFailed(win.index, e) from e  # the caller abandons the window
         t = time.perf_counter()
         pool.release(f.lease)  # synchronize-then-release
         self.admission.release(f.reserved)
