@@ -123,14 +123,23 @@ class BoundedRestorer:
             StagingPool(reg.chunk_bytes, w, num_slots=self.config.pipeline_depth, device=staging_device)
             if w > 0 else None
         )
-        self._registered: set[int] = set()
+        self._registered: dict[tuple[int, int], tuple[Tier, torch.Tensor]] = {}
 
     @property
     def staging_capacity_bytes(self) -> int:
         return self.pool.capacity_bytes if self.pool else 0
 
     def close(self) -> None:
+        """Unregister the staging pool from every tier it was registered with."""
+        for tier, buffer in list(self._registered.values()):
+            self._unregister(tier, buffer)
         self.pool = None
+
+    def __enter__(self) -> BoundedRestorer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- public ----------------------------------------------------------------------------
     def restore(self, req: RestoreRequest, tier: Tier, num_chunks: int) -> RestoreReport:
@@ -164,8 +173,11 @@ class BoundedRestorer:
         pool.reset_peak()
         try:
             with self.admission.restore(cfg.admission_timeout_s):
-                self._register(tier, pool)
                 try:
+                    try:
+                        self._register(tier, pool)
+                    except TierError as e:
+                        raise RestoreFailed(None, e) from e
                     self._run_windows(pool, keys, kv, tables, tier, num_chunks, report)
                     report.ok = True
                     report.committed_tokens = num_chunks * reg.chunk_tokens
@@ -173,8 +185,8 @@ class BoundedRestorer:
                     report.error = f"{type(e.cause).__name__}: {e.cause}"
                     report.failed_window = e.window
                 finally:
-                    if self.pool is None:
-                        self._unregister(tier, pool)
+                    if pool is not self.pool:
+                        self._unregister(tier, pool.buffer)
         finally:
             pool.drain()
             report.peak_staging_bytes = pool.peak_bytes
@@ -266,8 +278,8 @@ class BoundedRestorer:
         key = (id(tier), pool.buffer.data_ptr())
         if key not in self._registered:
             tier.register_staging(pool.buffer)
-            self._registered.add(key)
+            self._registered[key] = (tier, pool.buffer)
 
-    def _unregister(self, tier: Tier, pool: StagingPool) -> None:
-        self._registered.discard((id(tier), pool.buffer.data_ptr()))
-        tier.unregister_staging(pool.buffer)
+    def _unregister(self, tier: Tier, buffer: torch.Tensor) -> None:
+        if self._registered.pop((id(tier), buffer.data_ptr()), None) is not None:
+            tier.unregister_staging(buffer)
