@@ -340,3 +340,76 @@ class MooncakeMaster:
     def __repr__(self) -> str:
         state = "running" if self.running() else "stopped"
         return f"MooncakeMaster({self.master_address}, {self.metadata_server}, {state})"
+
+
+class MooncakeStoreHost:
+    """A standalone store host: the wheel's `mooncake_client` program mounting a segment of
+    `segment_bytes` on a master, like the paper's external store host. Objects put by clients
+    without a segment of their own land here, so every restored byte crosses TCP.
+
+        with MooncakeMaster() as m, MooncakeStoreHost(m, 2 << 30):
+            tier = MooncakeTier(c, fp, m.master_address, m.metadata_server, global_segment_size=0)
+    """
+
+    def __init__(self, master: MooncakeMaster, segment_bytes: int, *, port: int | None = None,
+                 start_timeout_s: float = 20.0, settle_s: float = 0.5) -> None:
+        beside = Path(sys.executable).parent / "mooncake_client"
+        self.binary = str(beside) if beside.is_file() else shutil.which("mooncake_client")
+        if not self.binary:
+            raise MooncakeMasterError("mooncake_client not found next to the Python interpreter or on PATH")
+        self.master = master
+        self.segment_bytes = int(segment_bytes)
+        self.port = port or free_port()
+        self.start_timeout_s = start_timeout_s
+        self.settle_s = settle_s
+        self._proc: subprocess.Popen | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._workdir: Path | None = None
+
+    def start(self) -> MooncakeStoreHost:
+        self._workdir = Path(tempfile.mkdtemp(prefix="bsr-mooncake-host-"))
+        args = [
+            self.binary, f"--global_segment_size={self.segment_bytes // (1 << 20)}MB", f"--host={HOST}",
+            f"--master_server_address={self.master.master_address}",
+            f"--metadata_server={self.master.metadata_server}", "--protocol=tcp", f"--port={self.port}",
+            "--logtostderr=true",
+        ]
+        log = open(self._workdir / "mooncake_client.log", "ab")  # noqa: SIM115 - owned by the child
+        self._proc = subprocess.Popen(args, cwd=self._workdir, stdin=subprocess.DEVNULL, stdout=log,
+                                      stderr=subprocess.STDOUT,
+                                      preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None)  # noqa: PLW1509
+        log.close()
+        self._finalizer = weakref.finalize(self, _kill_quietly, self._proc)
+        deadline = time.monotonic() + self.start_timeout_s
+        while not port_answers(self.port):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                tail = (self._workdir / "mooncake_client.log").read_text(errors="replace")[-2000:]
+                self.stop()
+                raise MooncakeMasterError(f"mooncake_client store host did not start\n{tail}")
+            time.sleep(0.05)
+        time.sleep(self.settle_s)  # the segment is mounted right after the service port opens
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.terminate()
+                try:
+                    self._proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait(timeout=10)
+            self._proc = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> MooncakeStoreHost:
+        return self.start()
+
+    def __exit__(self, *exc) -> bool:
+        self.stop()
+        return False

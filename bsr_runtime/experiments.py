@@ -1,0 +1,168 @@
+"""Experiments shared by the benchmarks and the `bsr` command: the E1 sweep.
+
+A source state for the longest prefix is written once to a tier; then prefixes of several
+lengths are restored with the bounded path (W > 0) and the whole-plan baseline (W = 0) into
+fresh destination blocks, and each row records peak staging, seconds and whether the
+restored state hashes equal to what was stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from bsr_kernels import Registration
+
+from .keys import KeySpace, PrefixKeys
+from .probe import probe_prefix
+from .restore import BoundedRestorer, RestoreConfig, RestoreRequest
+from .state_hash import state_hash
+from .store import store_prefix
+from .tiers.base import Tier
+
+POISON = 0xA5
+
+
+@dataclass
+class SourceState:
+    """A request's prefix held in (source) destination blocks, plus its keys."""
+
+    reg: Registration
+    tokens: list[int]
+    keyspace: KeySpace
+    kv: list[torch.Tensor]
+    block_tables: list[torch.Tensor]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.tokens) // self.reg.chunk_tokens
+
+
+def random_tables(reg: Registration, num_chunks: int, gen: torch.Generator) -> tuple[list[int], list[torch.Tensor]]:
+    """Shuffled block tables; sliding-window groups get -1 blocks before their window, as an
+    engine marks blocks that fell out of the window."""
+    blocks, tables = [], []
+    for g in range(reg.num_groups):
+        need = reg.blocks_needed(g, num_chunks * reg.chunk_tokens)
+        table = torch.randperm(need, generator=gen)
+        window = max((s.sliding_window or 0) for s in reg.specs if s.group == g)
+        if window:
+            keep_blocks = -(-window // reg.group_tokens_per_block(g)) + 1
+            table[: max(0, need - keep_blocks)] = -1
+        blocks.append(need)
+        tables.append(table)
+    return blocks, tables
+
+
+def make_source(reg: Registration, num_chunks: int, seed: int = 0, salt: str = "") -> SourceState:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 100_000, (num_chunks * reg.chunk_tokens,), generator=gen).tolist()
+    blocks, tables = random_tables(reg, num_chunks, gen)
+    kv = reg.allocate(blocks)
+    for t in kv:
+        flat = t.view(torch.uint8).view(-1)
+        flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8, generator=gen))
+    return SourceState(reg, tokens, KeySpace(reg.fingerprint, salt=salt), kv, tables)
+
+
+def store_source(src: SourceState, tier: Tier, window_chunks: int = 32, progress=None) -> str:
+    rep = store_prefix(src.reg, tier, src.keyspace, src.tokens, src.kv, src.block_tables,
+                       window_chunks=window_chunks, progress=progress)
+    return rep.state_hash
+
+
+@dataclass
+class SweepRow:
+    tier: str
+    tokens: int
+    chunks: int
+    window_chunks: int
+    pipeline_depth: int
+    windows: int
+    chunk_bytes: int
+    staging_capacity_bytes: int
+    peak_staging_bytes: int
+    bytes_moved: int
+    seconds: float
+    gbps: float
+    fetch_s: float
+    install_s: float
+    sync_s: float
+    committed_tokens: int
+    probed_tokens: int
+    state_hash_ok: bool
+    ok: bool
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Destinations:
+    """Destination blocks for the longest prefix, reused (re-poisoned) by every row."""
+
+    def __init__(self, reg: Registration, num_chunks: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.reg = reg
+        self.blocks, self.tables = random_tables(reg, num_chunks, gen)
+        self.kv = reg.allocate(self.blocks)
+
+    def poison(self) -> None:
+        for t in self.kv:
+            t.view(torch.uint8).fill_(POISON)
+
+
+def source_hashes(src: SourceState, chunk_counts: Sequence[int]) -> dict[int, str]:
+    return {n: state_hash(src.reg, src.kv, src.block_tables, n) for n in sorted(set(chunk_counts))}
+
+
+def sweep(src: SourceState, tier: Tier, token_counts: Sequence[int], windows: Sequence[int], *,
+          depth: int = 2, fetch_timeout_s: float = 120.0, backend: str = "auto",
+          expected: dict[int, str] | None = None, dst: Destinations | None = None, repeat: int = 1,
+          on_row: Callable[[SweepRow], None] | None = None) -> list[SweepRow]:
+    """One row per (tokens, W), the median of `repeat` runs. `expected` maps chunk counts to
+    source state hashes; a row's state_hash_ok holds only if every run restored them."""
+    reg = src.reg
+    chunk_counts = [t // reg.chunk_tokens for t in token_counts]
+    if max(chunk_counts) > src.num_chunks:
+        raise ValueError(f"sweep asks for {max(chunk_counts)} chunks, the source holds {src.num_chunks}")
+    expected = expected or source_hashes(src, chunk_counts)
+    dst = dst or Destinations(reg, src.num_chunks, seed=1)
+    rows = []
+    restorers = {w: BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
+                                                       fetch_timeout_s=fetch_timeout_s, backend=backend))
+                 for w in windows}
+    try:
+        for tokens, n in zip(token_counts, chunk_counts):
+            probe = probe_prefix(tier, PrefixKeys(src.keyspace, src.tokens[: n * reg.chunk_tokens],
+                                                  reg.chunk_tokens))
+            for w, restorer in restorers.items():
+                reports = []
+                for _ in range(repeat):  # the median run is reported; every run must restore the state
+                    dst.poison()
+                    req = RestoreRequest(f"sweep-{tokens}-{w}", src.tokens, src.keyspace, dst.kv, dst.tables)
+                    rep = restorer.restore(req, tier, min(n, probe.prefix_chunks))
+                    rep.ok = rep.ok and state_hash(reg, dst.kv, dst.tables, n) == expected[n]
+                    reports.append(rep)
+                ok_hash = all(r.ok for r in reports)
+                rep = sorted(reports, key=lambda r: r.total_s)[len(reports) // 2]
+                row = SweepRow(
+                    tier=tier.name, tokens=tokens, chunks=n, window_chunks=w, pipeline_depth=depth,
+                    windows=rep.windows, chunk_bytes=reg.chunk_bytes,
+                    staging_capacity_bytes=restorer.staging_capacity_bytes or n * reg.chunk_bytes,
+                    peak_staging_bytes=rep.peak_staging_bytes, bytes_moved=rep.bytes_moved,
+                    seconds=rep.total_s, gbps=rep.bytes_moved / rep.total_s / 1e9 if rep.total_s else 0.0,
+                    fetch_s=rep.fetch_s, install_s=rep.install_s, sync_s=rep.sync_s,
+                    committed_tokens=rep.committed_tokens, probed_tokens=probe.prefix_chunks * reg.chunk_tokens,
+                    state_hash_ok=ok_hash, ok=all(r.committed_tokens == n * reg.chunk_tokens for r in reports),
+                    error=rep.error,
+                )
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+    finally:
+        for r in restorers.values():
+            r.close()
+    return rows
