@@ -127,8 +127,9 @@ def main(argv=None) -> int:
     peaks = {r.peak_staging_bytes for r in bsr}
     worst = max((r.seconds / b.seconds for r in bsr for b in rows
                  if b.window_chunks == 0 and (b.tier, b.tokens) == (r.tier, r.tokens)), default=float("nan"))
+    wc = _mib(args.window * reg.chunk_bytes)
     lines += ["", f"BSR peak staging identical in every row: {len(peaks) == 1} "
-              f"({', '.join(_mib(p) + ' MiB' for p in sorted(peaks))}; W*c = {_mib(args.window * reg.chunk_bytes)} MiB)",
+              f"({', '.join(_mib(p) + ' MiB' for p in sorted(peaks))}; W*c = {wc} MiB)",
               f"worst BSR time / whole-plan time: {worst:.3f}",
               f"all state hashes equal: {all(r.state_hash_ok for r in rows)}",
               f"total wall time: {time.perf_counter() - t0:.0f} s"]
