@@ -112,7 +112,8 @@ def assert_same(a: list[torch.Tensor], b: list[torch.Tensor], reg: Registration,
         xb, yb = x.view(torch.uint8), y.view(torch.uint8)
         if not torch.equal(xb, yb):
             diff = (xb != yb).nonzero()
-            raise AssertionError(f"{what}: tensor {spec.name} differs at {diff.shape[0]} bytes, first {diff[0].tolist()}")
+            raise AssertionError(
+                f"{what}: tensor {spec.name} differs at {diff.shape[0]} bytes, first {diff[0].tolist()}")
 
 
 def snapshot(kv: list[torch.Tensor]) -> list[torch.Tensor]:
