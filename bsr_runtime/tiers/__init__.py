@@ -1,0 +1,40 @@
+"""Storage tiers: where restored objects come from.
+
+`MemoryTier` (unit tests only), `FilesystemTier` (one file per object) and `MooncakeTier`
+(Mooncake store; imported lazily, so importing this package never needs the Mooncake wheel).
+"""
+
+from .base import (
+    CorruptObjectError,
+    FaultPlan,
+    FetchHandle,
+    FetchTimeoutError,
+    MissingObjectError,
+    Tier,
+    TierError,
+    TierUnavailableError,
+)
+from .filesystem import FilesystemTier
+from .memory import MemoryTier
+
+__all__ = [
+    "CorruptObjectError",
+    "FaultPlan",
+    "FetchHandle",
+    "FetchTimeoutError",
+    "FilesystemTier",
+    "MemoryTier",
+    "MissingObjectError",
+    "MooncakeTier",
+    "Tier",
+    "TierError",
+    "TierUnavailableError",
+]
+
+
+def __getattr__(name: str):
+    if name == "MooncakeTier":
+        from .mooncake import MooncakeTier
+
+        return MooncakeTier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
