@@ -33,6 +33,9 @@ class RestoreConfig:
     fetch_timeout_s: float = 30.0  # per window
     backend: str = "auto"
     admission_timeout_s: float | None = None
+    # Staging capacity (bytes). W > 0 needs W*c of it; the whole-plan path (W = 0) needs N*c
+    # and, like LMCache's all-or-nothing L1 reservation, restores nothing when N*c exceeds it.
+    max_staging_bytes: int | None = None
 
     def __post_init__(self) -> None:
         w = self.prefetch_window_chunks
@@ -114,6 +117,9 @@ class BoundedRestorer:
         self.stream = stream
         self.staging_device = staging_device
         w = self.config.prefetch_window_chunks
+        cap = self.config.max_staging_bytes
+        if cap is not None and w * reg.chunk_bytes > cap:
+            raise ValueError(f"W = {w} chunks of {reg.chunk_bytes:,} B exceeds the staging capacity {cap:,} B")
         if isinstance(self.admission, ByteBudget) and w * reg.chunk_bytes > self.admission.budget_bytes:
             raise ValueError(
                 f"W = {w} chunks of {reg.chunk_bytes:,} B exceeds the byte budget B = "
@@ -166,6 +172,12 @@ class BoundedRestorer:
         )
         if num_chunks == 0:
             report.ok = True
+            return report
+        cap = cfg.max_staging_bytes
+        if w == 0 and cap is not None and num_chunks * reg.chunk_bytes > cap:
+            report.error = (f"StagingCapacityError: whole plan of {num_chunks * reg.chunk_bytes:,} B exceeds "
+                            f"the staging capacity {cap:,} B")
+            report.failed_window = 0
             return report
         t0 = time.perf_counter()
         keys = PrefixKeys(req.keyspace, req.tokens, reg.chunk_tokens)
