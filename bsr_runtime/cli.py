@@ -1,86 +1,508 @@
-"""The `bsr` command."""
+"""The `bsr` command: demo, sweep, wlaw, ladder, faults and bench.
+
+Every subcommand prints a table, can write its rows as JSON (--json) and, where it has one, a
+plot (--plot). Errors are one line on stderr and a non-zero exit, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
-import torch
+PAPER_TOKENS = [32768, 65536, 131072, 262144, 393216, 524032]
+DEFAULT_SCALE = 1 / 64  # c = 249,152 B: the 524032-token sweep fits in about 2 GiB here
+REGISTRATION_NAMES = ("dsv4-flash", "dsv4-flash-mtp", "llama-like")
 
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+# -- formatting -----------------------------------------------------------------------------
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
         n /= 1024
-    raise AssertionError
+    raise AssertionError("unreachable")
 
 
-def _install_demo(args: argparse.Namespace) -> int:
-    """Gather a random scaled DeepSeek-V4-Flash state window by window and install it back
-    with every backend on this machine; prints GB/s and whether the state came back equal."""
-    from bsr_kernels import StagingPool, gather_window, install_window, presets
-    from bsr_kernels.install import available_backends
+def print_table(headers: Sequence[str], rows: Sequence[Sequence], out=None) -> None:
+    out = out or sys.stdout
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)), file=out)
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)), file=out)
 
-    reg = presets.dsv4_flash(scale=args.scale)
-    chunks = args.tokens // reg.chunk_tokens
-    print(reg.describe())
-    print(f"paper's c for the unscaled registration: {presets.PAPER_DSV4_CHUNK_BYTES:,} B; "
-          f"ours unscaled: {presets.dsv4_flash().chunk_bytes:,} B")
-    blocks = [reg.blocks_needed(g, chunks * reg.chunk_tokens) for g in range(reg.num_groups)]
-    gen = torch.Generator().manual_seed(0)
-    tables = [torch.randperm(n, generator=gen) for n in blocks]
-    src = reg.allocate(blocks)
-    for t in src:
-        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
-    pool = StagingPool(reg.chunk_bytes, args.window)
-    print(f"{chunks} chunks ({args.tokens:,} tokens), window W={args.window}, "
-          f"staging {human_bytes(pool.capacity_bytes)}")
-    print(f"{'backend':8} {'windows':>7} {'bytes':>12} {'seconds':>8} {'GB/s':>7} {'peak staging':>14} state equal")
-    for backend in available_backends("cpu"):
-        dst = reg.allocate(blocks)
-        for t in dst:
-            t.view(torch.uint8).fill_(0xA5)
-        pool.reset_peak()
-        t0 = time.perf_counter()
-        windows = 0
-        for first in range(0, chunks, args.window):
-            n = min(args.window, chunks - first)
-            lease = pool.acquire(n)
-            gather_window(lease.view, reg, src, tables, first, n, backend="torch")
-            install_window(lease.view, reg, dst, tables, first, n, backend=backend)
-            pool.record_install(lease)
-            pool.release(lease)
-            windows += 1
-        dt = time.perf_counter() - t0
-        equal = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(src, dst))
-        moved = chunks * reg.chunk_bytes
-        print(f"{backend:8} {windows:7d} {human_bytes(moved):>12} {dt:8.2f} {moved / dt / 1e9:7.2f} "
-              f"{human_bytes(pool.peak_bytes):>14} {'yes' if equal else 'NO'}")
-        if not equal:
-            return 1
-    return 0
+
+class Progress:
+    """tqdm bars on stderr, or nothing with --quiet."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+
+    def bar(self, total: int, desc: str, unit: str = "it"):
+        if self.quiet:
+            return contextlib.nullcontext(_NoBar())
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def say(self, msg: str) -> None:
+        if not self.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+
+# -- arguments ------------------------------------------------------------------------------
+
+def parse_tokens(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens must be a comma-separated list of integers, got {text!r}") from None
+    if not tokens or any(t <= 0 for t in tokens):
+        raise argparse.ArgumentTypeError("--tokens needs at least one positive token count")
+    return tokens
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def scale_type(text: str) -> float:
+    try:
+        num, _, den = text.partition("/")  # "1/64" is allowed
+        v = float(num) / float(den) if den else float(num)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"--scale must be a number in (0, 1] such as 0.015625 or 1/64, got {text!r}")\
+            from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"--scale must be in (0, 1], got {v}")
+    return v
+
+
+def load_registration(name: str, scale: float):
+    from bsr_kernels import Registration, presets
+
+    if name == "dsv4-flash":
+        return presets.dsv4_flash(mtp=False, scale=scale)
+    if name == "dsv4-flash-mtp":
+        return presets.dsv4_flash(mtp=True, scale=scale)
+    if name == "llama-like":
+        return presets.llama_like(layers=32, kv_heads=8, head_dim=128, block_size=16) if scale == 1 else \
+            presets.llama_like(layers=32, kv_heads=max(1, round(8 * scale)), head_dim=128, block_size=16)
+    path = Path(name)
+    if not path.is_file():
+        raise CliError(f"--registration {name!r} is neither one of {', '.join(REGISTRATION_NAMES)} nor a file")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - any parse error is the user's file
+        raise CliError(f"cannot parse registration file {name}: {e}") from None
+    if not isinstance(data, dict):
+        raise CliError(f"registration file {name} must hold a mapping with a 'tensors' list")
+    try:
+        return Registration.from_dict(data, name=path.stem)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CliError(f"registration file {name}: {e}") from None
+
+
+def _common(p: argparse.ArgumentParser, *, tier_default: str = "fs") -> None:
+    g = p.add_argument_group("state and tier")
+    g.add_argument("--registration", default="dsv4-flash", metavar="NAME|FILE",
+                   help="dsv4-flash (167 tensors), dsv4-flash-mtp (170), llama-like, or a JSON/YAML file "
+                        "with {'chunk_tokens': 256, 'tensors': [{name, dtype, entry_shape, block_size, "
+                        "token_ratio, group}, ...]} (default dsv4-flash)")
+    g.add_argument("--scale", type=scale_type, default=DEFAULT_SCALE,
+                   help="shrink preset entry widths so long prefixes fit in memory here (default 1/64; "
+                        "1 = the real widths); ignored for registration files")
+    g.add_argument("--tier", default=tier_default, metavar="fs|mooncake",
+                   help=f"where the state is stored and restored from (default {tier_default})")
+    g.add_argument("--root", help="fs tier: keep the objects in this existing directory (default: a temporary "
+                                  "directory, removed afterwards)")
+    g.add_argument("--load-concurrency", type=int, default=None,
+                   help="fs tier: parallel object reads (default $LMCACHE_FS_LOAD_CONCURRENCY or 1)")
+    g.add_argument("--mooncake-master", metavar="HOST:PORT",
+                   help="use an existing mooncake_master (default: start one on 127.0.0.1 and stop it after)")
+    g.add_argument("--metadata-server", metavar="URL",
+                   help="its metadata server (default http://HOST:8080/metadata)")
+    r = p.add_argument_group("restore")
+    r.add_argument("--depth", type=int, choices=(1, 2), default=2,
+                   help="pipeline depth: 2 fetches window j+1 while window j installs (default 2)")
+    r.add_argument("--timeout", type=float, default=120.0, help="fetch timeout per window, seconds (default 120)")
+    r.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "cuda"),
+                   help="install backend (default auto)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
+    o.add_argument("--quiet", action="store_true", help="no progress bars or notes, just the table")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bsr", description="Bounded-state restoration of LLM KV-cache prefixes.")
-    sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="the main job on its embedded default")
-    d.add_argument("--tokens", type=int, default=65536, help="prefix length in tokens (default 65536)")
-    d.add_argument("--window", type=int, default=32, help="window W in chunks (default 32)")
-    d.add_argument("--scale", type=float, default=1 / 64, help="entry-width scale of the preset (default 1/64)")
-    d.set_defaults(func=_install_demo)
+    p = argparse.ArgumentParser(
+        prog="bsr",
+        description="Bounded-state restoration: restore long KV-cache prefixes from an external tier window "
+                    "by window, with local staging bounded by the window size W.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("demo", help="store a 524032-token scaled DeepSeek-V4-Flash state and restore prefixes "
+                                    "with W=32 and the whole-plan path; table and plot",
+                       description="The main job on its embedded default: writes the scaled 167-tensor "
+                                   "DeepSeek-V4-Flash-like state of a 524032-token prefix to a filesystem tier in "
+                                   "a temporary directory (and to a Mooncake master started on 127.0.0.1 when the "
+                                   "Mooncake wheel is installed), restores prefixes of 32768..524032 tokens with "
+                                   "W=32 and with the whole-plan path (W=0), prints a table and saves a plot of "
+                                   "peak staging against prefix length.")
+    _common(d, tier_default="auto")
+    d.add_argument("--tokens", type=parse_tokens, default=PAPER_TOKENS, help="prefix lengths (default the paper's)")
+    d.add_argument("--window", type=non_negative_int, default=32, help="W in chunks (default 32)")
+    d.add_argument("--plot", default="bsr_demo_peak_staging.png", help="PNG to write (default %(default)s)")
+    d.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("sweep", help="the E1 sweep: restore several prefix lengths at one W",
+                       description="Stores the state of the longest prefix once, then restores each prefix "
+                                   "length at --window (and at W=0 with --baseline); one row per (tokens, W).")
+    _common(s)
+    s.add_argument("--tokens", type=parse_tokens, default=PAPER_TOKENS, help="comma-separated prefix lengths")
+    s.add_argument("--window", type=non_negative_int, default=32, help="W in chunks (0 = whole plan; default 32)")
+    s.add_argument("--baseline", action="store_true", help="also run the whole-plan path (W=0) for every length")
+    s.add_argument("--repeat", type=int, default=1, help="runs per row; the median is reported (default 1)")
+    s.add_argument("--plot", help="PNG of peak staging against prefix length")
+    s.set_defaults(func=cmd_sweep)
+
+    w = sub.add_parser("wlaw", help="peak staging against W at one prefix length (the W -> RWS law)",
+                       description="Restores one prefix (default 262144 tokens) at W in {8,16,32,64}; peak "
+                                   "staging must be W*c. Seconds are descriptive only.")
+    _common(w)
+    w.add_argument("--tokens", type=int, default=262144, help="prefix length (default 262144)")
+    w.add_argument("--windows", default="8,16,32,64", help="comma-separated W values (default 8,16,32,64)")
+    w.add_argument("--plot", help="PNG of peak staging against W")
+    w.set_defaults(func=cmd_wlaw)
+
+    la = sub.add_parser("ladder", help="whole-plan staging capacity ladder beside BSR at a fixed W",
+                        description="For each prefix length the whole-plan path (W=0) runs with staging capacity "
+                                    "raised through doubling rungs until the full prefix is restored; BSR runs at "
+                                    "--window with capacity W*c.")
+    _common(la)
+    la.add_argument("--tokens", type=parse_tokens, default=[32768, 131072, 262144],
+                    help="prefix lengths (default 32768,131072,262144)")
+    la.add_argument("--window", type=non_negative_int, default=32, help="BSR window W (default 32)")
+    la.add_argument("--first-rung", type=int, default=1 << 20, help="first capacity rung in bytes (default 1 MiB)")
+    la.add_argument("--plot", help="PNG of the first passing rung against prefix length")
+    la.set_defaults(func=cmd_ladder)
+
+    f = sub.add_parser("faults", help="run the fault matrix against real tiers",
+                       description="Runs each fault scenario (store unavailable, eviction, timeout, corruption, "
+                                   "install exception, one rank failing, ...) and prints per scenario: outcome, "
+                                   "exposed tokens, invalid blocks, force-local marker, staging leaked, tier that "
+                                   "served.")
+    _common(f)
+    f.add_argument("--tokens", type=int, default=8192, help="prefix length per scenario (default 8192)")
+    f.add_argument("--window", type=non_negative_int, default=4, help="W in chunks (default 4)")
+    f.set_defaults(func=cmd_faults)
+
+    b = sub.add_parser("bench", help="per-window install microbenchmark of every backend on this machine",
+                       description="Installs one window of W chunks for each W with every backend present "
+                                   "(torch; Triton and CUDA on a GPU) and a contiguous copy of the same bytes.")
+    _common(b)
+    b.add_argument("--windows", default="1,8,16,32,64", help="comma-separated W values (default 1,8,16,32,64)")
+    b.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    b.add_argument("--rounds", type=int, default=5, help="timed rounds per case; the fastest counts (default 5)")
+    b.set_defaults(func=cmd_bench)
     return p
 
 
+# -- shared pieces --------------------------------------------------------------------------
+
+def _tier_names(args) -> list[str]:
+    if args.tier != "auto":
+        names = args.tier.split(",")
+    else:
+        names = ["fs"]
+        with contextlib.suppress(ImportError, OSError):
+            import mooncake.store  # noqa: F401
+
+            names.append("mooncake")
+    from .tier_setup import TIER_NAMES
+
+    for n in names:
+        if n not in TIER_NAMES:
+            raise CliError(f"unknown tier {n!r}; choose from {', '.join(TIER_NAMES)}")
+    return names
+
+
+def _tier_options(args, name: str):
+    from .tier_setup import TierOptions
+
+    return TierOptions(name=name, root=args.root, load_concurrency=args.load_concurrency,
+                       mooncake_master=args.mooncake_master, metadata_server=args.metadata_server)
+
+
+def _store(progress: Progress, src, tier) -> None:
+    from .experiments import store_source
+
+    with progress.bar(src.num_chunks, f"store -> {tier.name}", "chunk") as bar:
+        store_source(src, tier, progress=bar.update)
+
+
+def _sweep_rows(args, reg, tier_names, tokens, windows, progress, repeat=1, max_staging=None):
+    from .experiments import Destinations, make_source, source_hashes, sweep
+    from .tier_setup import open_tier
+
+    max_chunks = max(tokens) // reg.chunk_tokens
+    if max_chunks == 0:
+        raise CliError(f"the longest prefix must hold at least one {reg.chunk_tokens}-token chunk")
+    progress.say(f"building the source state of {max_chunks} chunks "
+                 f"({human_bytes(max_chunks * reg.chunk_bytes)})")
+    src = make_source(reg, max_chunks, seed=0)
+    expected = source_hashes(src, [t // reg.chunk_tokens for t in tokens])
+    dst = Destinations(reg, src.num_chunks, seed=1)
+    rows = []
+    for name in tier_names:
+        with open_tier(_tier_options(args, name), reg, capacity_bytes=max_chunks * reg.chunk_bytes) as tier:
+            _store(progress, src, tier)
+            with progress.bar(len(tokens) * len(windows), f"restore <- {tier.name}", "row") as bar:
+                def on_row(r, bar=bar):
+                    bar.update(1)
+                    bar.set_postfix_str(f"{r.tokens} tok W={r.window_chunks}: {r.seconds:.2f}s")
+                rows += sweep(src, tier, tokens, windows, depth=args.depth, fetch_timeout_s=args.timeout,
+                              backend=args.backend, expected=expected, dst=dst, repeat=repeat, on_row=on_row)
+    return rows
+
+
+def _write_json(path: str | None, rows: list[dict]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _rows_table(rows) -> None:
+    print_table(
+        ["tier", "tokens", "chunks", "W", "windows", "peak staging", "seconds", "GB/s", "state hash ok"],
+        [(r.tier, r.tokens, r.chunks, r.window_chunks, r.windows, human_bytes(r.peak_staging_bytes),
+          f"{r.seconds:.2f}", f"{r.gbps:.2f}", "yes" if r.state_hash_ok else "NO") for r in rows])
+
+
+def _plot_peaks(path: str, rows, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for (tier, w), marker in zip(sorted({(r.tier, r.window_chunks) for r in rows}), "os^vD<>"):
+        pts = sorted((r.tokens, r.peak_staging_bytes / 2**20) for r in rows if (r.tier, r.window_chunks) == (tier, w))
+        label = f"{tier}, " + (f"BSR W={w}" if w else "whole plan (W=0)")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=label)
+    ax.set_xlabel("prefix length (tokens)")
+    ax.set_ylabel("peak staging (MiB)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- subcommands ----------------------------------------------------------------------------
+
+def cmd_demo(args) -> int:
+    progress = Progress(args.quiet)
+    reg = load_registration(args.registration, args.scale)
+    from bsr_kernels import presets
+
+    print(f"{reg.describe()}")
+    if args.registration.startswith("dsv4"):
+        print(f"unscaled c = {presets.dsv4_flash(mtp=args.registration.endswith('mtp')).chunk_bytes:,} B per chunk "
+              f"(the paper's figure for MTP off: {presets.PAPER_DSV4_CHUNK_BYTES:,} B); this run: scale {args.scale:g}")
+    t0 = time.perf_counter()
+    windows = [args.window, 0] if args.window else [0]
+    rows = _sweep_rows(args, reg, _tier_names(args), args.tokens, windows, progress)
+    _rows_table(rows)
+    bsr = [r for r in rows if r.window_chunks]
+    if bsr:
+        peaks = {r.peak_staging_bytes for r in bsr}
+        print(f"BSR peak staging is the same at every length: {len(peaks) == 1} "
+              f"({', '.join(human_bytes(p) for p in sorted(peaks))} = W*c = "
+              f"{human_bytes(args.window * reg.chunk_bytes)}); whole-plan peak grows with the prefix.")
+    _plot_peaks(args.plot, rows, f"{reg.name}: peak staging vs prefix length")
+    print(f"plot: {args.plot}; {time.perf_counter() - t0:.0f} s")
+    _write_json(args.json, [r.to_dict() for r in rows])
+    return 0 if all(r.state_hash_ok for r in rows) else 1
+
+
+def cmd_sweep(args) -> int:
+    progress = Progress(args.quiet)
+    reg = load_registration(args.registration, args.scale)
+    print(reg.describe())
+    windows = [args.window] + ([0] if args.baseline and args.window else [])
+    rows = _sweep_rows(args, reg, _tier_names(args), args.tokens, windows, progress, repeat=args.repeat)
+    _rows_table(rows)
+    _write_json(args.json, [r.to_dict() for r in rows])
+    if args.plot:
+        _plot_peaks(args.plot, rows, f"{reg.name}: peak staging vs prefix length")
+    return 0 if all(r.state_hash_ok for r in rows) else 1
+
+
+def cmd_wlaw(args) -> int:
+    progress = Progress(args.quiet)
+    reg = load_registration(args.registration, args.scale)
+    windows = [int(w) for w in args.windows.split(",")]
+    if any(w <= 0 for w in windows):
+        raise CliError("--windows must be positive window sizes")
+    print(reg.describe())
+    rows = _sweep_rows(args, reg, _tier_names(args), [args.tokens], windows, progress)
+    print_table(["tier", "W", "peak staging", "W*c", "peak == W*c", "seconds (descriptive)"],
+                [(r.tier, r.window_chunks, human_bytes(r.peak_staging_bytes),
+                  human_bytes(min(r.window_chunks, r.chunks) * r.chunk_bytes),
+                  "yes" if r.peak_staging_bytes == min(r.window_chunks, r.chunks) * r.chunk_bytes else "NO",
+                  f"{r.seconds:.2f}") for r in rows])
+    _write_json(args.json, [r.to_dict() for r in rows])
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for tier in sorted({r.tier for r in rows}):
+            pts = sorted((r.window_chunks, r.peak_staging_bytes / 2**20) for r in rows if r.tier == tier)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=tier)
+        ax.set_xlabel("W (chunks)")
+        ax.set_ylabel("peak staging (MiB)")
+        ax.set_title(f"{reg.name}, {args.tokens} tokens")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        plt.close(fig)
+    ok = all(r.state_hash_ok and r.peak_staging_bytes == min(r.window_chunks, r.chunks) * r.chunk_bytes
+             for r in rows)
+    return 0 if ok else 1
+
+
+def cmd_ladder(args) -> int:
+    from .experiments import Destinations, ladder, make_source
+    from .tier_setup import open_tier
+
+    progress = Progress(args.quiet)
+    reg = load_registration(args.registration, args.scale)
+    print(reg.describe())
+    if args.window <= 0:
+        raise CliError("--window must be positive for the BSR side of the ladder")
+    max_chunks = max(args.tokens) // reg.chunk_tokens
+    src = make_source(reg, max_chunks, seed=0)
+    dst = Destinations(reg, max_chunks, seed=1)
+    rows = []
+    for name in _tier_names(args):
+        with open_tier(_tier_options(args, name), reg, capacity_bytes=max_chunks * reg.chunk_bytes) as tier:
+            _store(progress, src, tier)
+            with progress.bar(len(args.tokens), f"ladder <- {tier.name}", "prefix") as bar:
+                for tokens in args.tokens:
+                    rows.append(ladder(src, tier, tokens, args.window, first_rung=args.first_rung,
+                                       depth=args.depth, dst=dst))
+                    bar.update(1)
+    print_table(["tier", "tokens", "chunk bytes", "whole plan N*c", "first passing rung", "rungs tried",
+                 "BSR capacity", "BSR pass"],
+                [(r["tier"], r["tokens"], f"{r['chunk_bytes']:,}", human_bytes(r["whole_plan_bytes"]),
+                  human_bytes(r["first_passing_rung_bytes"]), r["rungs_tried"], human_bytes(r["bsr_capacity_bytes"]),
+                  "yes" if r["bsr_pass"] else "NO") for r in rows])
+    _write_json(args.json, rows)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        xs = [r["tokens"] for r in rows]
+        ax.plot(xs, [r["first_passing_rung_bytes"] / 2**20 for r in rows], marker="o",
+                label="whole plan: first passing rung")
+        ax.plot(xs, [r["bsr_capacity_bytes"] / 2**20 for r in rows], marker="s", label=f"BSR W={args.window}")
+        ax.set_xlabel("prefix length (tokens)")
+        ax.set_ylabel("staging capacity (MiB)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        plt.close(fig)
+    return 0 if all(r["bsr_pass"] for r in rows) else 1
+
+
+def cmd_faults(args) -> int:
+    try:
+        from .faults import run_fault_matrix
+    except ImportError:
+        raise CliError("the fault matrix is not available in this build (bsr_runtime.faults is missing)") from None
+    progress = Progress(args.quiet)
+    reg = load_registration(args.registration, args.scale)
+    print(reg.describe())
+    rows = run_fault_matrix(reg, tokens=args.tokens, window_chunks=args.window, depth=args.depth,
+                            tiers=_tier_names(args), progress=progress.say)
+    print_table(["scenario", "outcome", "exposed tokens", "invalid/total blocks", "marker set", "marker cleared",
+                 "staging leaked", "served by", "state hash ok"],
+                [(r["scenario"], r["outcome"], r["exposed_tokens"], f"{r['invalid_blocks']}/{r['total_blocks']}",
+                  r["marker_set"], r["marker_cleared"], human_bytes(r["staging_leaked_bytes"]), r["served_by"],
+                  r["state_hash_ok"]) for r in rows])
+    _write_json(args.json, rows)
+    return 0 if all(r.get("as_expected", True) for r in rows) else 1
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from bsr_kernels.bench import bench_install
+
+    reg = load_registration(args.registration, args.scale)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    windows = [int(w) for w in args.windows.split(",")]
+    print(f"{reg.describe()} on {device}")
+    rows = bench_install(reg, windows, device=device, rounds=args.rounds)
+    print_table(["W", "bytes", "backend", "GB/s", "contiguous GB/s", "ratio"],
+                [(r["window_chunks"], human_bytes(r["bytes"]), r["backend"], f"{r['gbps']:.2f}",
+                  f"{r['contiguous_gbps']:.2f}", f"{r['ratio']:.2f}") for r in rows])
+    _write_json(args.json, rows)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from .mooncake_master import MooncakeMasterError
+    from .tiers.base import TierError
+
     try:
         return args.func(args)
-    except (ValueError, OSError) as e:
-        print(f"bsr: error: {e}", file=sys.stderr)
+    except (CliError, ValueError, TierError, MooncakeMasterError, OSError, TimeoutError) as e:
+        print(f"bsr {args.command}: error: {e}".splitlines()[0], file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"bsr {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -166,3 +166,42 @@ def sweep(src: SourceState, tier: Tier, token_counts: Sequence[int], windows: Se
         for r in restorers.values():
             r.close()
     return rows
+
+
+def ladder(src: SourceState, tier: Tier, tokens: int, window: int, *, first_rung: int = 1 << 20,
+           depth: int = 2, dst: Destinations | None = None, max_rungs: int = 40) -> dict:
+    """Whole-plan capacity ladder for one prefix: W = 0 with staging capacity raised through
+    doubling rungs until the full prefix restores (state hash equal), beside BSR at `window`
+    with capacity W*c."""
+    reg = src.reg
+    n = tokens // reg.chunk_tokens
+    if not 0 < n <= src.num_chunks:
+        raise ValueError(f"ladder prefix of {tokens} tokens: need 1..{src.num_chunks} chunks")
+    dst = dst or Destinations(reg, src.num_chunks, seed=1)
+    expected = state_hash(reg, src.kv, src.block_tables, n)
+
+    def attempt(w: int, capacity: int):
+        dst.poison()
+        cfg = RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth, max_staging_bytes=capacity)
+        with BoundedRestorer(reg, cfg) as restorer:
+            req = RestoreRequest(f"ladder-{tokens}-{w}-{capacity}", src.tokens, src.keyspace, dst.kv, dst.tables)
+            rep = restorer.restore(req, tier, n)
+        ok = rep.ok and state_hash(reg, dst.kv, dst.tables, n) == expected
+        return ok, rep
+
+    rung, tried = first_rung, 0
+    while True:
+        tried += 1
+        ok, _ = attempt(0, rung)
+        if ok or tried >= max_rungs:
+            break
+        rung *= 2
+    bsr_capacity = window * reg.chunk_bytes
+    bsr_ok, bsr_rep = attempt(window, bsr_capacity)
+    return {
+        "tier": tier.name, "tokens": tokens, "chunks": n, "chunk_bytes": reg.chunk_bytes,
+        "whole_plan_bytes": n * reg.chunk_bytes, "first_passing_rung_bytes": rung if ok else None,
+        "rungs_tried": tried, "bsr_window_chunks": window, "bsr_capacity_bytes": bsr_capacity,
+        "bsr_peak_staging_bytes": bsr_rep.peak_staging_bytes,
+        "bsr_pass": bool(bsr_ok and bsr_rep.peak_staging_bytes <= bsr_capacity),
+    }
