@@ -163,8 +163,16 @@ def _common(p: argparse.ArgumentParser, *, tier_default: str = "fs") -> None:
     o.add_argument("--quiet", action="store_true", help="no progress bars or notes, just the table")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line on stderr and exit code 2 (no usage dump)."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="bsr",
         description="Bounded-state restoration: restore long KV-cache prefixes from an external tier window "
                     "by window, with local staging bounded by the window size W.")

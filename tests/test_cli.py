@@ -1,0 +1,136 @@
+"""The `bsr` command at tiny sizes: JSON fields, exit codes, bad arguments, unreachable store."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bsr_kernels import presets
+from bsr_runtime.cli import main
+from bsr_runtime.mooncake_master import free_port
+
+SWEEP_FIELDS = {"tokens", "chunks", "window_chunks", "windows", "chunk_bytes", "peak_staging_bytes", "bytes_moved",
+                "seconds", "committed_tokens", "state_hash_ok", "tier"}
+C = presets.dsv4_flash(scale=1 / 64).chunk_bytes
+
+
+def run(args, capsys):
+    rc = main(args)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_sweep_json_rows_and_bound(tmp_path, capsys):
+    js, png = tmp_path / "rows.json", tmp_path / "peak.png"
+    rc, out, _ = run(["sweep", "--tokens", "1024,3072", "--window", "2", "--baseline", "--quiet",
+                      "--json", str(js), "--plot", str(png)], capsys)
+    assert rc == 0
+    rows = json.loads(js.read_text())
+    assert len(rows) == 4 and all(SWEEP_FIELDS <= set(r) for r in rows)
+    for r in rows:
+        assert r["state_hash_ok"] and r["committed_tokens"] == r["tokens"] and r["chunk_bytes"] == C
+        w, n = r["window_chunks"], r["chunks"]
+        assert r["peak_staging_bytes"] == (min(w, n) if w else n) * C
+    assert png.stat().st_size > 1000
+    assert "state hash ok" in out
+
+
+def test_wlaw_peak_is_w_times_c(tmp_path, capsys):
+    js = tmp_path / "w.json"
+    rc, out, _ = run(["wlaw", "--tokens", "4096", "--windows", "1,2,4", "--quiet", "--json", str(js)], capsys)
+    assert rc == 0
+    rows = json.loads(js.read_text())
+    assert [r["peak_staging_bytes"] for r in rows] == [1 * C, 2 * C, 4 * C]
+
+
+def test_ladder_rows(tmp_path, capsys):
+    js = tmp_path / "l.json"
+    rc, _, _ = run(["ladder", "--tokens", "1024,4096", "--window", "2", "--quiet", "--json", str(js),
+                    "--first-rung", str(C)], capsys)
+    assert rc == 0
+    rows = json.loads(js.read_text())
+    for r in rows:
+        assert {"tokens", "chunk_bytes", "first_passing_rung_bytes", "bsr_capacity_bytes", "bsr_pass"} <= set(r)
+        n = r["tokens"] // 256
+        # doubling rungs from c: the first passing rung is the first power-of-two multiple of c >= N*c
+        assert r["first_passing_rung_bytes"] >= n * C > r["first_passing_rung_bytes"] // 2
+        assert r["bsr_pass"] and r["bsr_capacity_bytes"] == 2 * C
+
+
+def test_bench_rows(tmp_path, capsys):
+    js = tmp_path / "b.json"
+    rc, _, _ = run(["bench", "--windows", "1,2", "--rounds", "1", "--json", str(js)], capsys)
+    assert rc == 0
+    rows = json.loads(js.read_text())
+    assert {r["backend"] for r in rows} >= {"torch"} and all(r["gbps"] > 0 for r in rows)
+
+
+def test_registration_file(tmp_path, capsys):
+    spec = {"chunk_tokens": 256, "tensors": [
+        {"name": "k", "dtype": "bfloat16", "entry_shape": [2, 8], "block_size": 16},
+        {"name": "v", "dtype": "bfloat16", "entry_shape": [2, 8], "block_size": 16},
+        {"name": "idx", "dtype": "uint8", "entry_shape": [20], "block_size": 16, "token_ratio": 4, "group": 1},
+    ]}
+    f = tmp_path / "model.json"
+    f.write_text(json.dumps(spec))
+    js = tmp_path / "r.json"
+    rc, out, _ = run(["sweep", "--registration", str(f), "--tokens", "2048", "--window", "3", "--quiet",
+                      "--json", str(js)], capsys)
+    assert rc == 0 and "3 tensors, 2 groups" in out
+    assert json.loads(js.read_text())[0]["state_hash_ok"]
+    y = tmp_path / "model.yaml"
+    y.write_text("tensors:\n  - {name: k, dtype: float16, entry_shape: [4], block_size: 8}\n")
+    rc, out, _ = run(["wlaw", "--registration", str(y), "--tokens", "1024", "--windows", "2", "--quiet"], capsys)
+    assert rc == 0 and "1 tensors" in out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["sweep", "--window", "-1"], "must be >= 0"),
+    (["sweep", "--tokens", "abc"], "comma-separated"),
+    (["sweep", "--scale", "3"], "(0, 1]"),
+    (["sweep", "--tier", "tape", "--tokens", "256"], "unknown tier"),
+    (["sweep", "--registration", "missing.json", "--tokens", "256"], "neither one of"),
+    (["sweep", "--root", "/nonexistent/bsr", "--tokens", "256", "--quiet"], "does not exist"),
+    (["wlaw", "--windows", "0", "--tokens", "256"], "positive window"),
+])
+def test_bad_arguments_are_one_line_errors(args, needle, capsys):
+    try:
+        rc = main(args)
+    except SystemExit as e:  # argparse rejects it
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_unreachable_store_is_one_line_and_bounded(capsys):
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "bsr_runtime.cli", "sweep", "--tier", "mooncake",
+                           "--mooncake-master", f"127.0.0.1:{port}", "--tokens", "512", "--quiet"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "does not answer" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.mooncake
+def test_sweep_on_mooncake_starts_and_stops_its_master(tmp_path, capsys):
+    psutil = pytest.importorskip("psutil")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    js = tmp_path / "m.json"
+    rc, _, _ = run(["sweep", "--tier", "mooncake", "--tokens", "1024", "--window", "2", "--baseline", "--quiet",
+                    "--json", str(js)], capsys)
+    assert rc == 0
+    rows = json.loads(js.read_text())
+    assert {r["tier"] for r in rows} == {"mooncake"} and all(r["state_hash_ok"] for r in rows)
+    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert after <= before
+
+
+def test_help_explains_each_subcommand():
+    for cmd in ("demo", "sweep", "wlaw", "ladder", "faults", "bench"):
+        proc = subprocess.run([sys.executable, "-m", "bsr_runtime.cli", cmd, "--help"], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0 and "--json" in proc.stdout and "--quiet" in proc.stdout
