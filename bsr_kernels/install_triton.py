@@ -1,9 +1,134 @@
-"""Triton backend (placeholder until the kernel lands)."""
+"""Triton backend: one launch copies a whole window, every tensor of the registration.
 
-from __future__ import annotations
+Program (tile, t) moves one tile of tensor t's window: its `num_chunks` staged segments read
+as one run of entries (entry w of the run is entry `first_chunk * entries_per_chunk + w` of the
+tensor, in chunk w // entries_per_chunk). Destination base addresses and block-table bases come
+from the int64 tables of `descriptors`, cast to pointers in the kernel, so one launch serves any
+number of tensors and groups. Each tensor is copied in the widest unit (8, 4, 2 or 1 bytes)
+that its base address, entry width and block stride allow; segment offsets, chunk bytes and
+the staging address are 16-byte aligned by construction (registration.py, validate.py).
+
+Staging on the host with destinations on a GPU: the window is first copied to the device in
+one bulk copy (install), or gathered on the device and copied back in one (gather). Both are
+stream-ordered: the caller synchronises `stream` before reusing or reading the host buffer.
+On the CPU the kernel runs only under TRITON_INTERPRET=1; that is for tests, the torch backend
+is faster. `triton.jit` reads the variable when this module is imported, so the kernels are then
+either interpreted (CPU tensors only: they dereference raw addresses on the host) or compiled
+(CUDA only) for the life of the process, and `available` reports accordingly.
+"""
+
+import os
+from contextlib import nullcontext
 
 import torch
 
+from .descriptors import DESC_FIELDS, block_table_pointers, descriptor_table
+from .registration import Registration
+from .validate import WindowArgs
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional dependency: available() says False, nothing else is defined
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # as triton.jit saw it below
+_GPU_TILE_BYTES = 16384
+_INTERP_TILE_BYTES = (64, 1 << 22)  # bounds; 64 keeps TILE_BYTES // 8 lanes >= 1 in every branch
+
 
 def available(device: torch.device) -> bool:
-    return False
+    if triton is None:
+        return False
+    device = torch.device(device)
+    if device.type == "cuda":
+        return not _INTERPRET and torch.cuda.is_available()
+    return device.type == "cpu" and _INTERPRET
+
+
+if triton is not None:
+    # descriptor columns (descriptors.DESC_FIELDS), as compile-time constants of the kernels
+    _COLS = tl.constexpr(len(DESC_FIELDS))
+    _BASE, _EB, _BSTRIDE, _SEG, _EPC, _BSIZE, _GROUP = (tl.constexpr(DESC_FIELDS.index(f)) for f in (
+        "dst_base", "entry_bytes", "block_stride", "seg_offset", "entries_per_chunk", "block_size", "group"))
+
+    @triton.jit
+    def _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_bytes,
+                   GATHER: tl.constexpr, DT: tl.constexpr, UNIT: tl.constexpr, TILE_BYTES: tl.constexpr):
+        N: tl.constexpr = TILE_BYTES // UNIT
+        dst = tl.load(row + _BASE).to(tl.pointer_type(DT))
+        table = tl.load(bt_ptrs + tl.load(row + _GROUP)).to(tl.pointer_type(tl.int64))
+        # per-element index math in int32 (64-bit division is slow on GPUs); addresses in int64
+        eu = (tl.load(row + _EB) // UNIT).to(tl.int32)  # units per entry
+        epc = tl.load(row + _EPC).to(tl.int32)
+        bsize = tl.load(row + _BSIZE).to(tl.int32)
+        u = tile * N + tl.arange(0, N)  # unit index in this tensor's window
+        w = u // eu  # entry index in the window
+        inside = w < num_chunks * epc
+        e = first_chunk * epc + w  # entry index in the tensor
+        blk = tl.load(table + e // bsize, mask=inside, other=-1)
+        keep = inside & (blk >= 0)  # block -1: not resident
+        d = blk * (tl.load(row + _BSTRIDE) // UNIT) + ((e % bsize) * eu + u % eu).to(tl.int64)
+        chunk = w // epc
+        s = chunk.to(tl.int64) * (chunk_bytes // UNIT) + tl.load(row + _SEG) // UNIT + (u - chunk * epc * eu)
+        src = staging.to(tl.pointer_type(DT))
+        if GATHER:  # -1 entries read as zero
+            tl.store(src + s, tl.load(dst + d, mask=keep, other=0), mask=inside)
+        else:
+            tl.store(dst + d, tl.load(src + s, mask=keep), mask=keep)
+
+    @triton.jit
+    def _window_kernel(desc, bt_ptrs, staging, first_chunk, num_chunks, chunk_bytes,
+                       GATHER: tl.constexpr, TILE_BYTES: tl.constexpr):
+        tile = tl.program_id(0)
+        row = desc + tl.program_id(1) * _COLS
+        # the grid covers the largest tensor's window; smaller tensors have fewer tiles
+        if tile.to(tl.int64) * TILE_BYTES < num_chunks * tl.load(row + _EPC) * tl.load(row + _EB):
+            align = tl.load(row + _BASE) | tl.load(row + _EB) | tl.load(row + _BSTRIDE)
+            if align % 8 == 0:
+                _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_bytes,
+                           GATHER, tl.int64, 8, TILE_BYTES)
+            elif align % 4 == 0:
+                _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_bytes,
+                           GATHER, tl.int32, 4, TILE_BYTES)
+            elif align % 2 == 0:
+                _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_bytes,
+                           GATHER, tl.int16, 2, TILE_BYTES)
+            else:
+                _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_bytes,
+                           GATHER, tl.uint8, 1, TILE_BYTES)
+
+
+def _launch(reg: Registration, a: WindowArgs, staging: torch.Tensor, gather: bool) -> None:
+    device = a.kv[0].device
+    desc = descriptor_table(reg, a.kv, device)
+    bt_ptrs, _tables = block_table_pointers(a.block_tables, device)  # _tables: keep them alive
+    window_bytes = a.num_chunks * max(reg.segment_bytes(i) for i in range(reg.num_tensors))
+    assert window_bytes < 2**31, "unit indices are int32: split windows over 2 GiB per tensor"
+    if device.type == "cuda":
+        tile_bytes = _GPU_TILE_BYTES
+    else:  # the interpreter runs programs one after another, each vectorised: few, large tiles
+        tile_bytes = min(max(triton.next_power_of_2(window_bytes), _INTERP_TILE_BYTES[0]), _INTERP_TILE_BYTES[1])
+    grid = (triton.cdiv(window_bytes, tile_bytes), reg.num_tensors)
+    _window_kernel[grid](desc, bt_ptrs, staging, a.first_chunk, a.num_chunks, reg.chunk_bytes,
+                         GATHER=gather, TILE_BYTES=tile_bytes, num_warps=8)
+
+
+def install(reg: Registration, a: WindowArgs, stream=None) -> None:
+    device = a.kv[0].device
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        staging = a.staging[: a.num_chunks * reg.chunk_bytes]
+        if staging.device != device:  # host staging: one bulk copy to the device
+            staging = staging.to(device, non_blocking=True)
+        _launch(reg, a, staging, gather=False)
+
+
+def gather(reg: Registration, a: WindowArgs, stream=None) -> None:
+    device = a.kv[0].device
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        out = a.staging[: a.num_chunks * reg.chunk_bytes]
+        buf = out if out.device == device else torch.empty(out.shape, dtype=torch.uint8, device=device)
+        buf.zero_()  # padding between segments and chunk tails
+        _launch(reg, a, buf, gather=True)
+        if buf is not out:  # host staging: one bulk copy back
+            out.copy_(buf, non_blocking=True)
