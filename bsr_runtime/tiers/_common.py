@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import threading
+import zlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from .base import FetchHandle
+from .base import CorruptObjectError, FetchHandle, TierError
 
 
 class SettledFetchHandle(FetchHandle):
@@ -112,3 +113,27 @@ class DelayedCompletions:
                 timer.join()
         with self._lock:
             self._timers.difference_update(timers)
+
+
+# -- payload checksums (shared by the filesystem and Mooncake tiers) -------------------------
+try:  # CRC-32C in hardware: ~6x faster than zlib.crc32 here (27 vs 4.2 GB/s), releases the GIL
+    import google_crc32c as _crc32c
+
+    HAVE_CRC32C = getattr(_crc32c, "implementation", "c") == "c"
+except ImportError:  # pragma: no cover - depends on the environment
+    _crc32c = None
+    HAVE_CRC32C = False
+
+CRC32 = 1
+CRC32C = 2
+DEFAULT_CHECKSUM = CRC32C if HAVE_CRC32C else CRC32
+
+
+def payload_crc(algo: int, data: np.ndarray | bytes) -> int:
+    if algo == CRC32C:
+        if _crc32c is None:
+            raise TierError("object uses CRC-32C but google_crc32c is not installed")
+        return _crc32c.value(data)
+    if algo == CRC32:
+        return zlib.crc32(data)
+    raise CorruptObjectError(f"unknown checksum algorithm {algo}")

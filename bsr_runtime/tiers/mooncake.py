@@ -13,7 +13,7 @@ Data path
   the Tier contract asks for.
 
 Integrity. Mooncake does not check what it returns, so every chunk has a companion object
-`key + ".meta"` (magic, version, length, crc32 via zlib, fingerprint). put() writes all of a
+`key + ".meta"` (magic, version, length, CRC-32C or zlib CRC-32, fingerprint). put() writes all of a
 window's records with one `upsert_batch`; fetch() reads them with one `get_batch` and checks
 the crc of the landed bytes; probe() asks `batch_is_exist` once for the chunks and their
 records together. A chunk whose record is gone (evicted separately) counts as absent.
@@ -51,13 +51,13 @@ import socket
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 import torch
 
+from ._common import CRC32, CRC32C, DEFAULT_CHECKSUM, payload_crc
 from .base import (
     CorruptObjectError,
     FetchHandle,
@@ -70,8 +70,10 @@ from .base import (
 
 META_SUFFIX = ".meta"
 _META_MAGIC = b"BSRM"
-_META_VERSION = 1
-_META = struct.Struct("<4sHHQI")  # magic, version, fingerprint length, object length, crc32
+# version 1: crc is zlib CRC-32; version 2: CRC-32C (google_crc32c, ~6x faster here)
+_META_VERSIONS = {1: CRC32, 2: CRC32C}
+_META_VERSION = 2 if DEFAULT_CHECKSUM == CRC32C else 1
+_META = struct.Struct("<4sHHQI")  # magic, version, fingerprint length, object length, checksum
 
 # Mooncake ErrorCode values (mooncake-store/include/types.h)
 OBJECT_NOT_FOUND = -704
@@ -94,19 +96,19 @@ def encode_meta(fingerprint: str, length: int, crc: int) -> bytes:
     return _META.pack(_META_MAGIC, _META_VERSION, len(fp), length, crc) + fp
 
 
-def decode_meta(blob: bytes) -> tuple[str, int, int]:
-    """(fingerprint, length, crc32) from a record; ValueError if it is not one."""
+def decode_meta(blob: bytes) -> tuple[str, int, int, int]:
+    """(fingerprint, length, checksum algorithm, checksum) from a record; ValueError if it is not one."""
     if len(blob) < _META.size:
         raise ValueError(f"integrity record of {len(blob)} B is too short")
     magic, version, fp_len, length, crc = _META.unpack_from(blob)
-    if magic != _META_MAGIC or version != _META_VERSION or len(blob) != _META.size + fp_len:
+    if magic != _META_MAGIC or version not in _META_VERSIONS or len(blob) != _META.size + fp_len:
         raise ValueError("not a BSR integrity record")
-    return blob[_META.size :].decode(errors="replace"), length, crc
+    return blob[_META.size :].decode(errors="replace"), length, _META_VERSIONS[version], crc
 
 
-def crc32_of(view: torch.Tensor) -> int:
+def crc32_of(view: torch.Tensor, algo: int = DEFAULT_CHECKSUM) -> int:
     t = view if view.device.type == "cpu" else view.cpu()
-    return zlib.crc32(memoryview(t.numpy()))  # zlib releases the GIL on large buffers
+    return payload_crc(algo, t.numpy())
 
 
 def _per_key(results: list, n: int, op: str) -> list:
@@ -449,14 +451,14 @@ class MooncakeTier(Tier):
             if not blob:
                 raise MissingObjectError(f"{k}: integrity record {meta_key(k)} is missing")
             try:
-                fp, length, crc = decode_meta(bytes(blob))
+                fp, length, algo, crc = decode_meta(bytes(blob))
             except ValueError as e:
                 raise CorruptObjectError(f"{k}: {e}") from e
             if fp != self.fingerprint:
                 raise CorruptObjectError(f"{k}: written under fingerprint {fp[:16]}, expected {self.fingerprint[:16]}")
             if length != self.chunk_bytes:
                 raise CorruptObjectError(f"{k}: recorded length {length}, expected {self.chunk_bytes}")
-            if self.verify and crc32_of(v) != crc:
+            if self.verify and crc32_of(v, algo) != crc:
                 raise CorruptObjectError(f"{k}: crc32 mismatch")
         return len(keys) * self.chunk_bytes
 
