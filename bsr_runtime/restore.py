@@ -10,7 +10,7 @@ whole-plan path (the whole plan staged at once) as the baseline.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -110,8 +110,12 @@ class BoundedRestorer:
 
     def __init__(self, reg: Registration, config: RestoreConfig | None = None, *,
                  admission: SerialAdmission | ByteBudget | None = None,
-                 stream: torch.cuda.Stream | None = None, staging_device: str = "cpu") -> None:
+                 stream: torch.cuda.Stream | None = None, staging_device: str = "cpu",
+                 install_fault: Callable[[int], None] | None = None) -> None:
         self.reg = reg
+        # fault injection (tests, `bsr faults`): called with the window index right before each
+        # install; raising a RuntimeError (or another failure type caught below) fails that window
+        self.install_fault = install_fault
         self.config = config or RestoreConfig()
         self.admission = admission or SerialAdmission()
         self.stream = stream
@@ -257,6 +261,8 @@ class BoundedRestorer:
             finally:
                 report.fetch_s += time.perf_counter() - t
             t = time.perf_counter()
+            if self.install_fault is not None:
+                self.install_fault(win.index)
             report.backend = install_window(
                 f.lease.view, self.reg, kv, tables, win.first_chunk, win.num_chunks,
                 backend=self.config.backend, stream=self.stream, fingerprint=self.reg.fingerprint,

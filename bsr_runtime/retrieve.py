@@ -1,0 +1,308 @@
+"""The fail-closed retrieve of one request on one TP rank, over ordered tiers.
+
+    plan:     probe the tiers in order (probe-only: nothing resident, nothing held);
+              the plan is the longest complete prefix N, on the first tier that has it
+    restore:  BoundedRestorer from the plan tier, window by window, into the request's blocks
+    on any failure (missing key, timeout, checksum, store error, install exception, in any
+    window): the attempt fails closed — every destination block of the request in every
+    group is invalid (also the ones earlier windows already filled), zero external tokens,
+    staging released and slot events drained (BoundedRestorer.restore) — then
+    fallback: probe the other tiers in order; the first that holds the SAME complete prefix
+              (all N chunks) restores it into the same blocks (overwriting the partial state);
+              if none does, the outcome is local recompute ("local")
+    commit:   q[r][g] is reduced over the TP ranks (commit.agree, MIN all-reduce with a
+              timeout); the prefix is committed only if every rank and group is valid,
+              otherwise nothing is committed on any rank and every rank reports every block
+              of the request invalid (HMA collapse: no per-group boundary)
+
+A tier that raised TierUnavailableError is skipped (probe and restore) for
+`unavailable_cooldown_s`, so a dead store costs one failure, not one per request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from bsr_kernels import Registration
+
+from . import commit
+from .keys import KeySpace, PrefixKeys
+from .probe import probe_prefix
+from .restore import BoundedRestorer, RestoreConfig, RestoreReport, RestoreRequest
+from .tiers.base import Tier, TierError, TierUnavailableError
+
+LOCAL = "local"  # served_by when no tier served the prefix: the engine prefills it locally
+NO_TIER = "none"
+
+
+def request_block_ids(reg: Registration, block_tables: Sequence[torch.Tensor | Sequence[int]],
+                      num_chunks: int) -> tuple[frozenset[int], ...]:
+    """Per group, the destination block ids covering chunks 0..num_chunks-1 (-1 = not
+    resident, skipped): the blocks a restore of that prefix writes, all of which a failed
+    restore reports invalid."""
+    if len(block_tables) != reg.num_groups:
+        raise ValueError(f"{len(block_tables)} block tables for {reg.num_groups} groups")
+    out = []
+    for g, table in enumerate(block_tables):
+        need = reg.blocks_needed(g, num_chunks * reg.chunk_tokens)
+        ids = table[:need].tolist() if isinstance(table, torch.Tensor) else list(table)[:need]
+        out.append(frozenset(int(b) for b in ids if int(b) >= 0))
+    return tuple(out)
+
+
+@dataclass
+class Plan:
+    """The probe decision: N chunks on tier `tier_index` (None: no tier holds chunk 0)."""
+
+    num_chunks: int
+    tier_index: int | None
+    tier: str
+    probes: list[tuple[str, int | str]] = field(default_factory=list)  # (tier, prefix chunks | error)
+
+
+@dataclass
+class Attempt:
+    """One tier tried for the prefix: probed (fallback tiers), restored or skipped."""
+
+    tier: str
+    ok: bool
+    probed_chunks: int | None = None  # None: not probed here (the plan tier was probed by the scheduler)
+    error: str | None = None
+    windows: int = 0
+    windows_installed: int = 0
+    failed_window: int | None = None
+    peak_staging_bytes: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def from_report(cls, rep: RestoreReport, probed: int | None, seconds: float) -> Attempt:
+        return cls(rep.tier, rep.ok, probed, rep.error, rep.windows, rep.windows_installed, rep.failed_window,
+                   rep.peak_staging_bytes, seconds)
+
+
+@dataclass
+class LocalResult:
+    """One rank's restore of one request before the commit: q[r][.] and how it was reached."""
+
+    request_id: str
+    num_chunks: int
+    chunk_tokens: int
+    valid_per_group: list[bool]
+    served_by: str  # the tier whose objects are in the blocks, or LOCAL
+    block_ids: tuple[frozenset[int], ...]
+    attempts: list[Attempt] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class RetrieveOutcome:
+    """The committed (or failed-closed) result of one request on one rank."""
+
+    request_id: str
+    num_chunks: int
+    committed: bool
+    exposed_tokens: int  # external tokens the engine may count as computed (0 unless committed)
+    served_by: str  # tier name, or LOCAL when nothing was committed
+    invalid_block_ids: tuple[frozenset[int], ...]  # per group; every block of the request if not committed
+    block_ids: tuple[frozenset[int], ...]  # per group, every destination block of the request
+    valid_per_group: list[bool]  # this rank's q[r][.]
+    agreed: bool  # the commit rule over every rank and group
+    attempts: list[Attempt] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        return "committed" if self.committed else "failed_closed"
+
+    @property
+    def invalid_blocks(self) -> int:
+        return sum(len(s) for s in self.invalid_block_ids)
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(len(s) for s in self.block_ids)
+
+    @property
+    def tiers_tried(self) -> list[str]:
+        return [a.tier for a in self.attempts]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["invalid_block_ids"] = [sorted(s) for s in self.invalid_block_ids]
+        d["block_ids"] = [sorted(s) for s in self.block_ids]
+        d["outcome"] = self.outcome
+        return d
+
+
+AgreeFn = Callable[..., bool]  # agree(valid_per_group, *, timeout_s, tag) -> bool
+
+
+class Retriever:
+    """Plans, restores and commits requests of one registration on one rank over ordered tiers.
+
+    Owns a BoundedRestorer (its staging pool) unless one is given; `close()` releases it.
+    `agree` is commit.agree by default (torch.distributed when initialised, else local AND).
+    """
+
+    def __init__(self, reg: Registration, tiers: Sequence[Tier], config: RestoreConfig | None = None, *,
+                 restorer: BoundedRestorer | None = None, agree: AgreeFn | None = None,
+                 agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S, unavailable_cooldown_s: float = 30.0,
+                 install_fault: Callable[[int], None] | None = None) -> None:
+        if not tiers:
+            raise ValueError("a retriever needs at least one tier")
+        for t in tiers:
+            if t.chunk_bytes != reg.chunk_bytes:
+                raise ValueError(f"tier {t.name} holds {t.chunk_bytes:,} B objects, the registration "
+                                 f"{reg.chunk_bytes:,} B")
+        self.reg = reg
+        self.tiers = list(tiers)
+        self._own_restorer = restorer is None
+        self.restorer = restorer or BoundedRestorer(reg, config, install_fault=install_fault)
+        if restorer is not None and install_fault is not None:
+            restorer.install_fault = install_fault
+        self.agree_fn: AgreeFn = agree or commit.agree
+        self.agree_timeout_s = agree_timeout_s
+        self.unavailable_cooldown_s = unavailable_cooldown_s
+        self._down_until: dict[int, float] = {}  # id(tier) -> monotonic time it may be tried again
+
+    @property
+    def config(self) -> RestoreConfig:
+        return self.restorer.config
+
+    def close(self) -> None:
+        if self._own_restorer:
+            self.restorer.close()
+
+    def __enter__(self) -> Retriever:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- tier health -----------------------------------------------------------------------
+    def tier_available(self, tier: Tier) -> bool:
+        until = self._down_until.get(id(tier))
+        return until is None or time.monotonic() >= until
+
+    def mark_unavailable(self, tier: Tier) -> None:
+        self._down_until[id(tier)] = time.monotonic() + self.unavailable_cooldown_s
+
+    def reset_tier_health(self) -> None:
+        self._down_until.clear()
+
+    # -- plan ------------------------------------------------------------------------------
+    def plan(self, tokens: Sequence[int], keyspace: KeySpace, max_chunks: int | None = None) -> Plan:
+        """Probe the tiers in order; the plan is the longest complete prefix, on the first tier
+        holding it. Stops at the first tier with every candidate chunk. Never raises on a tier
+        failure: a tier that fails its probe counts as a miss."""
+        keys = PrefixKeys(keyspace, tokens, self.reg.chunk_tokens)
+        cand = keys.num_chunks if max_chunks is None else max(0, min(max_chunks, keys.num_chunks))
+        best = Plan(0, None, NO_TIER)
+        if cand == 0:
+            return best
+        for i, tier in enumerate(self.tiers):
+            if not self.tier_available(tier):
+                best.probes.append((tier.name, "skipped: unavailable"))
+                continue
+            try:
+                n = probe_prefix(tier, PrefixKeys(keyspace, tokens, self.reg.chunk_tokens), cand).prefix_chunks
+            except TierError as e:
+                if isinstance(e, TierUnavailableError):
+                    self.mark_unavailable(tier)
+                best.probes.append((tier.name, f"{type(e).__name__}: {e}"))
+                continue
+            best.probes.append((tier.name, n))
+            if n > best.num_chunks:
+                best.num_chunks, best.tier_index, best.tier = n, i, tier.name
+            if n == cand:
+                break
+        return best
+
+    # -- restore on this rank ----------------------------------------------------------------
+    def restore_local(self, req: RestoreRequest, num_chunks: int, plan_tier: int | None = 0) -> LocalResult:
+        """Restore chunks 0..num_chunks-1 of `req` on this rank: the plan tier first (already
+        probed by the caller), then every other tier that probes the complete prefix. Does not
+        commit: see `finalize` / `retrieve`."""
+        reg = self.reg
+        block_ids = request_block_ids(reg, req.block_tables, num_chunks)
+        res = LocalResult(req.request_id, num_chunks, reg.chunk_tokens, [True] * reg.num_groups, LOCAL, block_ids)
+        if num_chunks == 0:
+            return res
+        order = list(range(len(self.tiers)))
+        if plan_tier is not None:
+            order.remove(plan_tier)
+            order.insert(0, plan_tier)
+        errors = []
+        for pos, i in enumerate(order):
+            tier = self.tiers[i]
+            if not self.tier_available(tier):
+                res.attempts.append(Attempt(tier.name, False, error="skipped: unavailable (cooldown)"))
+                continue
+            probed = None
+            if pos > 0 or plan_tier is None:  # fallback tiers must hold the SAME complete prefix
+                try:
+                    probed = probe_prefix(tier, PrefixKeys(req.keyspace, req.tokens, reg.chunk_tokens),
+                                          num_chunks).prefix_chunks
+                except TierError as e:
+                    if isinstance(e, TierUnavailableError):
+                        self.mark_unavailable(tier)
+                    res.attempts.append(Attempt(tier.name, False, error=f"probe: {type(e).__name__}: {e}"))
+                    continue
+                if probed < num_chunks:
+                    res.attempts.append(Attempt(tier.name, False, probed, error=f"holds {probed}/{num_chunks} chunks"))
+                    continue
+            t0 = time.perf_counter()
+            try:
+                rep = self.restorer.restore(req, tier, num_chunks)
+            except Exception as e:  # noqa: BLE001 - bad destinations or a bug: fail closed, no retry
+                res.attempts.append(Attempt(tier.name, False, probed, error=f"{type(e).__name__}: {e}",
+                                            seconds=time.perf_counter() - t0))
+                errors.append(f"{tier.name}: {type(e).__name__}: {e}")
+                break
+            att = Attempt.from_report(rep, probed, time.perf_counter() - t0)
+            res.attempts.append(att)
+            if rep.ok:
+                res.served_by = tier.name
+                res.error = None
+                return res
+            errors.append(f"{tier.name}: {rep.error}")
+            if rep.error and rep.error.startswith(TierUnavailableError.__name__):
+                self.mark_unavailable(tier)
+        # no tier restored the complete prefix: local recompute, every group invalid here
+        res.valid_per_group = [False] * reg.num_groups
+        res.error = "; ".join(errors) if errors else "no tier holds the complete prefix"
+        return res
+
+    # -- commit ----------------------------------------------------------------------------
+    @staticmethod
+    def finalize(local: LocalResult, agreed: bool) -> RetrieveOutcome:
+        """Apply the commit decision to one rank's result: all or nothing."""
+        committed = bool(agreed) and all(local.valid_per_group)
+        empty = tuple(frozenset() for _ in local.block_ids)
+        error = local.error
+        if not committed and error is None:
+            error = "another rank or group was invalid (commit rule)"
+        return RetrieveOutcome(
+            request_id=local.request_id, num_chunks=local.num_chunks, committed=committed,
+            exposed_tokens=local.num_chunks * local.chunk_tokens if committed else 0,
+            served_by=local.served_by if committed else LOCAL,
+            invalid_block_ids=empty if committed else local.block_ids, block_ids=local.block_ids,
+            valid_per_group=list(local.valid_per_group), agreed=bool(agreed), attempts=local.attempts, error=error,
+        )
+
+    def retrieve(self, req: RestoreRequest, num_chunks: int, plan_tier: int | None = 0, *,
+                 tag: int | None = None) -> RetrieveOutcome:
+        """restore_local, then the commit rule over every rank (self.agree_fn), then finalize.
+        Every rank of the TP group must call it for the same requests in the same order."""
+        local = self.restore_local(req, num_chunks, plan_tier)
+        tag = commit.make_tag(req.request_id, "commit") if tag is None else tag
+        try:
+            agreed = self.agree_fn(local.valid_per_group, timeout_s=self.agree_timeout_s, tag=tag)
+        except Exception as e:  # noqa: BLE001 - an agreement that cannot be reached is a no
+            local.error = (local.error + "; " if local.error else "") + f"agree: {type(e).__name__}: {e}"
+            agreed = False
+        return self.finalize(local, agreed)

@@ -1,0 +1,118 @@
+"""The commit rule across TP ranks: 2 real processes in a gloo group on 127.0.0.1, each with its
+own Mooncake client on the module's real mooncake_master, its own objects and its own blocks.
+
+- both healthy: committed on both, each rank's state hash equal to what it stored
+- one rank's restore faults (fetch on rank 1; install on rank 0), the other succeeds locally:
+  nothing committed on either, every block of the request invalid on both, markers on both
+- a rank that hangs: the other's agreement returns False within the timeout, and the late
+  rank, although its own restore succeeded, does not commit either
+- a rank that dies mid-restore: the survivor's agreement returns False within the timeout
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch.multiprocessing as mp
+import tp_worker
+
+from bsr_runtime.mooncake_master import free_port
+
+AGREE_TIMEOUT_S = 2.0
+JOIN_S = 120
+
+pytestmark = pytest.mark.mooncake
+
+
+@pytest.fixture(scope="module")
+def store_host(mooncake_master):
+    """The external store host holding every rank's objects (ranks mount no segment)."""
+    from bsr_runtime.mooncake_master import MooncakeStoreHost
+
+    with MooncakeStoreHost(mooncake_master, 64 << 20) as host:
+        yield host
+
+
+def _spawn(mode: str, master, tmp_path, world: int = 2) -> tuple[dict[int, dict], list[int]]:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=tp_worker.rank_main,
+                         args=(r, world, port, mode, master.master_address, master.metadata_server, str(tmp_path),
+                               AGREE_TIMEOUT_S), daemon=False)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + JOIN_S
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+        p.join(10)
+    assert not hung, f"{mode}: ranks still running after {JOIN_S}s"
+    results = {}
+    for r in range(world):
+        f = tmp_path / f"rank{r}.json"
+        if f.exists():
+            results[r] = json.loads(f.read_text())
+            assert "exception" not in results[r], results[r]["exception"]
+    return results, [p.exitcode for p in procs]
+
+
+def test_commit_needs_every_rank(mooncake_master, store_host, tmp_path):
+    res, codes = _spawn("faults", mooncake_master, tmp_path)
+    assert codes == [0, 0] and set(res) == {0, 1}
+    for r in (0, 1):
+        h = res[r]["healthy"]
+        assert h["committed"] and h["hash_ok"] and h["served_by"] == "mooncake"
+        assert h["exposed_tokens"] == h["tokens"] == tp_worker.REQ_CHUNKS * 256 and h["invalid_blocks"] == 0
+        assert not h["marker_set"] and h["failed_recving"] == []
+
+    for name, faulty in (("rank1_fetch", 1), ("rank0_install", 0)):
+        for r in (0, 1):
+            o = res[r][name]
+            assert o["tokens"] == tp_worker.REQ_CHUNKS * 256  # the plan was advertised on both ranks
+            assert not o["committed"] and o["exposed_tokens"] == 0 and o["served_by"] == "local", (name, r, o)
+            assert o["invalid_is_every_block"] and o["invalid_blocks"] == o["total_blocks"] > 0
+            assert o["marker_set"] and o["marker_cleared"] and o["failed_recving"] == [name]
+            if r == faulty:
+                assert not o["local_ok"] and not o["first_attempt_ok"]
+                assert o["first_error"].startswith("InjectedFault" if name == "rank1_fetch" else "InjectedInstallError")
+            else:  # its own restore succeeded (the bytes are all there), yet nothing is committed
+                assert o["local_ok"] and o["first_attempt_ok"] and o["hash_ok"]
+                assert "commit rule" in o["error"]
+
+    for r in (0, 1):  # the group is still usable: a healthy request commits afterwards
+        a = res[r]["after"]
+        assert a["committed"] and a["hash_ok"] and not res[r]["poisoned"]
+
+
+def test_hung_rank_reads_as_invalid_on_both(mooncake_master, store_host, tmp_path):
+    res, codes = _spawn("hang", mooncake_master, tmp_path)
+    assert codes == [0, 0] and set(res) == {0, 1}
+    on_time, late = res[0]["late"], res[1]["late"]
+    assert on_time["local_ok"] and late["local_ok"]  # both restores succeeded locally ...
+    assert not on_time["committed"] and not late["committed"]  # ... and neither rank commits
+    for o in (on_time, late):
+        assert o["exposed_tokens"] == 0 and o["invalid_is_every_block"] and o["marker_set"]
+    # rank 0 waited for its agreement no longer than the timeout (plus slack), not for rank 1
+    assert on_time["seconds"] < AGREE_TIMEOUT_S + 1.5
+    assert "timed out" in res[0]["why"] or "not completed" in res[0]["why"]
+    # the late rank's reduction may pair with rank 0's abandoned one and "succeed": the deadline
+    # check (or its own timeout) is what keeps it from committing alone
+    assert any(w in res[1]["why"] for w in ("deadline", "timed out", "not completed")), res[1]["why"]
+    # after a timed-out agreement the group is poisoned: later agreements fail closed at once
+    assert res[0]["poisoned"] and res[0]["agree_after"] is False and res[0]["agree_after_s"] < 0.5
+    assert res[1]["poisoned"] and res[1]["agree_after"] is False
+
+
+def test_dead_rank_reads_as_invalid(mooncake_master, store_host, tmp_path):
+    res, codes = _spawn("die", mooncake_master, tmp_path)
+    assert codes[1] == 3 and 1 not in res  # rank 1 died in its restore
+    assert codes[0] == 0
+    o = res[0]["late"]
+    assert o["local_ok"] and not o["committed"] and o["exposed_tokens"] == 0
+    assert o["invalid_is_every_block"] and o["marker_set"]
+    assert o["seconds"] < AGREE_TIMEOUT_S + 5  # the survivor's agreement ended within its timeout
