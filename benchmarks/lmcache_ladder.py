@@ -1,0 +1,149 @@
+"""The paper's whole-plan capacity ladder, through LMCache 0.5.6's real storage stack.
+
+A source prefix of the scaled DeepSeek-V4-Flash registration is written once into an LMCache FS
+L2 directory through LMCache's own write path (reserve_write / finish_write, store controller).
+Then, per prefix length:
+
+- whole plan (W = 0, LMCache's own prefetch): a StorageManager whose L1 is raised through doubling
+  rungs (1 MiB, 2 MiB, ...) until the full prefix restores with the state hash of the source;
+  LMCache reserves L1 for the whole plan at once, so every rung below N objects gets zero hits;
+- BSR through LMCache (W = 32): one StorageManager with L1 fixed at 32 objects (32*c plus
+  LMCache's alignment padding of each object), the same for every length.
+
+    python benchmarks/lmcache_ladder.py [--scale 0.015625] [--tokens 32768,65536,131072,262144] [--window 32]
+
+Prints `tokens, chunk_bytes, first_passing_rung_bytes, bsr_capacity_bytes, bsr_pass` (plus the
+whole-plan bytes, BSR's measured L1 peak above baseline and both times) and writes
+lmcache_ladder.txt and lmcache_ladder.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # read by LMCache's loggers when they are created
+
+from bsr_kernels import presets  # noqa: E402
+from bsr_runtime.experiments import Destinations, make_source  # noqa: E402
+from bsr_runtime.lmcache_adapter import LMCacheAdapter, align_up, fs_l2, load_adapter_config  # noqa: E402
+from bsr_runtime.restore import RestoreRequest  # noqa: E402
+from bsr_runtime.state_hash import state_hash  # noqa: E402
+
+ALIGN = 4096  # LMCache's default L1 alignment
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.2f}"
+
+
+def attempt(ad: LMCacheAdapter, src, dst: Destinations, n: int, w: int, expected: str) -> tuple[bool, object, float]:
+    dst.poison()
+    req = RestoreRequest(f"ladder-{n}-{w}", src.tokens, src.keyspace, dst.kv, dst.tables)
+    t = time.perf_counter()
+    rep = ad.retrieve(req, n, window_chunks=w)
+    secs = time.perf_counter() - t
+    ok = rep.ok and state_hash(src.reg, dst.kv, dst.tables, n) == expected
+    return ok, rep, secs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", type=float, default=1 / 64, help="dsv4_flash entry-width scale (default 1/64)")
+    ap.add_argument("--tokens", default="32768,65536,131072,262144", help="prefix lengths, comma separated")
+    ap.add_argument("--window", type=int, default=32, help="BSR window W (chunks)")
+    ap.add_argument("--first-rung", type=int, default=1 << 20, help="first whole-plan L1 rung in bytes")
+    ap.add_argument("--max-rungs", type=int, default=16)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--workdir", default=None, help="where the FS L2 objects go (default: a temp dir)")
+    args = ap.parse_args(argv)
+
+    reg = presets.dsv4_flash(scale=args.scale)
+    c = reg.chunk_bytes
+    obj = align_up(c, ALIGN)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    counts = [t // reg.chunk_tokens for t in tokens]
+    n_max = max(counts)
+    w = args.window
+    bsr_capacity = w * obj
+    command = " ".join(["python", "benchmarks/lmcache_ladder.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
+    header = [
+        f"# {command}",
+        f"# LMCache 0.5.6 storage stack, FS L2; registration {reg.describe()}",
+        f"# L1 objects are allocated at align_up(c, {ALIGN}) = {obj:,} B (LMCache's per-object overhead "
+        f"{obj - c:,} B); BSR L1 capacity = W*{obj:,} B = {bsr_capacity:,} B",
+    ]
+    print("\n".join(header), flush=True)
+
+    src = make_source(reg, n_max, seed=3)
+    dst = Destinations(reg, n_max, seed=4)
+    expected = {n: state_hash(reg, src.kv, src.block_tables, n) for n in counts}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bsr-lmcache-ladder-", dir=args.workdir) as root:
+        t = time.perf_counter()
+        cfg = load_adapter_config(prefetch_window_chunks=w)
+        with LMCacheAdapter.create(reg, bsr_capacity, [fs_l2(root)], cfg) as ad:
+            srep = ad.store(src.keyspace, src.tokens, src.kv, src.block_tables, n_max)
+        assert srep.state_hash == state_hash(reg, src.kv, src.block_tables, n_max)
+        header.append(f"# stored {n_max} chunks ({_mib(n_max * c)} MiB) into the FS L2 in "
+                      f"{time.perf_counter() - t:.1f} s through L1 of {_mib(bsr_capacity)} MiB "
+                      f"(L1 peak {_mib(srep.peak_staging_bytes)} MiB)")
+        print(header[-1], flush=True)
+
+        # BSR at W with L1 fixed at W objects, one StorageManager for every length
+        bsr = {}
+        with LMCacheAdapter.create(reg, bsr_capacity, [fs_l2(root)], load_adapter_config()) as ad:
+            for n in counts:
+                ok, rep, secs = attempt(ad, src, dst, n, w, expected[n])
+                bsr[n] = (ok and rep.peak_staging_bytes <= bsr_capacity, rep, secs)
+
+        cols = (f"{'tokens':>7} {'chunk_bytes':>11} {'first_passing_rung_bytes':>24} {'bsr_capacity_bytes':>18} "
+                f"{'bsr_pass':>8} | {'whole_plan_bytes':>16} {'rungs':>5} {'W=0 s':>6} {'bsr_peak_bytes':>14} "
+                f"{'bsr s':>6} {'windows':>7}")
+        lines = [cols]
+        print(cols, flush=True)
+        for tok, n in zip(tokens, counts):
+            rung, tried, passed, whole_s = args.first_rung, 0, None, None
+            while tried < args.max_rungs:
+                tried += 1
+                with LMCacheAdapter.create(reg, rung, [fs_l2(root)], load_adapter_config()) as ad:
+                    ok, rep, secs = attempt(ad, src, dst, n, 0, expected[n])
+                if ok:
+                    passed, whole_s = rung, secs
+                    break
+                rung *= 2
+            bsr_ok, brep, bsecs = bsr[n]
+            row = {
+                "tokens": tok, "chunks": n, "chunk_bytes": c, "l1_object_bytes": obj,
+                "whole_plan_bytes": n * obj, "first_passing_rung_bytes": passed, "rungs_tried": tried,
+                "whole_plan_seconds": whole_s, "bsr_window_chunks": w, "bsr_capacity_bytes": bsr_capacity,
+                "bsr_pass": bool(bsr_ok), "bsr_peak_l1_bytes_over_baseline": brep.peak_staging_bytes,
+                "bsr_seconds": bsecs, "bsr_windows": brep.windows, "bsr_install_launches": brep.install_launches,
+                "bsr_error": brep.error,
+            }
+            rows.append(row)
+            line = (f"{tok:7d} {c:11d} {passed if passed is not None else '-':>24} {bsr_capacity:18d} "
+                    f"{str(row['bsr_pass']):>8} | {n * obj:16d} {tried:5d} "
+                    f"{whole_s if whole_s is not None else float('nan'):6.2f} {brep.peak_staging_bytes:14d} "
+                    f"{bsecs:6.2f} {brep.windows:7d}")
+            lines.append(line)
+            print(line, flush=True)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lmcache_ladder.txt").write_text("\n".join(header + lines) + "\n")
+    (out / "lmcache_ladder.json").write_text(json.dumps({
+        "command": command, "registration": reg.describe(), "align_bytes": ALIGN, "rows": rows,
+    }, indent=2) + "\n")
+    print(f"# wrote {out / 'lmcache_ladder.txt'} and {out / 'lmcache_ladder.json'}")
+    return 0 if all(r["bsr_pass"] and r["first_passing_rung_bytes"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

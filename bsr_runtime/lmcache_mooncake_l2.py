@@ -1,0 +1,321 @@
+"""A Mooncake L2 adapter for LMCache that works from the pip wheels.
+
+LMCache 0.5.6's own `mooncake_store` L2 adapter needs `lmcache.lmcache_mooncake`, a C++ extension
+the wheel does not ship. This one is a Python client on `mooncake.store.MooncakeDistributedStore`
+(the `mooncake-transfer-engine[-non-cuda]` wheel), plugged in through LMCache's `plugin` L2 type:
+
+    {"type": "plugin", "module_path": "bsr_runtime.lmcache_mooncake_l2",
+     "class_name": "BSRMooncakeL2Adapter",
+     "adapter_params": {"master_address": "127.0.0.1:50051",
+                        "metadata_server": "http://127.0.0.1:8080/metadata",
+                        "protocol": "tcp", "global_segment_size": 536870912}}
+
+LMCache's plugin factory imports the module, builds `BSRMooncakeL2AdapterConfig.from_dict(
+adapter_params)` (found by the "<class>Config" naming convention) and calls
+`BSRMooncakeL2Adapter(config, l1_memory_desc=...)`.
+
+Data path (zero copy): the whole L1 arena described by `l1_memory_desc` is registered with the
+store once (`register_buffer`; required over RDMA); stores are `batch_upsert_from(keys, ptrs,
+sizes)` straight from the L1 objects, loads `batch_get_into(keys, ptrs, sizes)` straight into the
+L1 objects the prefetch controller reserved, lookups `batch_is_exist`. Every operation runs on a
+small thread pool and completes through the adapter's three event fds, as LMCache requires.
+
+Locks. Mooncake has no pin for readers (a get leaves only a short lease), so "lookup and lock" is a
+client-side refcount per key, like LMCache's NativeConnectorL2Adapter; `submit_unlock` drops it and
+`locked_keys()` reports what is held. Mooncake objects are not evicted by LMCache's L2 eviction
+controller unless `max_capacity_bytes` is set.
+
+Failures (master unreachable, key missing, client closed) are per-key misses in the lookup/load
+bitmaps and a failed store result; the retrieve above fails closed on them. Connecting reuses
+bsr_runtime.tiers.mooncake.MooncakeTier's set-up (port checks, bounded setup, RPC timeouts, tcp
+bind address), so its `faults` (e.g. `unavailable`) also apply to this adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.logging import init_logger
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.platform import create_event_notifier
+
+from .tiers.mooncake import MooncakeTier
+
+logger = init_logger(__name__)
+
+_SEP = "@"
+
+
+class BSRMooncakeL2AdapterConfig(L2AdapterConfigBase):
+    """Connection settings of the Mooncake L2 plugin (see MooncakeTier for their meaning)."""
+
+    _FIELDS: dict[str, tuple[type, Any]] = {
+        "protocol": (str, "tcp"),
+        "local_hostname": (str, "127.0.0.1"),
+        "global_segment_size": (int, 512 << 20),
+        "local_buffer_size": (int, 16 << 20),
+        "device_name": (str, ""),
+        "connect_timeout_s": (float, 10.0),
+        "rpc_timeout_s": (float, 5.0),
+        "tenant_id": (str, "default"),
+        "num_workers": (int, 2),
+        "key_prefix": (str, "lmcache"),
+        "register_l1": (bool, True),
+        "max_capacity_bytes": (int, 0),
+    }
+
+    def __init__(self, master_address: str, metadata_server: str, **kw: Any) -> None:
+        if not isinstance(master_address, str) or not master_address:
+            raise ValueError("master_address must be a non-empty string (HOST:PORT)")
+        if not isinstance(metadata_server, str) or not metadata_server:
+            raise ValueError("metadata_server must be a non-empty string")
+        self.master_address = master_address
+        self.metadata_server = metadata_server
+        unknown = set(kw) - set(self._FIELDS)
+        if unknown:
+            raise ValueError(f"unknown Mooncake L2 settings: {sorted(unknown)}")
+        for name, (typ, default) in self._FIELDS.items():
+            value = kw.get(name, default)
+            if typ is bool:
+                value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+            else:
+                value = typ(value)
+            setattr(self, name, value)
+        if self.num_workers < 1:
+            raise ValueError("num_workers must be >= 1")
+        if _SEP in self.key_prefix:
+            raise ValueError(f"key_prefix must not contain {_SEP!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BSRMooncakeL2AdapterConfig:
+        d = dict(d)
+        d.pop("type", None)
+        eviction = cls._parse_eviction_config(d)
+        d.pop("eviction", None)
+        cfg = cls(d.pop("master_address", ""), d.pop("metadata_server", ""), **d)
+        cfg.eviction_config = eviction
+        return cfg
+
+    @classmethod
+    def help(cls) -> str:
+        fields = ", ".join(f"{k} ({t.__name__}, default {v!r})" for k, (t, v) in cls._FIELDS.items())
+        return ("BSR Mooncake L2 plugin: master_address (HOST:PORT), metadata_server (URL), " + fields)
+
+
+def _key_string(prefix: str, key) -> str:
+    base = (f"{prefix}/{key.model_name}{_SEP}{key.kv_rank:08x}{_SEP}{key.object_group_id:x}"
+            f"{_SEP}{key.chunk_hash.hex()}")
+    return f"{base}{_SEP}{key.cache_salt}" if key.cache_salt else base
+
+
+class BSRMooncakeL2Adapter(L2AdapterInterface):
+    """LMCache L2 adapter on mooncake.store.MooncakeDistributedStore (see the module docstring)."""
+
+    def __init__(self, config: BSRMooncakeL2AdapterConfig, l1_memory_desc: Any = None) -> None:
+        super().__init__(max_capacity_bytes=int(config.max_capacity_bytes))
+        self.config = config
+        # MooncakeTier owns the client: its set-up handles the store's quirks (see tiers/mooncake.py)
+        self._tier = MooncakeTier(
+            1, "lmcache-l2", config.master_address, config.metadata_server, protocol=config.protocol,
+            local_hostname=config.local_hostname, global_segment_size=config.global_segment_size,
+            local_buffer_size=config.local_buffer_size, device_name=config.device_name,
+            connect_timeout_s=config.connect_timeout_s, rpc_timeout_s=config.rpc_timeout_s,
+            tenant_id=config.tenant_id, verify=False, fetch_workers=1,
+        )
+        self.faults = self._tier.faults
+        self._registered: int | None = None
+        try:
+            if config.register_l1 and l1_memory_desc is not None and l1_memory_desc.ptr and l1_memory_desc.size > 0:
+                rc = self._tier._live_store().register_buffer(l1_memory_desc.ptr, l1_memory_desc.size)
+                if rc == 0:
+                    self._registered = l1_memory_desc.ptr
+                elif config.protocol != "tcp":
+                    raise RuntimeError(f"register_buffer of the L1 arena ({l1_memory_desc.size} B) returned {rc}")
+                else:
+                    logger.warning("register_buffer of the L1 arena returned %d; tcp works without it", rc)
+            elif config.protocol != "tcp":
+                raise ValueError(f"protocol {config.protocol!r} needs the L1 memory descriptor to register L1")
+        except BaseException:
+            self._tier.close()
+            raise
+        self._store_efd = create_event_notifier()
+        self._lookup_efd = create_event_notifier()
+        self._load_efd = create_event_notifier()
+        self._lock = threading.Lock()
+        self._next_task = 0
+        self._stores: dict[int, L2StoreResult] = {}
+        self._lookups: dict[int, Bitmap] = {}
+        self._loads: dict[int, Bitmap] = {}
+        self._locks: dict[Any, int] = defaultdict(int)
+        self._sizes: dict[Any, int] = {}
+        self._pool = ThreadPoolExecutor(max_workers=config.num_workers, thread_name_prefix="bsr-lmcache-mooncake")
+        self._closed = False
+        logger.info("BSRMooncakeL2Adapter connected to %s (%s), L1 registered: %s", config.master_address,
+                    config.protocol, self._registered is not None)
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _task_id(self) -> int:
+        with self._lock:
+            self._next_task += 1
+            return self._next_task
+
+    def _keys(self, keys) -> list[str]:
+        return [_key_string(self.config.key_prefix, k) for k in keys]
+
+    def _submit(self, fn, *args) -> int:
+        task = self._task_id()
+        self._pool.submit(fn, task, *args)
+        return task
+
+    def get_store_event_fd(self) -> int:
+        return self._store_efd.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookup_efd.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._load_efd.fileno()
+
+    # -- store --------------------------------------------------------------------------------------
+    def submit_store_task(self, keys, objects) -> int:
+        return self._submit(self._store_task, list(keys), list(objects))
+
+    def _store_task(self, task: int, keys, objects) -> None:
+        ok, nbytes, stored, sizes = False, 0, [], []
+        try:
+            store = self._tier._live_store()
+            sizes_all = [o.get_size() for o in objects]
+            codes = store.batch_upsert_from(self._keys(keys), [o.data_ptr for o in objects], sizes_all)
+            ok = len(codes) == len(keys) and all(c == 0 for c in codes)
+            with self._lock:
+                for k, c, s in zip(keys, codes, sizes_all, strict=False):
+                    if c == 0:
+                        nbytes += s
+                        stored.append(k)
+                        sizes.append(0 if k in self._sizes else s)
+                        self._sizes[k] = s
+            if not ok:
+                logger.warning("Mooncake store of %d objects: codes %s", len(keys), sorted(set(codes)))
+        except Exception:
+            logger.exception("BSRMooncakeL2Adapter store task %d failed", task)
+        if stored:
+            self._notify_keys_stored(stored, sizes)
+        with self._lock:
+            self._stores[task] = L2StoreResult(ok, nbytes)
+        self._store_efd.notify()
+
+    def pop_completed_store_tasks(self) -> dict:
+        with self._lock:
+            done, self._stores = self._stores, {}
+        return done
+
+    # -- lookup and lock ---------------------------------------------------------------------------
+    def submit_lookup_and_lock_task(self, keys, group_layout_descs) -> int:
+        return self._submit(self._lookup_task, list(keys))
+
+    def _lookup_task(self, task: int, keys) -> None:
+        bitmap = Bitmap(len(keys))
+        try:
+            codes = self._tier._live_store().batch_is_exist(self._keys(keys))
+            with self._lock:
+                for i, (k, c) in enumerate(zip(keys, codes, strict=False)):
+                    if c == 1:
+                        bitmap.set(i)
+                        self._locks[k] += 1
+        except Exception:
+            logger.exception("BSRMooncakeL2Adapter lookup task %d failed", task)
+        with self._lock:
+            self._lookups[task] = bitmap
+        self._lookup_efd.notify()
+
+    def query_lookup_and_lock_result(self, task_id: int):
+        with self._lock:
+            return self._lookups.pop(task_id, None)
+
+    def submit_unlock(self, keys) -> None:
+        with self._lock:
+            for k in keys:
+                n = self._locks.get(k, 0)
+                if n <= 1:
+                    self._locks.pop(k, None)
+                else:
+                    self._locks[k] = n - 1
+
+    def locked_keys(self) -> dict:
+        """Keys held by lookup-and-lock and not yet unlocked, with their counts."""
+        with self._lock:
+            return dict(self._locks)
+
+    # -- load ---------------------------------------------------------------------------------------
+    def submit_load_task(self, keys, objects) -> int:
+        return self._submit(self._load_task, list(keys), list(objects))
+
+    def _load_task(self, task: int, keys, objects) -> None:
+        bitmap = Bitmap(len(keys))
+        try:
+            sizes = [o.get_size() for o in objects]
+            codes = self._tier._live_store().batch_get_into(self._keys(keys), [o.data_ptr for o in objects], sizes)
+            loaded = []
+            for i, (c, s) in enumerate(zip(codes, sizes, strict=False)):
+                if c == s:
+                    bitmap.set(i)
+                    loaded.append(keys[i])
+            if loaded:
+                self._notify_keys_accessed(loaded)
+        except Exception:
+            logger.exception("BSRMooncakeL2Adapter load task %d failed", task)
+        with self._lock:
+            self._loads[task] = bitmap
+        self._load_efd.notify()
+
+    def query_load_result(self, task_id: int):
+        with self._lock:
+            return self._loads.pop(task_id, None)
+
+    # -- eviction, status, close ---------------------------------------------------------------------
+    def delete(self, keys) -> None:
+        keys = list(keys)
+        if not keys:
+            return
+        try:
+            codes = self._tier._live_store().batch_remove(self._keys(keys), True)
+        except Exception:
+            logger.exception("BSRMooncakeL2Adapter delete of %d keys failed", len(keys))
+            return
+        gone, sizes = [], []
+        with self._lock:
+            for k, c in zip(keys, codes, strict=False):
+                if c == 0 and k in self._sizes:
+                    gone.append(k)
+                    sizes.append(self._sizes.pop(k))
+        if gone:
+            self._notify_keys_deleted(gone, sizes)
+
+    def report_status(self) -> dict:
+        health = self._tier.health()
+        return {"is_healthy": health == 0 and not self._closed, "type": "BSRMooncakeL2Adapter",
+                "master_address": self.config.master_address, "protocol": self.config.protocol,
+                "health_check": health, "l1_registered": self._registered is not None,
+                "locked_keys": len(self.locked_keys())}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        store = getattr(self._tier, "_store", None)  # even while a fault makes _live_store() raise
+        if self._registered is not None and store is not None:
+            with contextlib.suppress(Exception):
+                store.unregister_buffer(self._registered)
+        self._registered = None
+        self._tier.close()
+        for efd in (self._store_efd, self._lookup_efd, self._load_efd):
+            with contextlib.suppress(Exception):
+                efd.close()
