@@ -4,7 +4,7 @@ Free of storage and protocol: nothing here knows about tiers, keys or requests.
 """
 
 from . import presets
-from .install import available_backends, gather_window, install_window
+from .install import WindowInstaller, available_backends, gather_window, install_window
 from .registration import Registration, TensorSpec
 from .staging_pool import SlotLease, StagingPool
 
@@ -13,6 +13,7 @@ __all__ = [
     "SlotLease",
     "StagingPool",
     "TensorSpec",
+    "WindowInstaller",
     "available_backends",
     "gather_window",
     "install_window",

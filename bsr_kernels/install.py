@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .install_torch import gather_torch, install_torch
+from .install_torch import DestinationRows, gather_torch, install_torch
 from .registration import Registration
-from .validate import WindowArgs, check_window
+from .validate import WindowArgs, check_destinations, check_fingerprint, check_staging, check_window
 
 BACKENDS = ("torch", "triton", "cuda")
 
@@ -42,13 +42,14 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "cuda" if "cuda" in avail else ("triton" if "triton" in avail else "torch")
 
 
-def _run(kind: str, backend: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool) -> None:
+def _run(kind: str, backend: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool,
+         dest: DestinationRows | None = None) -> None:
     if a.num_chunks == 0:
         return
     if backend == "torch":
         ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
         with ctx:
-            (install_torch if kind == "install" else gather_torch)(reg, a)
+            (install_torch if kind == "install" else gather_torch)(reg, a, dest)
     elif backend == "triton":
         from . import install_triton
 
@@ -113,3 +114,35 @@ def gather_window(
     chosen = resolve_backend(backend, a.kv[0].device)
     _run("gather", chosen, reg, a, stream, zero_copy)
     return chosen
+
+
+class WindowInstaller:
+    """install_window for the windows of one request, validated once.
+
+    The destinations and block tables are checked for chunks 0..num_chunks-1 when the installer
+    is made (block tables are copied, so the request cannot change them underneath); each
+    window then checks only its staging and its chunk range. Same results as install_window.
+    """
+
+    def __init__(self, reg: Registration, kv: Sequence[torch.Tensor], block_tables: Sequence[torch.Tensor],
+                 num_chunks: int, *, backend: str = "auto", stream: torch.cuda.Stream | None = None,
+                 fingerprint: str | None = None, zero_copy: bool = True) -> None:
+        check_fingerprint(reg, fingerprint)
+        kv, tables = check_destinations(reg, kv, block_tables, 0, num_chunks)
+        self.reg = reg
+        self.kv = kv
+        self.block_tables = tuple(t.clone() for t in tables)
+        self.num_chunks = num_chunks
+        self.backend = resolve_backend(backend, kv[0].device)
+        self.stream = stream
+        self.zero_copy = zero_copy
+        self._dest = DestinationRows(reg, kv) if self.backend == "torch" else None
+
+    def install(self, staging: torch.Tensor, first_chunk: int, num_chunks: int) -> str:
+        if first_chunk < 0 or num_chunks < 0 or first_chunk + num_chunks > self.num_chunks:
+            raise ValueError(f"chunks {first_chunk}..{first_chunk + num_chunks - 1} are outside the "
+                             f"{self.num_chunks} chunks this installer was validated for")
+        check_staging(staging, self.reg, num_chunks, "staging")
+        a = WindowArgs(staging, self.kv, self.block_tables, first_chunk, num_chunks)
+        _run("install", self.backend, self.reg, a, self.stream, self.zero_copy, self._dest)
+        return self.backend

@@ -46,16 +46,29 @@ def _piece_maps(reg: Registration, a: WindowArgs, device: torch.device) -> list[
     return [maps[k] for k in keys]
 
 
-def _views(chunks: torch.Tensor, reg: Registration, i: int, kv: torch.Tensor, p: int):
+class DestinationRows:
+    """Per tensor: piece size p, copy unit and the destination viewed as rows of p entries.
+
+    Depends only on the destination tensors (staging is 16-byte aligned, validate.py), so it is
+    made once per set of destinations and reused by every window of a restore."""
+
+    def __init__(self, reg: Registration, kv: tuple[torch.Tensor, ...]) -> None:
+        self.rows = []
+        for i, (spec, t) in enumerate(zip(reg.specs, kv)):
+            p = math.gcd(reg.entries_per_chunk(i), spec.block_size)
+            row = p * spec.entry_bytes
+            unit = _UNITS[math.gcd(8, row, t.data_ptr(), t.storage_offset() * t.element_size())]
+            kv_rows = t.view(-1).view(unit).view(-1, row // unit.itemsize)
+            self.rows.append((kv_rows, unit, row, reg.segment_offsets[i], reg.segment_bytes(i)))
+
+
+def _views(chunks: torch.Tensor, dest: DestinationRows, i: int):
     """(destination rows, staged pieces (num_chunks, pieces per chunk, row)) in one unit dtype.
 
     `chunks` is the staged window viewed as (num_chunks, chunk_bytes); segment offsets and chunk
-    bytes are 16-byte aligned, so the row size and the two base addresses (and offsets) decide the unit."""
-    row = p * reg.specs[i].entry_bytes
-    unit = _UNITS[math.gcd(8, row, chunks.data_ptr(), chunks.storage_offset(), kv.data_ptr(),
-                           kv.storage_offset() * kv.element_size())]  # view(dtype) checks offsets
-    kv_rows = kv.view(-1).view(unit).view(-1, row // unit.itemsize)
-    pieces = chunks.narrow(1, reg.segment_offsets[i], reg.segment_bytes(i)).view(chunks.shape[0], -1, row)
+    bytes are 16-byte aligned, so the row size and the destination address decide the unit."""
+    kv_rows, unit, row, off, nbytes = dest.rows[i]
+    pieces = chunks.narrow(1, off, nbytes).view(chunks.shape[0], -1, row)
     return kv_rows, pieces.view(unit)
 
 
@@ -63,22 +76,24 @@ def _staged_chunks(staging: torch.Tensor, reg: Registration, num_chunks: int) ->
     return staging[: num_chunks * reg.chunk_bytes].view(num_chunks, reg.chunk_bytes)
 
 
-def install_torch(reg: Registration, a: WindowArgs) -> None:
+def install_torch(reg: Registration, a: WindowArgs, dest: DestinationRows | None = None) -> None:
     device = a.kv[0].device
     chunks = _staged_chunks(a.staging, reg, a.num_chunks).to(device, non_blocking=True)  # one bulk copy if needed
-    for i, (p, rows, keep) in enumerate(_piece_maps(reg, a, device)):
-        kv_rows, pieces = _views(chunks, reg, i, a.kv[i], p)
+    dest = dest or DestinationRows(reg, a.kv)
+    for i, (_, rows, keep) in enumerate(_piece_maps(reg, a, device)):
+        kv_rows, pieces = _views(chunks, dest, i)
         kv_rows.index_copy_(0, rows, pieces.flatten(0, 1) if keep is None else pieces[keep])
 
 
-def gather_torch(reg: Registration, a: WindowArgs) -> None:
+def gather_torch(reg: Registration, a: WindowArgs, dest: DestinationRows | None = None) -> None:
     """Inverse of install: destination blocks -> staging. Padding and -1 entries read as zero."""
     device = a.kv[0].device
     out = _staged_chunks(a.staging, reg, a.num_chunks)
     chunks = out if out.device == device else torch.empty(out.shape, dtype=torch.uint8, device=device)
     chunks.zero_()
-    for i, (p, rows, keep) in enumerate(_piece_maps(reg, a, device)):
-        kv_rows, pieces = _views(chunks, reg, i, a.kv[i], p)
+    dest = dest or DestinationRows(reg, a.kv)
+    for i, (_, rows, keep) in enumerate(_piece_maps(reg, a, device)):
+        kv_rows, pieces = _views(chunks, dest, i)
         if keep is None:
             pieces.copy_(kv_rows.index_select(0, rows).view(pieces.shape))
         else:

@@ -32,17 +32,13 @@ def check_window(
     fingerprint: str | None = None,
     staging_name: str = "staging",
 ) -> WindowArgs:
-    if fingerprint is not None and fingerprint != reg.fingerprint:
-        raise ValueError(
-            f"registration fingerprint mismatch: staged objects have {fingerprint}, "
-            f"destination registration {reg.name} has {reg.fingerprint}"
-        )
+    check_fingerprint(reg, fingerprint)
     if isinstance(first_chunk, bool) or int(first_chunk) != first_chunk or first_chunk < 0:
         raise ValueError(f"first_chunk must be a non-negative integer, got {first_chunk!r}")
     if isinstance(num_chunks, bool) or int(num_chunks) != num_chunks or num_chunks < 0:
         raise ValueError(f"num_chunks must be a non-negative integer, got {num_chunks!r}")
     first_chunk, num_chunks = int(first_chunk), int(num_chunks)
-    _check_staging(staging, reg, num_chunks, staging_name)
+    check_staging(staging, reg, num_chunks, staging_name)
     kv, tables = check_destinations(reg, kv, block_tables, first_chunk, num_chunks)
     return WindowArgs(staging, kv, tables, first_chunk, num_chunks)
 
@@ -84,7 +80,15 @@ def check_destinations(
     return kv, _check_block_tables(reg, block_tables, first_chunk, num_chunks, group_blocks)
 
 
-def _check_staging(staging: torch.Tensor, reg: Registration, num_chunks: int, name: str) -> None:
+def check_fingerprint(reg: Registration, fingerprint: str | None) -> None:
+    if fingerprint is not None and fingerprint != reg.fingerprint:
+        raise ValueError(
+            f"registration fingerprint mismatch: staged objects have {fingerprint}, "
+            f"destination registration {reg.name} has {reg.fingerprint}"
+        )
+
+
+def check_staging(staging: torch.Tensor, reg: Registration, num_chunks: int, name: str = "staging") -> None:
     if not isinstance(staging, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(staging).__name__}")
     if staging.dtype != torch.uint8 or staging.dim() != 1:

@@ -142,7 +142,7 @@ def _common(p: argparse.ArgumentParser, *, tier_default: str = "fs") -> None:
     g.add_argument("--scale", type=scale_type, default=DEFAULT_SCALE,
                    help="shrink preset entry widths so long prefixes fit in memory here (default 1/64; "
                         "1 = the real widths); ignored for registration files")
-    g.add_argument("--tier", default=tier_default, metavar="fs|mooncake",
+    g.add_argument("--tier", default=tier_default, metavar="fs|mooncake|lmcache-fs|lmcache-mooncake",
                    help=f"where the state is stored and restored from (default {tier_default})")
     g.add_argument("--root", help="fs tier: keep the objects in this existing directory (default: a temporary "
                                   "directory, removed afterwards)")
@@ -280,7 +280,6 @@ def _store(progress: Progress, src, tier) -> None:
 
 def _sweep_rows(args, reg, tier_names, tokens, windows, progress, repeat=1, max_staging=None):
     from .experiments import Destinations, make_source, source_hashes, sweep
-    from .tier_setup import open_tier
 
     max_chunks = max(tokens) // reg.chunk_tokens
     if max_chunks == 0:
@@ -292,15 +291,36 @@ def _sweep_rows(args, reg, tier_names, tokens, windows, progress, repeat=1, max_
     dst = Destinations(reg, src.num_chunks, seed=1)
     rows = []
     for name in tier_names:
-        with open_tier(_tier_options(args, name), reg, capacity_bytes=max_chunks * reg.chunk_bytes) as tier:
-            _store(progress, src, tier)
-            with progress.bar(len(tokens) * len(windows), f"restore <- {tier.name}", "row") as bar:
+        with _open_target(args, name, reg, src, windows, progress) as target:
+            with progress.bar(len(tokens) * len(windows), f"restore <- {target.name}", "row") as bar:
                 def on_row(r, bar=bar):
                     bar.update(1)
                     bar.set_postfix_str(f"{r.tokens} tok W={r.window_chunks}: {r.seconds:.2f}s")
-                rows += sweep(src, tier, tokens, windows, depth=args.depth, fetch_timeout_s=args.timeout,
+                rows += sweep(src, target, tokens, windows, depth=args.depth, fetch_timeout_s=args.timeout,
                               backend=args.backend, expected=expected, dst=dst, repeat=repeat, on_row=on_row)
     return rows
+
+
+@contextlib.contextmanager
+def _open_target(args, name: str, reg, src, windows, progress: Progress):
+    """A sweep target holding `src`: a BSR tier, or LMCache's storage stack (lmcache-*), whose L1
+    holds the largest window (or the whole plan when W = 0 is swept)."""
+    from .experiments import AdapterTarget, TierTarget
+    from .tier_setup import open_lmcache, open_tier
+
+    capacity = src.num_chunks * reg.chunk_bytes
+    if name.startswith("lmcache-"):
+        w_max = src.num_chunks if 0 in windows else max(windows)
+        with open_lmcache(_tier_options(args, name), reg, l1_bytes=(w_max + 2) * (reg.chunk_bytes + 4096),
+                          capacity_bytes=capacity) as adapter:
+            progress.say(f"store -> {name} ({src.num_chunks} chunks)")
+            adapter.store(src.keyspace, src.tokens, src.kv, src.block_tables)
+            yield AdapterTarget(adapter, name)
+    else:
+        with open_tier(_tier_options(args, name), reg, capacity_bytes=capacity) as tier:
+            _store(progress, src, tier)
+            yield TierTarget(tier, reg, windows, depth=args.depth, fetch_timeout_s=args.timeout,
+                             backend=args.backend)
 
 
 def _write_json(path: str | None, rows: list[dict]) -> None:

@@ -118,8 +118,55 @@ def source_hashes(src: SourceState, chunk_counts: Sequence[int]) -> dict[int, st
     return {n: state_hash(src.reg, src.kv, src.block_tables, n) for n in sorted(set(chunk_counts))}
 
 
-def sweep(src: SourceState, tier: Tier, token_counts: Sequence[int], windows: Sequence[int], *,
-          depth: int = 2, fetch_timeout_s: float = 120.0, backend: str = "auto",
+class TierTarget:
+    """What a sweep restores from: a BSR tier, restored by one BoundedRestorer per W."""
+
+    def __init__(self, tier: Tier, reg: Registration, windows: Sequence[int], *, depth: int = 2,
+                 fetch_timeout_s: float = 120.0, backend: str = "auto") -> None:
+        self.tier = tier
+        self.name = tier.name
+        self.restorers = {w: BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
+                                                                fetch_timeout_s=fetch_timeout_s, backend=backend))
+                          for w in windows}
+
+    def probe_chunks(self, src: SourceState, n: int) -> int:
+        return probe_prefix(self.tier, PrefixKeys(src.keyspace, src.tokens[: n * src.reg.chunk_tokens],
+                                                  src.reg.chunk_tokens)).prefix_chunks
+
+    def restore(self, w: int, req: RestoreRequest, n: int):
+        return self.restorers[w].restore(req, self.tier, n)
+
+    def capacity(self, w: int, n: int, chunk_bytes: int) -> int:
+        return self.restorers[w].staging_capacity_bytes or n * chunk_bytes
+
+    def close(self) -> None:
+        for r in self.restorers.values():
+            r.close()
+
+
+class AdapterTarget:
+    """What a sweep restores from: an LMCache adapter (bsr_runtime.lmcache_adapter.LMCacheAdapter);
+    peak staging is LMCache's peak L1 use during the retrieve."""
+
+    def __init__(self, adapter, name: str) -> None:
+        self.adapter = adapter
+        self.name = name
+
+    def probe_chunks(self, src: SourceState, n: int) -> int:
+        return self.adapter.probe(src.keyspace, src.tokens[: n * src.reg.chunk_tokens]).prefix_chunks
+
+    def restore(self, w: int, req: RestoreRequest, n: int):
+        return self.adapter.retrieve(req, n, window_chunks=w)
+
+    def capacity(self, w: int, n: int, chunk_bytes: int) -> int:
+        return self.adapter.l1_object_bytes * (min(w, n) if w else n)
+
+    def close(self) -> None:
+        pass
+
+
+def sweep(src: SourceState, target: Tier | TierTarget | AdapterTarget, token_counts: Sequence[int],
+          windows: Sequence[int], *, depth: int = 2, fetch_timeout_s: float = 120.0, backend: str = "auto",
           expected: dict[int, str] | None = None, dst: Destinations | None = None, repeat: int = 1,
           on_row: Callable[[SweepRow], None] | None = None) -> list[SweepRow]:
     """One row per (tokens, W), the median of `repeat` runs. `expected` maps chunk counts to
@@ -130,32 +177,30 @@ def sweep(src: SourceState, tier: Tier, token_counts: Sequence[int], windows: Se
         raise ValueError(f"sweep asks for {max(chunk_counts)} chunks, the source holds {src.num_chunks}")
     expected = expected or source_hashes(src, chunk_counts)
     dst = dst or Destinations(reg, src.num_chunks, seed=1)
+    if isinstance(target, Tier):
+        target = TierTarget(target, reg, windows, depth=depth, fetch_timeout_s=fetch_timeout_s, backend=backend)
     rows = []
-    restorers = {w: BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
-                                                       fetch_timeout_s=fetch_timeout_s, backend=backend))
-                 for w in windows}
     try:
         for tokens, n in zip(token_counts, chunk_counts):
-            probe = probe_prefix(tier, PrefixKeys(src.keyspace, src.tokens[: n * reg.chunk_tokens],
-                                                  reg.chunk_tokens))
-            for w, restorer in restorers.items():
+            probed = target.probe_chunks(src, n)
+            for w in windows:
                 reports = []
                 for _ in range(repeat):  # the median run is reported; every run must restore the state
                     dst.poison()
                     req = RestoreRequest(f"sweep-{tokens}-{w}", src.tokens, src.keyspace, dst.kv, dst.tables)
-                    rep = restorer.restore(req, tier, min(n, probe.prefix_chunks))
+                    rep = target.restore(w, req, min(n, probed))
                     rep.ok = rep.ok and state_hash(reg, dst.kv, dst.tables, n) == expected[n]
                     reports.append(rep)
                 ok_hash = all(r.ok for r in reports)
                 rep = sorted(reports, key=lambda r: r.total_s)[len(reports) // 2]
                 row = SweepRow(
-                    tier=tier.name, tokens=tokens, chunks=n, window_chunks=w, pipeline_depth=depth,
+                    tier=target.name, tokens=tokens, chunks=n, window_chunks=w, pipeline_depth=rep.pipeline_depth,
                     windows=rep.windows, chunk_bytes=reg.chunk_bytes,
-                    staging_capacity_bytes=restorer.staging_capacity_bytes or n * reg.chunk_bytes,
+                    staging_capacity_bytes=target.capacity(w, n, reg.chunk_bytes),
                     peak_staging_bytes=rep.peak_staging_bytes, bytes_moved=rep.bytes_moved,
                     seconds=rep.total_s, gbps=rep.bytes_moved / rep.total_s / 1e9 if rep.total_s else 0.0,
                     fetch_s=rep.fetch_s, install_s=rep.install_s, sync_s=rep.sync_s,
-                    committed_tokens=rep.committed_tokens, probed_tokens=probe.prefix_chunks * reg.chunk_tokens,
+                    committed_tokens=rep.committed_tokens, probed_tokens=probed * reg.chunk_tokens,
                     state_hash_ok=ok_hash, ok=all(r.committed_tokens == n * reg.chunk_tokens for r in reports),
                     error=rep.error,
                 )
@@ -163,8 +208,7 @@ def sweep(src: SourceState, tier: Tier, token_counts: Sequence[int], windows: Se
                 if on_row is not None:
                     on_row(row)
     finally:
-        for r in restorers.values():
-            r.close()
+        target.close()
     return rows
 
 

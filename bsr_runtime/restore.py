@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from bsr_kernels import Registration, StagingPool, install_window
-from bsr_kernels.validate import check_destinations
+from bsr_kernels import Registration, StagingPool, WindowInstaller
 
 from .admission import ByteBudget, SerialAdmission
 from .keys import KeySpace, PrefixKeys
@@ -166,7 +165,8 @@ class BoundedRestorer:
         if req.keyspace.fingerprint != reg.fingerprint:
             raise ValueError("request keyspace was built for another registration "
                              f"({req.keyspace.fingerprint} != {reg.fingerprint})")
-        kv, tables = check_destinations(reg, req.kv, req.block_tables, 0, num_chunks)
+        installer = WindowInstaller(reg, req.kv, req.block_tables, num_chunks, backend=cfg.backend,
+                                    stream=self.stream, fingerprint=reg.fingerprint)
         w = cfg.prefetch_window_chunks
         report = RestoreReport(
             request_id=req.request_id, tier=tier.name, ok=False, num_chunks=num_chunks, committed_tokens=0,
@@ -194,7 +194,7 @@ class BoundedRestorer:
                         self._register(tier, pool)
                     except TierError as e:
                         raise RestoreFailed(None, e) from e
-                    self._run_windows(pool, keys, kv, tables, tier, num_chunks, report)
+                    self._run_windows(pool, keys, installer, tier, num_chunks, report)
                     report.ok = True
                     report.committed_tokens = num_chunks * reg.chunk_tokens
                 except RestoreFailed as e:
@@ -210,7 +210,7 @@ class BoundedRestorer:
         return report
 
     # -- the loop --------------------------------------------------------------------------
-    def _run_windows(self, pool, keys, kv, tables, tier, num_chunks, report) -> None:
+    def _run_windows(self, pool, keys, installer, tier, num_chunks, report) -> None:
         cfg = self.config
         pipelined = len(pool.slots) == 2  # depth 2 with W >= 2; otherwise one window at a time
         outstanding: list[_InFlight] = []  # submitted, not yet installed (oldest first)
@@ -219,16 +219,16 @@ class BoundedRestorer:
                 nbytes = win.num_chunks * self.reg.chunk_bytes
                 if outstanding and not self.admission.try_reserve(nbytes):
                     # never block on the budget while holding a window: finish it first
-                    self._finish(pool, outstanding[0], kv, tables, report)
+                    self._finish(pool, outstanding[0], installer, report)
                     outstanding.pop(0)
                 if not outstanding:
                     self.admission.reserve(nbytes, cfg.admission_timeout_s)
                 outstanding.append(self._submit(pool, keys, tier, win, nbytes, cfg.fetch_timeout_s))
                 while len(outstanding) > (1 if pipelined else 0):
-                    self._finish(pool, outstanding[0], kv, tables, report)
+                    self._finish(pool, outstanding[0], installer, report)
                     outstanding.pop(0)
             while outstanding:
-                self._finish(pool, outstanding[0], kv, tables, report)
+                self._finish(pool, outstanding[0], installer, report)
                 outstanding.pop(0)
         except RestoreFailed:
             for f in outstanding:
@@ -251,7 +251,7 @@ class BoundedRestorer:
             raise RestoreFailed(win.index, e) from e
         return _InFlight(win, lease, handle, nbytes)
 
-    def _finish(self, pool, f: _InFlight, kv, tables, report: RestoreReport) -> None:
+    def _finish(self, pool, f: _InFlight, installer: WindowInstaller, report: RestoreReport) -> None:
         """Wait for the window's objects, install them, then synchronize and release."""
         win = f.window
         try:
@@ -263,10 +263,7 @@ class BoundedRestorer:
             t = time.perf_counter()
             if self.install_fault is not None:
                 self.install_fault(win.index)
-            report.backend = install_window(
-                f.lease.view, self.reg, kv, tables, win.first_chunk, win.num_chunks,
-                backend=self.config.backend, stream=self.stream, fingerprint=self.reg.fingerprint,
-            )
+            report.backend = installer.install(f.lease.view, win.first_chunk, win.num_chunks)
             pool.record_install(f.lease, self.stream)
             report.install_s += time.perf_counter() - t
         except (TierError, RuntimeError, ValueError, TimeoutError, OSError) as e:

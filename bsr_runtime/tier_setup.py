@@ -4,6 +4,8 @@
 - mooncake: a MooncakeTier; with --mooncake-master it talks to an existing master, otherwise a
   mooncake_master and a standalone store host (mooncake_client) are started on 127.0.0.1 and
   stopped afterwards, so restored bytes cross TCP as from an external store host.
+- lmcache-fs / lmcache-mooncake: LMCache's own storage stack (StorageManager with a DRAM L1 and
+  the filesystem or Mooncake L2 adapter) driven by bsr_runtime.lmcache_adapter.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from bsr_kernels import Registration
 
 from .tiers.base import Tier, TierUnavailableError
 
-TIER_NAMES = ("fs", "mooncake")
+TIER_NAMES = ("fs", "mooncake", "lmcache-fs", "lmcache-mooncake")
 
 
 @dataclass
@@ -65,24 +67,56 @@ def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0) 
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
     elif opts.name == "mooncake":
-        from .mooncake_master import MooncakeMaster, MooncakeStoreHost
         from .tiers.mooncake import MooncakeTier
 
-        with contextlib.ExitStack() as stack:
-            if opts.mooncake_master:
-                _check_reachable(opts.mooncake_master)
-                master_address = opts.mooncake_master
-                host = master_address.rpartition(":")[0]
-                metadata = opts.metadata_server or f"http://{host}:8080/metadata"
-                segment = 0 if capacity_bytes == 0 else max(opts.segment_bytes, capacity_bytes)
-            else:
-                master = stack.enter_context(MooncakeMaster())
-                segment_bytes = max(opts.segment_bytes, int(capacity_bytes * 1.25) + (256 << 20))
-                stack.enter_context(MooncakeStoreHost(master, segment_bytes))
-                master_address, metadata, segment = master.master_address, master.metadata_server, 0
+        with _mooncake_endpoints(opts, capacity_bytes) as (master_address, metadata, segment):
             tier = MooncakeTier(reg.chunk_bytes, reg.fingerprint, master_address, metadata,
                                 protocol=opts.protocol, global_segment_size=segment)
-            stack.callback(tier.close)
-            yield tier
+            try:
+                yield tier
+            finally:
+                tier.close()
     else:
         raise ValueError(f"unknown tier {opts.name!r}; choose one of {', '.join(TIER_NAMES)}")
+
+
+@contextlib.contextmanager
+def _mooncake_endpoints(opts: TierOptions, capacity_bytes: int) -> Iterator[tuple[str, str, int]]:
+    """(master address, metadata server, client segment bytes): an existing master, or one we
+    start with a store host."""
+    from .mooncake_master import MooncakeMaster, MooncakeStoreHost
+
+    if opts.mooncake_master:
+        _check_reachable(opts.mooncake_master)
+        host = opts.mooncake_master.rpartition(":")[0]
+        yield (opts.mooncake_master, opts.metadata_server or f"http://{host}:8080/metadata",
+               max(opts.segment_bytes, capacity_bytes))
+        return
+    with MooncakeMaster() as master, MooncakeStoreHost(master, max(opts.segment_bytes,
+                                                                   int(capacity_bytes * 1.25) + (256 << 20))):
+        yield master.master_address, master.metadata_server, 0
+
+
+@contextlib.contextmanager
+def open_lmcache(opts: TierOptions, reg: Registration, *, l1_bytes: int, capacity_bytes: int = 0):
+    """Yield an LMCacheAdapter over LMCache's StorageManager with an L1 of `l1_bytes` and the
+    filesystem ("lmcache-fs") or Mooncake ("lmcache-mooncake") L2 adapter."""
+    from .lmcache_adapter import LMCacheAdapter, fs_l2, mooncake_l2
+
+    with contextlib.ExitStack() as stack:
+        if opts.name == "lmcache-fs":
+            root = opts.root
+            if root is None:
+                root = tempfile.mkdtemp(prefix="bsr-lmcache-fs-")
+                stack.callback(shutil.rmtree, root, True)
+            elif not Path(root).is_dir():
+                raise ValueError(f"filesystem tier root {root} does not exist or is not a directory")
+            l2 = fs_l2(root, opts.load_concurrency)
+        elif opts.name == "lmcache-mooncake":
+            master, metadata, segment = stack.enter_context(_mooncake_endpoints(opts, capacity_bytes))
+            l2 = mooncake_l2(master, metadata, global_segment_size=segment, protocol=opts.protocol)
+        else:
+            raise ValueError(f"{opts.name!r} is not an LMCache tier")
+        adapter = LMCacheAdapter.create(reg, l1_bytes, [l2])
+        stack.callback(adapter.close)
+        yield adapter

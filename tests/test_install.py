@@ -224,3 +224,26 @@ def test_unavailable_backend_is_a_clear_error():
     reg, case, kv = _bad_case()
     with pytest.raises(ValueError, match="not available"):
         install_window(case.staging, reg, kv, case.tables, 0, 2, backend="cuda")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_installer_matches_install_window(backend):
+    from bsr_kernels import WindowInstaller
+
+    reg = presets.dsv4_flash(scale=1 / 64)
+    case = make_case(reg, first_chunk=0, num_chunks=5, seed=17)
+    expect = _oracle(case)
+    kv = poisoned(reg, case.num_blocks)
+    installer = WindowInstaller(reg, kv, case.tables, 5, backend=backend)
+    saved = [t.clone() for t in case.tables]
+    for t in case.tables:  # the installer validated and copied the tables: later edits do not leak in
+        t.fill_(0)
+    c = reg.chunk_bytes
+    for first, n in [(0, 2), (2, 2), (4, 1)]:
+        assert installer.install(case.staging[first * c : (first + n) * c].clone(), first, n) == backend
+    case.tables[:] = saved
+    assert_same(kv, expect, reg, f"{backend} WindowInstaller vs oracle")
+    with pytest.raises(ValueError, match="outside the 5 chunks"):
+        installer.install(case.staging, 4, 2)
+    with pytest.raises(ValueError, match="staging too small"):
+        installer.install(case.staging[:c], 0, 2)
