@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(f)
     f.add_argument("--tokens", type=int, default=8192, help="prefix length per scenario (default 8192)")
     f.add_argument("--window", type=non_negative_int, default=4, help="W in chunks (default 4)")
+    f.add_argument("--scenarios", default="all", help="comma-separated scenario names (default all)")
     f.set_defaults(func=cmd_faults)
 
     b = sub.add_parser("bench", help="per-window install microbenchmark of every backend on this machine",
@@ -492,9 +494,13 @@ def cmd_faults(args) -> int:
     chunks = args.tokens // reg.chunk_tokens
     if chunks < 2 or args.window <= 0:
         raise CliError("faults needs --tokens of at least two chunks and a positive --window")
+    scenarios = SCENARIOS if args.scenarios == "all" else tuple(args.scenarios.split(","))
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown:
+        raise CliError(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
     rows = []
-    with progress.bar(len(SCENARIOS), "fault matrix", "scenario") as bar:
-        for scenario in SCENARIOS:  # one at a time, so the bar moves
+    with progress.bar(len(scenarios), "fault matrix", "scenario") as bar:
+        for scenario in scenarios:  # one at a time, so the bar moves
             bar.set_postfix_str(scenario)
             (row,) = run_fault_matrix(reg, scenarios=[scenario], num_chunks=chunks, long_chunks=3 * chunks,
                                       window_chunks=args.window, depth=args.depth)
@@ -527,6 +533,7 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")  # LMCache logs every prefetch at INFO
     parser = build_parser()
     args = parser.parse_args(argv)
     from .mooncake_master import MooncakeMasterError

@@ -134,3 +134,40 @@ def test_help_explains_each_subcommand():
         proc = subprocess.run([sys.executable, "-m", "bsr_runtime.cli", cmd, "--help"], capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 0 and "--json" in proc.stdout and "--quiet" in proc.stdout
+
+
+@pytest.mark.mooncake
+def test_faults_rows(tmp_path, capsys):
+    js = tmp_path / "f.json"
+    rc, out, _ = run(["faults", "--tokens", "1024", "--window", "2", "--quiet", "--json", str(js),
+                      "--scenarios", "healthy,corrupt_object,remote_fails_ssd_serves"], capsys)
+    assert rc == 0
+    rows = {r["scenario"]: r for r in json.loads(js.read_text())}
+    fields = {"scenario", "outcome", "tokens", "exposed_tokens", "invalid_blocks", "total_blocks", "marker_set",
+              "marker_cleared", "staging_leaked_bytes", "served_by", "state_hash_ok"}
+    assert all(fields <= set(r) for r in rows.values())
+    bad = rows["corrupt_object"]
+    assert bad["outcome"] == "failed_closed" and bad["exposed_tokens"] == 0
+    assert bad["invalid_blocks"] == bad["total_blocks"] > 0 and bad["marker_set"] and bad["marker_cleared"]
+    assert rows["healthy"]["outcome"] == "committed" and rows["healthy"]["exposed_tokens"] == 1024
+    assert rows["remote_fails_ssd_serves"]["served_by"] == "filesystem"
+    assert all(r["staging_leaked_bytes"] == 0 for r in rows.values())
+
+
+def test_faults_unknown_scenario(capsys):
+    rc, _, err = run(["faults", "--scenarios", "nope", "--quiet"], capsys)
+    assert rc == 2 and "unknown scenarios" in err
+
+
+@pytest.mark.parametrize("tier", ["lmcache-fs", "lmcache-mooncake"])
+def test_sweep_through_lmcache(tier, tmp_path, capsys):
+    if tier == "lmcache-mooncake":
+        pytest.importorskip("mooncake.store")
+    js = tmp_path / "lm.json"
+    rc, _, _ = run(["sweep", "--tier", tier, "--tokens", "2048", "--window", "2", "--baseline", "--quiet",
+                    "--json", str(js)], capsys)
+    assert rc == 0
+    rows = json.loads(js.read_text())
+    assert {r["tier"] for r in rows} == {tier} and all(r["state_hash_ok"] for r in rows)
+    bsr, whole = sorted(rows, key=lambda r: -r["window_chunks"])
+    assert bsr["peak_staging_bytes"] < whole["peak_staging_bytes"]  # LMCache L1: ~2 objects vs 8
