@@ -200,6 +200,21 @@ def test_windowed_retrieve_small_l1(stored, small, w):
     assert not rep.invalid_block_ids and not rep.force_local
 
 
+def test_prefix_eight_times_larger_than_l1(stored):
+    """L1 holds 5 objects, the prefix 40 (8x): W = 4 restores it hash-equal, LMCache's own L1
+    usage (sampled on another thread throughout) never above one window; W = 0 gets nothing."""
+    with LMCacheAdapter.create(REG, 5 * OBJ_4K, [fs_l2(stored.base)], config()) as ad:
+        assert ad.l1_usage()[1] < N * OBJ_4K / 8 + OBJ_4K
+        req = stored.request(seed=81, rid="eightfold")
+        with Sampler(ad.sm) as s:
+            rep = ad.retrieve(req, N, window_chunks=4)
+        assert rep.ok, rep.error
+        assert state_hash(REG, req.kv, req.block_tables, N) == stored.hash[N]
+        assert s.samples > 10 and s.peak <= 4 * OBJ_4K and rep.peak_staging_bytes == 4 * OBJ_4K
+        whole = ad.retrieve(stored.request(seed=82, rid="eightfold-w0"), N, window_chunks=0)
+        assert not whole.ok and whole.hit_chunks == 0 and whole.committed_tokens == 0
+
+
 def test_whole_plan_needs_n_objects_and_is_bit_exact(stored):
     """The capacity ladder's other side: W = 0 passes once L1 holds N objects; L1 aligned to 64 B
     (c is a multiple of 64) makes LMCache's batch contiguous, so the install is one launch."""
