@@ -16,6 +16,7 @@ table is printed at the end of the module in both modes.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -25,9 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, f
 import pytest
 import torch
 
-from bsr_kernels import presets
+from bsr_kernels import bench, presets
 from bsr_kernels.install import _run, available_backends
-from bsr_kernels.validate import check_window
 
 REG = presets.dsv4_flash(scale=1 / 16)
 WINDOWS = (1, 8, 16, 32, 64)
@@ -51,15 +51,9 @@ def _sync(device: str) -> None:
 
 
 def make_window(w: int, device: str, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    tables, nbs = [], []
-    for g in range(REG.num_groups):
-        need = REG.blocks_needed(g, w * REG.chunk_tokens)
-        tables.append(torch.randperm(need, generator=gen).to(device))
-        nbs.append(need)
-    kv = REG.allocate(nbs, device)
-    staging = torch.randint(0, 255, (w * REG.chunk_bytes,), dtype=torch.uint8, generator=gen).to(device)
-    return check_window(staging, REG, kv, tables, 0, w)
+    """A validated W-chunk window with staging on the destination device."""
+    a = bench.make_window(REG, w, device, seed)
+    return dataclasses.replace(a, staging=a.staging.to(device))
 
 
 def step(w: int, device: str, backend: str):
