@@ -337,25 +337,36 @@ def _rows_table(rows) -> None:
           f"{r.seconds:.2f}", f"{r.gbps:.2f}", "yes" if r.state_hash_ok else "NO") for r in rows])
 
 
-def _plot_peaks(path: str, rows, title: str) -> None:
+def line_plot(path: str, series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str,
+              title: str = "") -> None:
+    """One PNG with a line per series (label -> [(x, y), ...])."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for (tier, w), marker in zip(sorted({(r.tier, r.window_chunks) for r in rows}), "os^vD<>"):
-        pts = sorted((r.tokens, r.peak_staging_bytes / 2**20) for r in rows if (r.tier, r.window_chunks) == (tier, w))
-        label = f"{tier}, " + (f"BSR W={w}" if w else "whole plan (W=0)")
+    for (label, pts), marker in zip(series.items(), "os^vD<>*"):
+        pts = sorted(pts)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=label)
-    ax.set_xlabel("prefix length (tokens)")
-    ax.set_ylabel("peak staging (MiB)")
-    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_peaks(path: str, rows, title: str) -> None:
+    series = {}
+    for tier, w in sorted({(r.tier, r.window_chunks) for r in rows}):
+        label = f"{tier}, " + (f"BSR W={w}" if w else "whole plan (W=0)")
+        series[label] = [(r.tokens, r.peak_staging_bytes / 2**20) for r in rows
+                         if (r.tier, r.window_chunks) == (tier, w)]
+    line_plot(path, series, "prefix length (tokens)", "peak staging (MiB)", title)
 
 
 # -- subcommands ----------------------------------------------------------------------------
@@ -413,23 +424,9 @@ def cmd_wlaw(args) -> int:
                   f"{r.seconds:.2f}") for r in rows])
     _write_json(args.json, [r.to_dict() for r in rows])
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for tier in sorted({r.tier for r in rows}):
-            pts = sorted((r.window_chunks, r.peak_staging_bytes / 2**20) for r in rows if r.tier == tier)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=tier)
-        ax.set_xlabel("W (chunks)")
-        ax.set_ylabel("peak staging (MiB)")
-        ax.set_title(f"{reg.name}, {args.tokens} tokens")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
-        plt.close(fig)
+        line_plot(args.plot, {tier: [(r.window_chunks, r.peak_staging_bytes / 2**20) for r in rows if r.tier == tier]
+                              for tier in sorted({r.tier for r in rows})},
+                  "W (chunks)", "peak staging (MiB)", f"{reg.name}, {args.tokens} tokens")
     ok = all(r.state_hash_ok and r.peak_staging_bytes == min(r.window_chunks, r.chunks) * r.chunk_bytes
              for r in rows)
     return 0 if ok else 1
@@ -444,11 +441,15 @@ def cmd_ladder(args) -> int:
     print(reg.describe())
     if args.window <= 0:
         raise CliError("--window must be positive for the BSR side of the ladder")
+    tiers = _tier_names(args)
+    if any(t.startswith("lmcache-") for t in tiers):
+        raise CliError("the ladder through LMCache's L1 is benchmarks/lmcache_ladder.py; "
+                       "bsr ladder runs on the fs and mooncake tiers")
     max_chunks = max(args.tokens) // reg.chunk_tokens
     src = make_source(reg, max_chunks, seed=0)
     dst = Destinations(reg, max_chunks, seed=1)
     rows = []
-    for name in _tier_names(args):
+    for name in tiers:
         with open_tier(_tier_options(args, name), reg, capacity_bytes=max_chunks * reg.chunk_bytes) as tier:
             _store(progress, src, tier)
             with progress.bar(len(args.tokens), f"ladder <- {tier.name}", "prefix") as bar:
@@ -463,23 +464,11 @@ def cmd_ladder(args) -> int:
                   "yes" if r["bsr_pass"] else "NO") for r in rows])
     _write_json(args.json, rows)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        xs = [r["tokens"] for r in rows]
-        ax.plot(xs, [r["first_passing_rung_bytes"] / 2**20 for r in rows], marker="o",
-                label="whole plan: first passing rung")
-        ax.plot(xs, [r["bsr_capacity_bytes"] / 2**20 for r in rows], marker="s", label=f"BSR W={args.window}")
-        ax.set_xlabel("prefix length (tokens)")
-        ax.set_ylabel("staging capacity (MiB)")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
-        plt.close(fig)
+        line_plot(args.plot, {
+            "whole plan: first passing rung": [(r["tokens"], (r["first_passing_rung_bytes"] or 0) / 2**20)
+                                               for r in rows],
+            f"BSR W={args.window}": [(r["tokens"], r["bsr_capacity_bytes"] / 2**20) for r in rows],
+        }, "prefix length (tokens)", "staging capacity (MiB)", f"{reg.name}: capacity ladder")
     return 0 if all(r["bsr_pass"] for r in rows) else 1
 
 
