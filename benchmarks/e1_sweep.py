@@ -8,7 +8,7 @@ A/B (1 vs 4) at the longest prefix with the page cache dropped for the object fi
 
     python benchmarks/e1_sweep.py [--scale 0.015625] [--tiers fs,mooncake] [--out benchmarks/results]
 
-Prints the table and the ratios, and writes e1_sweep.json and e1_sweep.txt under --out.
+Prints the table and the ratios, and writes NAME.json and NAME.txt under --out (--name, default e1_sweep).
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per row; the median is reported")
     ap.add_argument("--skip-ab", action="store_true", help="skip the filesystem concurrency A/B")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--name", default="e1_sweep", help="base name of the .txt/.json results (default e1_sweep)")
     args = ap.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
     reg = presets.dsv4_flash(scale=args.scale)
@@ -154,8 +155,8 @@ def main(argv=None) -> int:
     print("\n".join(lines[len(header):]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "e1_sweep.txt").write_text("\n".join(lines) + "\n")
-    (out / "e1_sweep.json").write_text(json.dumps([r.to_dict() for r in rows], indent=1) + "\n")
+    (out / f"{args.name}.txt").write_text("\n".join(lines) + "\n")
+    (out / f"{args.name}.json").write_text(json.dumps([r.to_dict() for r in rows], indent=1) + "\n")
     return 0 if all(r.state_hash_ok for r in rows) else 1
 
 
