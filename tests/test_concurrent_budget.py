@@ -1,0 +1,225 @@
+"""Concurrent restores under one global byte budget B (issue 7, item 1).
+
+16 requests restore at once, each on its own thread with its own BoundedRestorer (random
+length, W in {1..4}, depth in {1, 2}), all sharing ONE ByteBudget. Some requests carry a
+fault on their own keys only (a missing object or a corrupt one). A sampler thread reads the
+budget and the sum of every restorer's live staging while holding the budget's lock, so the
+sample is one consistent cut: a pool's lease is taken after its window's reservation and given
+back before it, hence sum(live) <= used <= B must hold in every sample.
+
+Asserted: the aggregate never exceeds B; healthy requests commit with the stored state hash;
+faulted ones fail closed (ok=False, committed_tokens == 0); every thread finishes within a
+generous bound (no deadlock); the budget and pools end empty. ByteBudget is FIFO: a large
+reservation queued first is served before a later small one that would fit.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from bsr_kernels import presets
+from bsr_runtime.admission import ByteBudget
+from bsr_runtime.experiments import Destinations, make_source, store_source
+from bsr_runtime.keys import PrefixKeys
+from bsr_runtime.restore import BoundedRestorer, RestoreConfig, RestoreRequest
+from bsr_runtime.state_hash import state_hash
+from bsr_runtime.tiers import FilesystemTier
+
+NUM_REQUESTS = 16
+MAX_CHUNKS = 12
+BUDGET_CHUNKS = 6  # B = 6 chunks: W <= 4, so at most ~2 requests hold staging at once
+JOIN_BOUND_S = 120.0  # generous: the whole run takes a few seconds
+
+
+class TimedBudget(ByteBudget):
+    """A ByteBudget that records how long each blocking reservation waited, per thread."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        super().__init__(budget_bytes)
+        self.waits: dict[str, list[float]] = {}
+        self._waits_lock = threading.Lock()
+
+    def reserve(self, nbytes: int, timeout: float | None = None) -> None:
+        t0 = time.monotonic()
+        super().reserve(nbytes, timeout)
+        waited = time.monotonic() - t0
+        with self._waits_lock:
+            self.waits.setdefault(threading.current_thread().name, []).append(waited)
+
+
+def _reg():
+    return presets.dsv4_flash(scale=1 / 64)
+
+
+def _plan(seed: int):
+    """Per request: (chunks, W, depth, fault); faults on a fixed, seeded subset of requests."""
+    rng = random.Random(seed)
+    faulted = set(rng.sample(range(NUM_REQUESTS), 6))
+    plans = []
+    for i in range(NUM_REQUESTS):
+        fault = rng.choice(["missing", "corrupt"]) if i in faulted else None
+        plans.append((rng.randint(1, MAX_CHUNKS), rng.choice([1, 2, 3, 4]), rng.choice([1, 2]), fault))
+    return plans
+
+
+def run_concurrent(tier, seed: int):
+    reg = _reg()
+    c = reg.chunk_bytes
+    plans = _plan(seed)
+    rng = random.Random(seed + 1)
+    budget = TimedBudget(BUDGET_CHUNKS * c)
+    jobs = []
+    corrupt: set[str] = set()
+    for i, (n, w, depth, fault) in enumerate(plans):
+        src = make_source(reg, n, seed=seed * 100 + i)
+        expected = store_source(src, tier, window_chunks=4)
+        keys = PrefixKeys(src.keyspace, src.tokens, reg.chunk_tokens)
+        if fault is not None:  # a key of this request's own prefix only
+            victim = keys.window(rng.randrange(n), 1)[0]
+            if fault == "missing":
+                tier.delete([victim])
+            else:
+                corrupt.add(victim)
+        dst = Destinations(reg, n, seed=seed * 100 + i + 50)
+        dst.poison()
+        req = RestoreRequest(f"req-{i}", src.tokens, src.keyspace, dst.kv, dst.tables)
+        restorer = BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
+                                                      fetch_timeout_s=60.0), admission=budget)
+        jobs.append(dict(i=i, n=n, w=w, depth=depth, fault=fault, expected=expected, dst=dst, req=req,
+                         restorer=restorer, report=None, error=None))
+    tier.faults.corrupt_keys = corrupt
+
+    samples: list[tuple[int, int]] = []
+    stop = threading.Event()
+
+    def sampler() -> None:
+        while not stop.is_set():
+            with budget._cond:  # a consistent cut: no reservation changes while we read
+                used = budget.used_bytes
+                live = sum(j["restorer"].pool.live_bytes for j in jobs)
+            samples.append((used, live))
+            time.sleep(0.0005)
+
+    start = threading.Barrier(NUM_REQUESTS)
+
+    def worker(job) -> None:
+        try:
+            start.wait(timeout=30)
+            job["report"] = job["restorer"].restore(job["req"], tier, job["n"])
+        except BaseException as e:  # recorded and asserted below
+            job["error"] = e
+
+    samp = threading.Thread(target=sampler, name="budget-sampler")
+    threads = [threading.Thread(target=worker, args=(j,), name=f"req-{j['i']}") for j in jobs]
+    t0 = time.monotonic()
+    samp.start()
+    for t in threads:
+        t.start()
+    end = time.monotonic() + JOIN_BOUND_S
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    elapsed = time.monotonic() - t0
+    stop.set()
+    samp.join(10)
+    stuck = [t.name for t in threads if t.is_alive()]
+    try:
+        assert not stuck, f"deadlock or starvation: {stuck} still running after {JOIN_BOUND_S}s"
+        assert not samp.is_alive()
+        for j in jobs:
+            assert j["error"] is None, f"req-{j['i']}: {j['error']!r}"
+            rep = j["report"]
+            if j["fault"] is None:
+                assert rep.ok, f"req-{j['i']} (healthy): {rep.error}"
+                assert rep.committed_tokens == j["n"] * reg.chunk_tokens
+                assert state_hash(reg, j["dst"].kv, j["dst"].tables, j["n"]) == j["expected"]
+            else:
+                assert not rep.ok, f"req-{j['i']} ({j['fault']}) committed"
+                assert rep.committed_tokens == 0
+                expect = "MissingObjectError" if j["fault"] == "missing" else "CorruptObjectError"
+                assert expect in (rep.error or ""), rep.error
+            assert j["restorer"].pool.live_bytes == 0
+        assert samples, "the sampler took no sample"
+        max_used = max(u for u, _ in samples)
+        max_live = max(v for _, v in samples)
+        assert max_live <= max_used <= budget.budget_bytes
+        assert budget.peak_bytes <= budget.budget_bytes
+        assert budget.used_bytes == 0
+        waits = [w for ws in budget.waits.values() for w in ws]
+        assert len(budget.waits) == NUM_REQUESTS  # every request reserved at least once
+        print(f"\n[{tier.name}] B = {budget.budget_bytes:,} B ({BUDGET_CHUNKS} chunks of {c:,} B); "
+              f"{len(samples)} samples: max aggregate live staging {max_live:,} B, max reserved {max_used:,} B, "
+              f"budget peak {budget.peak_bytes:,} B; max admission wait {max(waits):.3f} s over {len(waits)} "
+              f"blocking reservations; {sum(j['fault'] is None for j in jobs)} healthy committed, "
+              f"{sum(j['fault'] is not None for j in jobs)} faulted failed closed; {elapsed:.2f} s")
+        return dict(max_live=max_live, max_used=max_used, budget=budget.budget_bytes, max_wait=max(waits))
+    finally:
+        tier.faults.clear()
+        for j in jobs:
+            j["restorer"].close()
+
+
+@pytest.mark.parametrize("seed", [7, 8])
+def test_concurrent_restores_filesystem(tmp_path, seed):
+    reg = _reg()
+    with FilesystemTier(tmp_path, reg.chunk_bytes, reg.fingerprint, load_concurrency=4) as tier:
+        run_concurrent(tier, seed)
+
+
+@pytest.mark.mooncake
+def test_concurrent_restores_mooncake(mooncake_master):
+    from bsr_runtime.tiers.mooncake import MooncakeTier
+
+    reg = _reg()
+    tier = MooncakeTier(reg.chunk_bytes, reg.fingerprint, mooncake_master.master_address,
+                        mooncake_master.metadata_server, global_segment_size=128 << 20)
+    try:
+        run_concurrent(tier, seed=9)
+    finally:
+        tier.close()
+
+
+def test_byte_budget_is_fifo():
+    """A large reservation queued first is served before a later small one that would fit;
+    try_reserve does not jump the queue either."""
+    budget = ByteBudget(4)
+    budget.reserve(3)
+    order: list[str] = []
+    granted = {"big": threading.Event(), "small": threading.Event()}
+
+    def take(name: str, nbytes: int) -> None:
+        budget.reserve(nbytes, timeout=60)
+        order.append(name)
+        granted[name].set()
+
+    def queued(k: int) -> None:
+        end = time.monotonic() + 30
+        while len(budget._queue) < k:
+            assert time.monotonic() < end, "reservation never queued"
+            time.sleep(0.001)
+
+    big = threading.Thread(target=take, args=("big", 4))
+    small = threading.Thread(target=take, args=("small", 1))
+    try:
+        big.start()
+        queued(1)
+        small.start()  # 3 + 1 <= 4 would fit, but "big" is ahead of it
+        queued(2)
+        assert not budget.try_reserve(1)  # no queue jumping
+        assert not granted["big"].is_set() and not granted["small"].is_set()
+        budget.release(3)
+        assert granted["big"].wait(30)
+        assert not granted["small"].is_set()  # 4 + 1 > 4: still waiting behind the budget
+        assert budget.used_bytes == 4
+        budget.release(4)
+        assert granted["small"].wait(30)
+        assert order == ["big", "small"]
+        budget.release(1)
+        assert budget.used_bytes == 0 and budget.peak_bytes == 4
+    finally:
+        for t in (big, small):
+            t.join(30)
+        assert not big.is_alive() and not small.is_alive()
