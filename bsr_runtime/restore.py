@@ -165,6 +165,12 @@ class BoundedRestorer:
         if req.keyspace.fingerprint != reg.fingerprint:
             raise ValueError("request keyspace was built for another registration "
                              f"({req.keyspace.fingerprint} != {reg.fingerprint})")
+        if tier.chunk_bytes != reg.chunk_bytes:
+            raise ValueError(f"tier {tier.name} holds objects of {tier.chunk_bytes:,} B, registration {reg.name} "
+                             f"stages chunks of {reg.chunk_bytes:,} B")
+        if tier.fingerprint != reg.fingerprint:
+            raise ValueError(f"tier {tier.name} was opened for registration {tier.fingerprint}, the engine's is "
+                             f"{reg.name} ({reg.fingerprint})")
         installer = WindowInstaller(reg, req.kv, req.block_tables, num_chunks, backend=cfg.backend,
                                     stream=self.stream, fingerprint=reg.fingerprint)
         w = cfg.prefetch_window_chunks
