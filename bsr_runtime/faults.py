@@ -17,6 +17,7 @@ Fault injection used here (FaultPlan on the tiers, plus):
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import threading
@@ -36,7 +37,7 @@ from .retrieve import LOCAL, RetrieveOutcome, Retriever
 from .state_hash import state_hash
 from .store import store_prefix
 from .tiers.base import Tier, TierError
-from .tiers.filesystem import FilesystemTier
+from .tiers.filesystem import HEADER_SIZE, FilesystemTier, pack_header
 
 FETCH, INSTALL = "fetch", "install"
 
@@ -198,7 +199,41 @@ def store(src: Source, tier: Tier, window_chunks: int = 4) -> None:
         raise AssertionError(f"stored hash {rep.state_hash} != source hash {src.state_hash}")
 
 
+def damage_object(scenario: str, fs: FilesystemTier, key: str, outside: Path) -> None:
+    """Damage one object file of the filesystem tier in place (the damaged-data scenarios)."""
+    path = Path(fs.path_of(key))
+    if scenario == "ssd_truncated_object":
+        os.truncate(path, path.stat().st_size // 2)
+    elif scenario == "ssd_flipped_byte":
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif scenario == "ssd_foreign_header":  # a valid header of another registration (MTP on)
+        data = bytearray(path.read_bytes())
+        other = presets.dsv4_flash(mtp=True, scale=1 / 64).fingerprint[:32].encode()
+        data[:HEADER_SIZE] = pack_header(other, bytes(data[64:96]), len(data) - HEADER_SIZE,
+                                         int.from_bytes(data[6:8], "little"), int.from_bytes(data[24:28], "little"))
+        path.write_bytes(bytes(data))
+    elif scenario == "ssd_directory_in_place":
+        path.unlink()
+        path.mkdir()
+    elif scenario == "ssd_symlink_out_of_root":  # valid-looking bytes outside the root
+        shutil.copyfile(path, outside)
+        path.unlink()
+        path.symlink_to(outside)
+    else:
+        raise ValueError(f"{scenario!r} is not a damaged-data scenario")
+
+
 # -- the matrix --------------------------------------------------------------------------------
+# the prefix lives only on the filesystem (SSD) tier; one object is damaged after the probe
+DAMAGE_SCENARIOS = (
+    "ssd_truncated_object",
+    "ssd_flipped_byte",
+    "ssd_foreign_header",
+    "ssd_directory_in_place",
+    "ssd_symlink_out_of_root",
+)
 SCENARIOS = (
     "healthy",
     "remote_unavailable_before",
@@ -210,6 +245,7 @@ SCENARIOS = (
     "corrupt_object",
     "install_exception",
     "last_window_fault",
+    *DAMAGE_SCENARIOS,
 )
 EXPECTED = {s: "failed_closed" for s in SCENARIOS} | {"healthy": "committed", "remote_fails_ssd_serves": "committed"}
 
@@ -395,7 +431,7 @@ class FaultMatrix:
                 stack.callback(remote.faults.clear)  # never leave a fault armed on the shared tier
             fs = stack.enter_context(FilesystemTier(fs_dir, reg.chunk_bytes, reg.fingerprint, load_concurrency=2))
 
-            store(src, remote)
+            store(src, fs if scenario in DAMAGE_SCENARIOS else remote)
             if scenario == "remote_fails_ssd_serves":
                 store(src, fs)
             store(healthy_src, fs)
@@ -438,6 +474,8 @@ class FaultMatrix:
         elif scenario == "last_window_fault":
             last = -(-n // windows) - 1
             remote.faults.fail_fetch = FetchCallHook(last, raise_injected)
+        elif scenario in DAMAGE_SCENARIOS:
+            damage_object(scenario, fs, src.keys(min(1, n - 1), 1)[0], self.workdir / f"outside-{self._runs}.bsr")
         (outcome,) = conn.start_load()
         finished = conn.get_finished(set())
         load_errors = conn.get_block_ids_with_load_errors()
@@ -520,6 +558,7 @@ def run_fault_matrix(reg: Registration | None = None, *, scenarios: Sequence[str
 
 
 __all__ = [
+    "DAMAGE_SCENARIOS",
     "EXPECTED",
     "FETCH",
     "INSTALL",
@@ -533,6 +572,7 @@ __all__ = [
     "ScenarioResult",
     "Source",
     "arm_install_fault",
+    "damage_object",
     "disarm",
     "make_source",
     "make_tables",

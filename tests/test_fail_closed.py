@@ -26,6 +26,7 @@ from bsr_kernels import presets
 from bsr_runtime import commit
 from bsr_runtime.connector import BSRConnector, ConnectorRequest, FinishedIds
 from bsr_runtime.faults import (
+    DAMAGE_SCENARIOS,
     EXPECTED,
     SCENARIOS,
     FaultMatrix,
@@ -43,7 +44,7 @@ from bsr_runtime.state_hash import state_hash
 from bsr_runtime.tiers import FilesystemTier
 
 REG = presets.dsv4_flash(scale=1 / 64)  # 3 HMA groups, one with a sliding window
-FAILING = [s for s in SCENARIOS if EXPECTED[s] == "failed_closed"]
+FAILING = [s for s in SCENARIOS if EXPECTED[s] == "failed_closed" and s not in DAMAGE_SCENARIOS]
 # the error of the first (remote) attempt names the fault that fired
 FIRST_ERROR = {
     "remote_unavailable_before": ("TierUnavailableError",),
@@ -163,6 +164,26 @@ def test_fault_fails_closed(matrix, scenario):
     dead_remote = scenario.startswith("remote_") and scenario != "remote_fails_ssd_serves"
     assert h.served_by == ("filesystem" if dead_remote else "mooncake")
     assert row.state_hash_ok and row.passed
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("scenario", DAMAGE_SCENARIOS)
+def test_damaged_ssd_object_fails_closed(matrix, scenario):
+    """The prefix only on the filesystem tier, one object damaged after the probe."""
+    with nothing_left_behind(matrix.shared_threads):
+        res = matrix.run(scenario)
+    row, out = res.row, res.outcome
+    n = res.source.num_chunks
+    every_block = request_block_ids(REG, res.tables, n)
+    assert row.tokens == n * REG.chunk_tokens
+    assert out.outcome == row.outcome == "failed_closed" and not out.committed
+    assert out.exposed_tokens == row.exposed_tokens == 0 and out.served_by == LOCAL
+    assert out.invalid_block_ids == every_block and res.load_errors == set().union(*every_block)
+    first = out.attempts[0]
+    assert first.tier == "filesystem" and not first.ok
+    assert first.error.startswith(("CorruptObjectError", "MissingObjectError")), first.error
+    assert row.marker_set and row.probes_while_marked == 0 and row.marker_cleared
+    assert row.staging_leaked_bytes == 0 and row.state_hash_ok and row.passed
 
 
 @pytest.mark.mooncake
