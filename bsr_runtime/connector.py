@@ -1,7 +1,7 @@
 """A scheduler-facing KV connector with vLLM's method names and semantics, without vLLM.
 
 One `BSRConnector` per TP rank (scheduler and worker roles in one object; the optional
-`vllm_connector` module splits them for vLLM). The request lifecycle:
+`bsr_runtime.integrations.vllm` package splits them for vLLM). The request lifecycle:
 
     get_num_new_matched_tokens(request, num_computed_tokens) -> (tokens, load_async)
         probe-only lookup over the ordered tiers, chunk aligned, leaving at least one prompt

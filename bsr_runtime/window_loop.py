@@ -1,4 +1,4 @@
-"""The one window loop of the design (DESIGN.md, "The windowed retrieve"), for both directions.
+"""The one window loop of the design (ARCHITECTURE.md, "The window loop"), for both directions.
 
     restore, per window G_j:  reserve bytes -> stage (lease staging, submit the fetch)
                               -> wait for complete presence -> install -> record -> synchronize

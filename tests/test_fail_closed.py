@@ -356,7 +356,7 @@ def test_hma_collapse_one_invalid_group_invalidates_every_group():
 
 
 def test_vllm_connector_module_imports_without_vllm():
-    mod = importlib.import_module("bsr_runtime.vllm_connector")
+    mod = importlib.import_module("bsr_runtime.integrations.vllm.legacy_connector")
     assert callable(mod.make_vllm_connector_class) and callable(mod.register_with_vllm)
     if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
         with pytest.raises(ImportError):

@@ -4,7 +4,7 @@ vLLM is imported lazily, only when the class is built, so importing this module 
 vLLM. Written against the interface in vllm/distributed/kv_transfer/kv_connector/v1/base.py
 (three-argument __init__ with kv_cache_config; `SupportsHMA.request_finished_all_groups`).
 
-    from bsr_runtime.vllm_connector import register_with_vllm
+    from bsr_runtime.integrations.vllm.legacy_connector import register_with_vllm
     register_with_vllm()            # KVConnectorFactory name "BSRConnector"
     # --kv-transfer-config '{"kv_connector": "BSRConnector", "kv_role": "kv_consumer",
     #   "kv_connector_extra_config": {"bsr_preset": "dsv4_flash", "bsr_tiers": [
@@ -36,14 +36,14 @@ _CLASS = None
 def build_tiers(reg, specs: list[dict]) -> list:
     """Tiers from config dicts: {"type": "mooncake", ...MooncakeTier kwargs} or
     {"type": "filesystem", "root": ..., ...FilesystemTier kwargs}."""
-    from .tiers import FilesystemTier
+    from bsr_runtime.tiers import FilesystemTier
 
     tiers = []
     for spec in specs:
         spec = dict(spec)
         kind = spec.pop("type")
         if kind == "mooncake":
-            from .tiers.mooncake import MooncakeTier
+            from bsr_runtime.tiers.mooncake import MooncakeTier
 
             tiers.append(MooncakeTier(reg.chunk_bytes, reg.fingerprint, spec.pop("master_address"),
                                       spec.pop("metadata_server"), **spec))
@@ -75,9 +75,9 @@ def make_vllm_connector_class():
         SupportsHMA,
     )
 
-    from . import commit
-    from .connector import BSRConnector
-    from .restore import RestoreConfig
+    from bsr_runtime import commit
+    from bsr_runtime.connector import BSRConnector
+    from bsr_runtime.restore import RestoreConfig
 
     class BSRConnectorMetadata(KVConnectorMetadata):
         def __init__(self, loads: list) -> None:
