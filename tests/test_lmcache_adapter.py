@@ -23,7 +23,7 @@ from restore_util import random_tables  # noqa: E402
 
 from bsr_kernels import gather_window, presets  # noqa: E402
 from bsr_runtime.admission import ByteBudget  # noqa: E402
-from bsr_runtime.integrations.lmcache.adapter import (  # noqa: E402
+from bsr_runtime.integrations.lmcache import (  # noqa: E402
     LMCacheAdapter,
     LMCacheKeys,
     fs_l2,
