@@ -51,7 +51,7 @@ class LMCacheAdapter:
         self._owns = owns_storage_manager
         self.tracker = L1UsageTracker(storage_manager)
         self.l2 = L2Lookups(storage_manager, self.layout, l2_lookup_timeout_s)
-        self.late = LatePrefetches(storage_manager, self.config.prefetch_timeout_s)
+        self.late = LatePrefetches(storage_manager, lambda: self.config.prefetch_timeout_s)
         align = storage_manager.l1_memory_desc.align_bytes
         if align % 16:
             raise ValueError(f"L1 align_bytes {align} is not a multiple of 16: staged objects must be 16-byte aligned")

@@ -89,8 +89,8 @@ class LatePrefetches:
     """Prefetches whose result did not come in time: collected when it lands (within 1 s on the
     calling thread, later on a reaper thread) and released, so nothing stays resident."""
 
-    def __init__(self, sm: StorageManager, timeout_s: float) -> None:
-        self.sm, self.timeout_s = sm, timeout_s
+    def __init__(self, sm: StorageManager, timeout_s: Callable[[], float]) -> None:
+        self.sm, self._timeout_s = sm, timeout_s  # the adapter's prefetch timeout, read when needed
         self._reapers: list[threading.Thread] = []
 
     def wait(self, handle: PrefetchHandle, keys: list[ObjectKey], timeout_s: float):
@@ -111,16 +111,17 @@ class LatePrefetches:
                 release_result(self.sm, result, keys, evict_loaded=True)
             return True
 
-        if settle(min(1.0, self.timeout_s)):
+        timeout_s = self._timeout_s()
+        if settle(min(1.0, timeout_s)):
             return
-        t = threading.Thread(target=settle, args=(max(60.0, 4 * self.timeout_s),),
+        t = threading.Thread(target=settle, args=(max(60.0, 4 * timeout_s),),
                              name="bsr-lmcache-late-prefetch", daemon=True)
         t.start()
         self._reapers = [r for r in self._reapers if r.is_alive()] + [t]
 
     def join(self) -> None:
         for t in self._reapers:
-            t.join(timeout=self.timeout_s)
+            t.join(timeout=self._timeout_s())
 
 
 _PREFETCHING, _LOCKED, _READING, _DONE = range(4)
