@@ -17,7 +17,7 @@ from .keys import KeySpace, PrefixKeys
 from .plan import Window, plan_windows
 from .state_hash import ChunkHasher
 from .tiers.base import Tier
-from .window_loop import WindowLoop
+from .window_loop import WindowFailed, WindowLoop
 
 
 @dataclass
@@ -94,6 +94,8 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
     try:
         loop.store(plan_windows(n_total, pool.capacity_chunks),
                    lambda win: TierStoreStage(pool, tier, keys, win, hasher), gather)
+    except WindowFailed as e:
+        raise e.cause from e  # a store raises what failed it (the loop's clean-up already ran)
     finally:
         tier.unregister_staging(pool.buffer)
     return StoreReport(tier.name, n_total, n_total * reg.chunk_bytes, time.perf_counter() - t0,
