@@ -126,3 +126,110 @@ def test_restore_fails_closed_on_swapped_and_copied_objects(mooncake_master):
                 raw_copy(t._store, a, b)
             rep = restorer.restore(fresh_request(sb, 4), t, 4)
             assert not rep.ok and rep.committed_tokens == 0 and "CorruptObjectError" in rep.error
+
+
+def test_other_tenant_id_is_refused(tier, mooncake_master):
+    """Without --enable_multi_tenants every client shares one namespace: the header's tenant
+    keeps a client of tenant B from reading tenant A's object under the same key."""
+    keys = keys_for(1, seed=5)
+    tier.put(keys, payloads(1, seed=5))
+    with MooncakeTier(C, FP, mooncake_master.master_address, mooncake_master.metadata_server,
+                      global_segment_size=0, tenant_id="tenant-b") as other:
+        with pytest.raises(CorruptObjectError, match="tenant"):
+            fetch_into(other, keys)
+
+
+@pytest.mark.parametrize("offset", [0, 5, 20, 30, 60, 100, 126, 128 + C // 2])
+def test_damaged_header_or_payload_is_refused(tier, offset):
+    keys = keys_for(1, seed=6 + offset)
+    tier.put(keys, payloads(1, seed=6))
+    blob = bytearray(tier._store.get(keys[0]))
+    blob[offset] ^= 0x41
+    assert tier._store.upsert(keys[0], bytes(blob)) == 0
+    with pytest.raises(CorruptObjectError):
+        fetch_into(tier, keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# The LMCache Mooncake L2 plugin: the same object format, the same refusals (a refused object is
+# a clear bit in the load bitmap, which fails the retrieve above closed)
+# ---------------------------------------------------------------------------------------------
+class _Obj:
+    """The shape of an L1 MemoryObj as the plugin uses it (data_ptr, get_size)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        self.data_ptr = t.data_ptr()
+
+    def get_size(self) -> int:
+        return self.t.numel()
+
+
+def _wait(poll, timeout: float = 20.0):
+    end = time.monotonic() + timeout
+    while (r := poll()) is None:
+        assert time.monotonic() < end, "plugin task did not complete"
+        time.sleep(0.002)
+    return r
+
+
+@pytest.fixture(scope="module")
+def plugin(mooncake_master):
+    pytest.importorskip("lmcache.v1.distributed.l2_adapters.base", reason="lmcache 0.5.6 is not installed")
+    from bsr_runtime.integrations.lmcache.mooncake_l2 import BSRMooncakeL2Adapter, BSRMooncakeL2AdapterConfig
+
+    cfg = BSRMooncakeL2AdapterConfig(mooncake_master.master_address, mooncake_master.metadata_server,
+                                     global_segment_size=64 << 20, connect_timeout_s=5.0)
+    p = BSRMooncakeL2Adapter(cfg)
+    yield p
+    p.close()
+
+
+def lmcache_keys(n: int, salt: str = "", seed: int = 0):
+    from bsr_runtime.integrations.lmcache.adapter import LMCacheKeys
+
+    g = torch.Generator().manual_seed(900 + seed)
+    tokens = torch.randint(0, 50000, (n * 256,), generator=g).tolist()
+    return LMCacheKeys(KeySpace(FP, salt=salt), tokens, 256).window(0, n)
+
+
+def plugin_store(p, keys, data) -> None:
+    task = p.submit_store_task(keys, [_Obj(d) for d in data])
+    res = _wait(lambda: p.pop_completed_store_tasks().get(task))
+    assert int(res) >= 0
+
+
+def plugin_load(p, keys) -> tuple[list[int], list[torch.Tensor]]:
+    bufs = [torch.zeros(C, dtype=torch.uint8) for _ in keys]
+    task = p.submit_load_task(keys, [_Obj(b) for b in bufs])
+    return _wait(lambda: p.query_load_result(task)).get_indices_list(), bufs
+
+
+def test_plugin_refuses_swapped_and_copied_objects(plugin):
+    keys = lmcache_keys(3, seed=1)
+    data = payloads(3, seed=11)
+    plugin_store(plugin, keys, data)
+    bits, bufs = plugin_load(plugin, keys)
+    assert bits == [0, 1, 2] and all(torch.equal(b, d) for b, d in zip(bufs, data, strict=True))
+    names = plugin._keys(keys)
+    raw_swap(plugin._tier._store, names[0], names[1])
+    bits, _ = plugin_load(plugin, keys)
+    assert bits == [2]  # the swapped pair is two misses
+    other = lmcache_keys(3, salt="tenant-b", seed=1)
+    for a, b in zip(names, plugin._keys(other), strict=True):
+        raw_copy(plugin._tier._store, a, b)
+    bits, _ = plugin_load(plugin, other)
+    assert bits == []
+
+
+def test_plugin_refuses_damaged_and_headerless_objects(plugin):
+    keys = lmcache_keys(2, seed=2)
+    data = payloads(2, seed=12)
+    plugin_store(plugin, keys, data)
+    names = plugin._keys(keys)
+    blob = bytearray(plugin._tier._store.get(names[0]))
+    blob[-7] ^= 1
+    assert plugin._tier._store.upsert(names[0], bytes(blob)) == 0
+    assert plugin._tier._store.upsert(names[1], data[1].numpy().tobytes()) == 0  # no header
+    bits, _ = plugin_load(plugin, keys)
+    assert bits == []
