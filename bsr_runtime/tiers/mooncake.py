@@ -87,6 +87,14 @@ from .mooncake_client import (
 from .mooncake_object import HEADER_SIZE, LEGACY_META_SUFFIX, ObjectCodec, RegisteredBuffers, size_problem
 
 
+def _split(start: int, end: int, ways: int) -> list[tuple[int, int]]:
+    """[start, end) in up to `ways` contiguous, nearly equal parts."""
+    n = end - start
+    ways = max(1, min(ways, n))
+    cuts = [start + (n * i) // ways for i in range(ways + 1)]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
 class MooncakeTier(Tier):
     """A tier backed by a Mooncake store; see the module docstring for the data path."""
 
@@ -109,7 +117,8 @@ class MooncakeTier(Tier):
         tenant_id: str = "default",
         verify: bool = True,
         fetch_workers: int = 2,
-        verify_batch_bytes: int = 8 << 20,
+        verify_batch_bytes: int = 4 << 20,
+        verify_threads: int = 1,
         put_batch_bytes: int = 64 << 20,
     ) -> None:
         super().__init__(chunk_bytes, fingerprint)
@@ -147,7 +156,9 @@ class MooncakeTier(Tier):
         self._staging = RegisteredBuffers(self._register_owned, self._unregister_owned)  # put staging
         workers = max(1, fetch_workers)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bsr-mooncake-fetch")
-        self._verifiers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bsr-mooncake-verify")
+        self._verify_ways = max(1, verify_threads)
+        self._verifiers = ThreadPoolExecutor(max_workers=workers * self._verify_ways,
+                                             thread_name_prefix="bsr-mooncake-verify")
 
     # -- helpers ---------------------------------------------------------------------------
     def _live_store(self):
@@ -346,12 +357,13 @@ class MooncakeTier(Tier):
     def _transfer_and_verify(self, store, keys: list[str], views: list[torch.Tensor], ptrs: list[int],
                              headers: torch.Tensor, deadline: float) -> None:
         """Sub-batch by sub-batch: one round trip lands headers + payloads, then the sub-batch is
-        verified on a verifier thread while the next one is in flight. Returns (or raises) only
-        after every transfer ended and every started verification finished."""
+        verified, split across the verifier threads, while the next one is in flight. Returns (or
+        raises) only after every transfer ended and every started verification finished."""
         n, step, h = len(keys), self._batch_objects, HEADER_SIZE
         hbase = headers.data_ptr()
         rows = headers[: n * h].numpy().reshape(n, h)
         checks: list[Future] = []
+        landed = 0
         try:
             for s in range(0, n, step):
                 e = min(n, s + step)
@@ -367,13 +379,15 @@ class MooncakeTier(Tier):
                 for k, v in zip(keys[s:e], views[s:e], strict=True):
                     if k in self.faults.corrupt_keys:
                         v[len(v) // 2] ^= 0xFF  # flip a byte of the landed object
-                checks.append(self._verifiers.submit(self._verify, keys[s:e], rows[s:e], ptrs[s:e]))
+                for a, b in _split(s, e, self._verify_ways):
+                    checks.append(self._verifiers.submit(self._verify, keys[a:b], rows[a:b], ptrs[a:b]))
+                landed = e
         finally:
             wait_all(checks)
         for f in checks:
-            f.result()  # the first failed sub-batch raises
-        if len(checks) * step < n:
-            raise FetchTimeoutError(f"fetch of {n} objects passed its deadline between sub-batches")
+            f.result()  # the first failed part raises
+        if landed < n:
+            raise FetchTimeoutError(f"fetch of {n} objects passed its deadline after {landed} had landed")
 
     def _verify(self, keys: list[str], rows: np.ndarray, ptrs: list[int]) -> None:
         self.codec.check(keys, rows, ptrs, [self.chunk_bytes] * len(keys), verify=self.verify)
