@@ -1,9 +1,16 @@
-"""MooncakeTier on one machine over tcp/127.0.0.1: master start, put/get throughput, the cost
-of the integrity records and crc, and how long failures take to surface.
+"""MooncakeTier over tcp/127.0.0.1: fetch with integrity on vs raw `batch_get_into`, put vs raw
+upsert, the LMCache Mooncake L2 plugin's verified load, probe time, and failure detection.
 
-    python benchmarks/mooncake_tier_throughput.py [--chunks 64] [--chunk-mib 1] [--reps 5]
+    python benchmarks/mooncake_tier_throughput.py [--window-mib 64] [--sizes-kib 1024,256,64] [--reps 7]
 
-Prints one JSON object. Numbers are loopback tcp on this host, not RDMA.
+Two placements per object size, in one run (ratios are of medians over interleaved reps):
+- local: the fetching client hosts the segment (the objects are in its own memory);
+- store host: the objects live in a `mooncake_client` process (MooncakeStoreHost), the fetching
+  client has no segment, so every byte crosses loopback tcp (the paper's external store host).
+"raw" = `batch_get_into` of the same stored objects (header + payload, no checks) into one
+registered buffer; "tier" = MooncakeTier.fetch(...).wait() (one multi-buffer get per sub-batch,
+headers checked, CRC-32C of every payload) into a registered staging slot. GB/s count payload bytes.
+Numbers are loopback tcp on this host, not RDMA.
 """
 
 from __future__ import annotations
@@ -16,151 +23,188 @@ import time
 
 import torch
 
-from bsr_harness.mooncake_launcher import MooncakeMaster, free_port
+from bsr_harness.mooncake_launcher import MooncakeMaster, MooncakeStoreHost, free_port
 from bsr_kernels.staging_pool import StagingPool
 from bsr_runtime.tiers.base import TierError
 from bsr_runtime.tiers.mooncake import MooncakeTier
+from bsr_runtime.tiers.mooncake_object import HEADER_SIZE
+
+FP = "bench" * 8
 
 
 def gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--chunks", type=int, default=64)
-    ap.add_argument("--chunk-mib", type=float, default=1.0)
-    ap.add_argument("--reps", type=int, default=5)
-    args = ap.parse_args()
-    n, c = args.chunks, int(args.chunk_mib * (1 << 20))
-    out: dict = {"chunks": n, "chunk_bytes": c}
+def interleaved(fns: dict, reps: int) -> dict[str, float]:
+    """Median seconds per function, the functions run round-robin so load drift hits all alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    ts: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            ts[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in ts.items()}
 
-    starts = []
-    for _ in range(3):
-        with MooncakeMaster() as m:
-            starts.append(m.start_seconds)
-    out["master_start_s"] = [round(s, 3) for s in starts]
 
-    with MooncakeMaster() as m:
-        segment = max(256 << 20, 4 * n * c)
-        t0 = time.monotonic()
-        tier = MooncakeTier(c, "bench" * 8, m.master_address, m.metadata_server, global_segment_size=segment)
-        out["tier_setup_s"] = round(time.monotonic() - t0, 3)
-        raw = tier._store
-        pool = StagingPool(c, capacity_chunks=n, num_slots=1)
-        tier.register_staging(pool.buffer)
-        src = torch.randint(0, 256, (n * c,), dtype=torch.uint8)
-        src_views = [src[i * c : (i + 1) * c] for i in range(n)]
-        reg_t0 = time.monotonic()
-        tier.register_staging(src)  # sources registered too: zero-copy puts
-        out["register_buffer_s"] = round(time.monotonic() - reg_t0, 4)
-        keys = [f"bench-{i}" for i in range(n)]
-        lease = pool.acquire(n)
-        views = [lease.chunk(i) for i in range(n)]
-        ptr_dst = [v.data_ptr() for v in views]
-        ptr_src = [v.data_ptr() for v in src_views]
+def plugin_for(m: MooncakeMaster):
+    try:
+        from bsr_runtime.integrations.lmcache.mooncake_l2 import BSRMooncakeL2Adapter, BSRMooncakeL2AdapterConfig
+    except ImportError:
+        return None
+    cfg = BSRMooncakeL2AdapterConfig(m.master_address, m.metadata_server, global_segment_size=0)
+    return BSRMooncakeL2Adapter(cfg)
 
-        def timeit(fn) -> float:
-            ts = []
-            for _ in range(args.reps):
-                t = time.monotonic()
-                fn()
-                ts.append(time.monotonic() - t)
-            return statistics.median(ts)
 
-        total = n * c
-        t_put = timeit(lambda: tier.put(keys, src_views))
-        t_get = timeit(lambda: tier.fetch(keys, views, time.monotonic() + 60).wait())
-        assert torch.equal(lease.view, src)
-        tier.verify = False
-        t_get_noverify = timeit(lambda: tier.fetch(keys, views, time.monotonic() + 60).wait())
-        tier.verify = True
-        t_raw_put = timeit(lambda: raw.batch_upsert_from(keys, ptr_src, [c] * n))
-        t_raw_get = timeit(lambda: raw.batch_get_into(keys, ptr_dst, [c] * n))
-        meta_keys = [k + ".meta" for k in keys]
-        t_meta_get = timeit(lambda: raw.get_batch(meta_keys))
-        blobs = raw.get_batch(meta_keys)
-        t_meta_put = timeit(lambda: raw.upsert_batch(meta_keys, blobs))
-        t_probe = timeit(lambda: tier.probe(keys))
-        import zlib
+def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict:
+    n = max(1, window // c)
+    ob = HEADER_SIZE + c
+    pool = StagingPool(c, capacity_chunks=n, num_slots=1)
+    tier.register_staging(pool.buffer)
+    src = torch.randint(0, 256, (n * c,), dtype=torch.uint8)
+    src_views = [src[i * c : (i + 1) * c] for i in range(n)]
+    tier.register_staging(src)
+    raw_dst = torch.empty(n * ob, dtype=torch.uint8)
+    tier.register_staging(raw_dst)
+    keys = [f"bench-{c}-{i}" for i in range(n)]
+    lease = pool.acquire(n)
+    views = [lease.chunk(i) for i in range(n)]
+    raw_ptrs = [raw_dst.data_ptr() + i * ob for i in range(n)]
+    tier.put(keys, src_views)
+    fns = {  # raw_upsert writes back what raw_get just read (valid objects)
+        "raw_get": lambda: tier._store.batch_get_into(keys, raw_ptrs, [ob] * n),
+        "tier_fetch": lambda: tier.fetch(keys, views, time.monotonic() + 60).wait(),
+        "raw_upsert": lambda: tier._store.batch_upsert_from(keys, raw_ptrs, [ob] * n),
+    }
+    if plugin is not None:
+        pnames = [f"bench-l2-{c}-{i}" for i in range(n)]
+        codes = plugin._put_objects(plugin._tier._live_store(), pnames, [_Obj(v) for v in src_views], [c] * n)
+        assert all(x == 0 for x in codes), set(codes)
+        plugin._tier.register_staging(pool.buffer)
+        vptrs = [v.data_ptr() for v in views]
+        fns["plugin_load"] = lambda: _check_all(plugin._load_verified(pnames, vptrs, [c] * n), n)
+    t = interleaved(fns, reps)
+    t_put = interleaved({"tier_put": lambda: tier.put(keys, src_views)}, max(3, reps // 2))["tier_put"]
+    tier.fetch(keys, views, time.monotonic() + 60).wait()
+    assert torch.equal(lease.view, src)
+    total = n * c
+    out = {"object_KiB": c >> 10, "objects": n, "window_MiB": round(total / 2**20, 1)}
+    out.update({f"{k}_GBps": gbps(total, v) for k, v in t.items() if k != "raw_upsert"})
+    out["tier_vs_raw"] = round(t["raw_get"] / t["tier_fetch"], 3)
+    if "plugin_load" in t:
+        out["plugin_vs_tier"] = round(t["tier_fetch"] / t["plugin_load"], 3)
+    out["tier_put_GBps"] = gbps(total, t_put)
+    out["raw_upsert_GBps"] = gbps(total, t["raw_upsert"])
+    if plugin is not None:
+        plugin._tier.unregister_staging(pool.buffer)
+    pool.release(lease)
+    for b in (pool.buffer, raw_dst, src):
+        tier.unregister_staging(b)
+    tier.delete(keys)
+    if plugin is not None:
+        plugin._tier._live_store().batch_remove(pnames, True)
+    return out
 
-        t_crc = timeit(lambda: [zlib.crc32(memoryview(v.numpy())) for v in views])
-        # an unregistered destination: registered for the call and unregistered after
-        dst = torch.zeros(n * c, dtype=torch.uint8)
-        dviews = [dst[i * c : (i + 1) * c] for i in range(n)]
-        t_get_unreg = timeit(lambda: tier.fetch(keys, dviews, time.monotonic() + 60).wait())
-        out.update(
-            {
-                "tier_put_GBps": gbps(total, t_put),
-                "tier_fetch_GBps": gbps(total, t_get),
-                "tier_fetch_noverify_GBps": gbps(total, t_get_noverify),
-                "tier_fetch_unregistered_dst_GBps": gbps(total, t_get_unreg),
-                "raw_batch_upsert_from_GBps": gbps(total, t_raw_put),
-                "raw_batch_get_into_GBps": gbps(total, t_raw_get),
-                "meta_get_batch_ms_per_window": round(t_meta_get * 1e3, 2),
-                "meta_upsert_batch_ms_per_window": round(t_meta_put * 1e3, 2),
-                "probe_ms_per_window": round(t_probe * 1e3, 2),
-                "crc32_GBps": gbps(total, t_crc),
-            }
-        )
-        # a second client without a segment of its own: every byte crosses loopback tcp
-        reader = MooncakeTier(c, "bench" * 8, m.master_address, m.metadata_server, global_segment_size=0)
-        reader.register_staging(pool.buffer)
-        reader.register_staging(src)
-        rkeys = [f"bench-remote-{i}" for i in range(n)]
-        t_rput = timeit(lambda: reader.put(rkeys, src_views))  # lands in the first client's segment
-        lease.view.zero_()
-        t_rget = timeit(lambda: reader.fetch(rkeys, views, time.monotonic() + 60).wait())
-        assert torch.equal(lease.view, src)
-        reader.verify = False
-        t_rget_nv = timeit(lambda: reader.fetch(rkeys, views, time.monotonic() + 60).wait())
-        t_rraw = timeit(lambda: reader._store.batch_get_into(rkeys, ptr_dst, [c] * n))
-        out.update(
-            {
-                "remote_tier_put_GBps": gbps(total, t_rput),
-                "remote_tier_fetch_GBps": gbps(total, t_rget),
-                "remote_tier_fetch_noverify_GBps": gbps(total, t_rget_nv),
-                "remote_raw_batch_get_into_GBps": gbps(total, t_rraw),
-            }
-        )
-        reader.close()
-        pool.release(lease)
-        t0 = time.monotonic()
-        tier.close()
-        out["tier_close_s"] = round(time.monotonic() - t0, 3)
 
-        # failure detection
-        port = free_port()
+class _Obj:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.data_ptr = t.data_ptr()
+        self.n = t.numel()
+
+    def get_size(self) -> int:
+        return self.n
+
+
+def _check_all(good: list[int], n: int) -> None:
+    assert len(good) == n, f"{n - len(good)} objects refused"
+
+
+def probe_time(tier: MooncakeTier, c: int, chunks: int, reps: int) -> dict:
+    keys = [f"probe-{i}" for i in range(chunks)]
+    one = torch.zeros(c, dtype=torch.uint8)
+    tier.put(keys[:1], [one])
+    t = interleaved({"p": lambda: tier.probe(keys)}, reps)["p"]
+    tier.delete(keys[:1])
+    return {"probe_chunks": chunks, "probe_tokens": chunks * 256, "probe_ms": round(t * 1e3, 2)}
+
+
+def failure_detection(m: MooncakeMaster, c: int) -> dict:
+    out: dict = {}
+    port = free_port()
+    t0 = time.monotonic()
+    try:
+        MooncakeTier(c, "x", f"127.0.0.1:{port}", f"http://127.0.0.1:{port}/metadata")
+    except TierError:
+        pass
+    out["unreachable_master_detect_s"] = round(time.monotonic() - t0, 4)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
         t0 = time.monotonic()
         try:
-            MooncakeTier(c, "x", f"127.0.0.1:{port}", f"http://127.0.0.1:{port}/metadata")
+            MooncakeTier(c, "x", f"127.0.0.1:{srv.getsockname()[1]}", m.metadata_server, connect_timeout_s=10)
         except TierError:
             pass
-        out["unreachable_master_detect_s"] = round(time.monotonic() - t0, 4)
-        with socket.socket() as srv:
-            srv.bind(("127.0.0.1", 0))
-            srv.listen(8)
-            t0 = time.monotonic()
-            try:
-                MooncakeTier(c, "x", f"127.0.0.1:{srv.getsockname()[1]}", m.metadata_server, connect_timeout_s=10)
-            except TierError:
-                pass
-            out["silent_master_detect_s"] = round(time.monotonic() - t0, 3)
+        out["silent_master_detect_s"] = round(time.monotonic() - t0, 3)
+    return out
 
-        tier = MooncakeTier(c, "bench" * 8, m.master_address, m.metadata_server)
-        tier.put(keys[:4], src_views[:4])
-        m.stop()
-        for name, op in (("probe", lambda: tier.probe(keys[:4])), ("put", lambda: tier.put(keys[:4], src_views[:4]))):
-            t0 = time.monotonic()
+
+def run(args) -> dict:
+    """local: the tier's own segment holds the objects (no plugin: a second client's segment would
+    share the placement). store_host: tier and plugin have no segment; a mooncake_client holds all."""
+    sizes = [int(s) << 10 for s in args.sizes_kib.split(",")]
+    window = int(args.window_mib * (1 << 20))
+    out: dict = {"window_MiB": args.window_mib, "reps": args.reps, "local": [], "store_host": []}
+    seg = 3 * window + (256 << 20)
+    with MooncakeMaster() as m:
+        for placement in ("local", "store_host"):
+            host = MooncakeStoreHost(m, 2 * seg).start() if placement == "store_host" else None
             try:
-                op()
-            except TierError as e:
-                out[f"master_down_{name}_error"] = f"{type(e).__name__}: {e}"
-            out[f"master_down_{name}_s"] = round(time.monotonic() - t0, 3)
-        t0 = time.monotonic()
-        tier.close()
-        out["tier_close_master_down_s"] = round(time.monotonic() - t0, 3)
-    print(json.dumps(out, indent=1))
+                for c in sizes:
+                    tier = MooncakeTier(c, FP, m.master_address, m.metadata_server,
+                                        global_segment_size=0 if host else seg)
+                    plugin = plugin_for(m) if args.plugin and host else None
+                    try:
+                        out[placement].append(one_size(tier, plugin, c, window, args.reps))
+                        print(json.dumps({placement: out[placement][-1]}), flush=True)
+                        if host and c == sizes[0]:
+                            out.update(probe_time(tier, c, args.probe_chunks, args.reps))
+                    finally:
+                        if plugin is not None:
+                            plugin.close()
+                        tier.close()
+            finally:
+                if host:
+                    host.stop()
+        if args.failures:
+            out.update(failure_detection(m, sizes[0]))
+    return out
+
+
+def table(out: dict) -> str:
+    cols = ["object_KiB", "objects", "raw_get_GBps", "tier_fetch_GBps", "tier_vs_raw", "plugin_load_GBps",
+            "plugin_vs_tier", "tier_put_GBps", "raw_upsert_GBps"]
+    lines = ["placement   " + " ".join(f"{c:>16}" for c in cols)]
+    for placement in ("local", "store_host"):
+        for row in out[placement]:
+            lines.append(f"{placement:<11} " + " ".join(f"{row.get(c, '-')!s:>16}" for c in cols))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--window-mib", type=float, default=64.0)
+    ap.add_argument("--sizes-kib", default="1024,256,64")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--probe-chunks", type=int, default=2047)
+    ap.add_argument("--no-plugin", dest="plugin", action="store_false")
+    ap.add_argument("--failures", action="store_true", help="also time failure detection")
+    args = ap.parse_args()
+    out = run(args)
+    print(table(out))
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -343,6 +343,9 @@ class FaultMatrix:
         return self._remote
 
     def shared_threads(self) -> set[threading.Thread]:
+        threads = getattr(self._remote, "worker_threads", None)  # MooncakeTier: fetch + verify pools
+        if threads is not None:
+            return threads()
         pool = getattr(self._remote, "_pool", None)
         return set(getattr(pool, "_threads", ())) if pool is not None else set()
 

@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 mc = pytest.importorskip("mooncake.store", reason="mooncake.store cannot be imported (no Mooncake wheel)")
 
 from bsr_harness.mooncake_launcher import MooncakeMaster, free_port, supports_multi_tenants  # noqa: E402
-from bsr_runtime.tiers.mooncake import MooncakeTier, encode_meta, meta_key  # noqa: E402
+from bsr_runtime.tiers.mooncake import MooncakeTier  # noqa: E402
+from bsr_runtime.tiers.mooncake_object import HEADER_SIZE  # noqa: E402
 
 FP = "f00dfeed" * 8
 C = 64 * 1024 + 16 * 3  # not a power of two on purpose
@@ -95,14 +96,19 @@ def test_roundtrip_into_registered_staging_slot(tier, pool):
     pool.release(lease)
 
 
-def test_metadata_is_one_batch_op_per_window(tier, pool):
+def test_one_round_trip_per_window_and_one_key_per_chunk(tier, pool):
+    """No companion records: a fetch of a window smaller than verify_batch_bytes is one
+    batch_get_into_multi_buffers call; the store holds exactly one object per chunk."""
     n = 8
     keys = keys_for(n, seed=2)
-    before = tier.stats["meta_ops"]
     tier.put(keys, payloads(n, seed=2))
+    assert tier._store.batch_is_exist([k + ".meta" for k in keys]) == [0] * n
+    assert all(tier._store.get_size(k) == HEADER_SIZE + C for k in keys)
+    before = dict(tier.stats)
     lease = pool.acquire(4)
     tier.fetch(keys[:4], [lease.chunk(i) for i in range(4)], deadline()).wait()
-    assert tier.stats["meta_ops"] - before == 2
+    assert tier.stats["get_calls"] - before["get_calls"] == 1
+    assert tier.stats["objects_verified"] - before["objects_verified"] == 4
     pool.release(lease)
 
 
@@ -147,14 +153,24 @@ def test_missing_key_at_fetch(tier, pool):
     pool.release(lease)
 
 
-def test_missing_integrity_record_is_a_miss(tier, pool):
-    keys = keys_for(1, seed=7)
-    tier.put(keys, payloads(1, seed=7))
-    assert tier._store.remove(meta_key(keys[0]), True) == 0
-    assert tier.probe(keys) == [False]
+def test_old_two_key_format_is_refused(tier, pool):
+    """A payload-only object plus a BSRM '.meta' record (the old format) probes present (one key
+    per chunk) and is refused by the fetch, naming the format; it is never migrated."""
+    import struct
+
+    key = keys_for(1, seed=7)[0]
+    data = payloads(1, seed=7)[0]
+    fp = FP.encode()
+    record = struct.pack("<4sHHQI", b"BSRM", 2, len(fp), C, 0) + fp
+    assert tier._store.upsert(key, data.numpy().tobytes()) == 0
+    assert tier._store.upsert(key + ".meta", record) == 0
+    assert tier.probe([key]) == [True]
     lease = pool.acquire(1)
-    with pytest.raises(MissingObjectError):
-        tier.fetch(keys, [lease.chunk(0)], deadline()).wait()
+    with pytest.raises(CorruptObjectError, match="old two-key format"):
+        tier.fetch([key], [lease.chunk(0)], deadline()).wait()
+    assert tier._store.get_size(key) == C  # left as it was
+    tier.delete([key])  # removes the legacy record too
+    assert tier._store.batch_is_exist([key, key + ".meta"]) == [0, 0]
     pool.release(lease)
 
 
@@ -175,12 +191,11 @@ def test_corrupt_keys_fault(tier, pool):
     pool.release(lease)
 
 
-@pytest.mark.parametrize("size", [C // 2, C + 16])
+@pytest.mark.parametrize("size", [C // 2, C, C + 16, C + HEADER_SIZE + 16])
 def test_wrong_size_object_is_corrupt(tier, pool, size):
     key = keys_for(1, seed=9 + size)[0]
     blob = os.urandom(size)
     assert tier._store.upsert(key, blob) == 0
-    assert tier._store.upsert(meta_key(key), encode_meta(FP, C, 0)) == 0
     lease = pool.acquire(1)
     with pytest.raises(CorruptObjectError):
         tier.fetch([key], [lease.chunk(0)], deadline()).wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import zlib
 from collections.abc import Callable, Sequence
@@ -129,7 +130,41 @@ CRC32C = 2
 DEFAULT_CHECKSUM = CRC32C if HAVE_CRC32C else CRC32
 
 
-def payload_crc(algo: int, data: np.ndarray | bytes) -> int:
+def _load_crc32c_lib():
+    """google_crc32c's bundled libcrc32c, called through ctypes on a raw address: no copy, no
+    buffer-protocol export, and ctypes releases the GIL for the call (google_crc32c.value only
+    releases it for `bytes` of >= 1 MiB). None when the wheel ships no such library."""
+    if _crc32c is None:
+        return None
+    import ctypes
+    import glob
+
+    base = os.path.dirname(os.path.dirname(_crc32c.__file__))
+    for path in sorted(glob.glob(os.path.join(base, "google_crc32c.libs", "libcrc32c*.so*"))):
+        try:
+            lib = ctypes.CDLL(path)
+            fn = lib.crc32c_extend
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_uint32
+        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        return fn
+    return None
+
+
+_CRC32C_AT = _load_crc32c_lib()
+
+
+def crc_at(algo: int, address: int, nbytes: int) -> int:
+    """Checksum of `nbytes` of host memory at `address` (a tensor's data_ptr), read in place."""
+    if algo == CRC32C and _CRC32C_AT is not None:
+        return _CRC32C_AT(0, address, nbytes)
+    import ctypes
+
+    return payload_crc(algo, memoryview((ctypes.c_char * nbytes).from_address(address)).toreadonly())
+
+
+def payload_crc(algo: int, data: np.ndarray | bytes | memoryview) -> int:
     if algo == CRC32C:
         if _crc32c is None:
             raise TierError("object uses CRC-32C but google_crc32c is not installed")

@@ -12,18 +12,28 @@ Data path
   existing key returns 0 but keeps the old object; upsert replaces it, which is the overwrite
   the Tier contract asks for.
 
-Integrity. Mooncake does not check what it returns, so every chunk has a companion object
-`key + ".meta"` (magic, version, length, CRC-32C or zlib CRC-32, fingerprint). put() writes all of a
-window's records with one `upsert_batch`; fetch() reads them with one `get_batch` and checks
-the crc of the landed bytes; probe() asks `batch_is_exist` once for the chunks and their
-records together. A chunk whose record is gone (evicted separately) counts as absent.
-`verify=False` skips the crc (the record is still written, read and checked for length and
-fingerprint).
+Integrity. Mooncake does not check what it returns, so every object carries a 128-byte header
+(mooncake_object.py): magic, version, registration fingerprint, sha256 of the key, tenant,
+payload length and CRC-32C. One chunk is one store object under one key:
+- put() stages header + payload in a registered buffer and writes them with one
+  `batch_upsert_from` per batch (`batch_put_from_multi_buffers` would gather without the copy,
+  but on an existing key it returns 0 and keeps the old object);
+- fetch() reads header + payload in one `batch_get_into_multi_buffers` round trip: the header
+  into a registered header area, the payload exactly into the caller's view. A window is
+  fetched in sub-batches of about `verify_batch_bytes`; each sub-batch's headers are compared
+  with what its keys expect in one vectorized step and its payload CRCs are computed in place
+  on another thread (ctypes releases the GIL) while the next sub-batch is in flight. The handle
+  completes only after every object of the window was verified: nothing unverified is handed on;
+- probe() asks `batch_is_exist` once, one key per chunk.
+An object under the wrong key (swapped, or another tenant's copied under these keys), of
+another registration or tenant, damaged, or in the old two-key format is a CorruptObjectError.
+`verify=False` skips the payload CRC (headers are still checked).
 
 Mooncake return codes seen with 0.3.13 over tcp (see the report in the tests):
-- batch_get_into: bytes read per key, -704 OBJECT_NOT_FOUND for a missing key, -600
-  INVALID_PARAMS when the object is larger than the buffer (and when the client is not set
-  up), -900 RPC_FAIL / -901 RPC_TIMEOUT when the master is gone or hung
+- batch_get_into[_multi_buffers]: bytes read per key, -704 OBJECT_NOT_FOUND for a missing key,
+  -600 INVALID_PARAMS when the object is larger than the buffers (and when the client is not
+  set up), -800 when it is smaller (multi buffers), -900 RPC_FAIL / -901 RPC_TIMEOUT when the
+  master is gone or hung
 - batch_is_exist: 1 / 0 per key, negative error codes (e.g. -900) per key on failure
 - remove: -706 OBJECT_HAS_LEASE for 10 s after a read unless force=True (delete forces)
 - setup() with no master: retries MC_STORE_CLIENT_SETUP_RETRIES (default 20) times, ~4.4 s
@@ -39,25 +49,23 @@ tier sets these for the duration of setup() unless the user has set them: MC_TCP
 loopback in tests; the client still listens on all interfaces, which the library does not
 let us change), MC_RPC_TIMEOUT_MS and MC_RPC_CONNECT_TIMEOUT_MS, MC_STORE_CLIENT_SETUP_RETRIES.
 
-Threads: one pool of `fetch_workers` Python threads (joined by close()); the Mooncake client
+Threads: two pools of `fetch_workers` Python threads, transfers and verification (joined by
+close()); the Mooncake client
 runs its own native threads (heartbeat, transfer engine), which its close() stops.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import struct
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urlparse
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 
+import numpy as np
 import torch
 
-from ._common import CRC32, CRC32C, DEFAULT_CHECKSUM, payload_crc
 from .base import (
     CorruptObjectError,
     FetchHandle,
@@ -67,69 +75,24 @@ from .base import (
     TierError,
     TierUnavailableError,
 )
-
-META_SUFFIX = ".meta"
-_META_MAGIC = b"BSRM"
-# version 1: crc is zlib CRC-32; version 2: CRC-32C (google_crc32c, ~6x faster here)
-_META_VERSIONS = {1: CRC32, 2: CRC32C}
-_META_VERSION = 2 if DEFAULT_CHECKSUM == CRC32C else 1
-_META = struct.Struct("<4sHHQI")  # magic, version, fingerprint length, object length, checksum
-
-# Mooncake ErrorCode values (mooncake-store/include/types.h)
-OBJECT_NOT_FOUND = -704
-OBJECT_HAS_LEASE = -706
-INVALID_PARAMS = -600
-NO_AVAILABLE_HANDLE = -200
-RPC_FAIL = -900
-RPC_TIMEOUT = -901
-_UNREACHABLE = {RPC_FAIL, RPC_TIMEOUT}
-
-_ENV_LOCK = threading.Lock()
+from .mooncake_client import (
+    NO_AVAILABLE_HANDLE,
+    OBJECT_NOT_FOUND,
+    UNREACHABLE,
+    check_port,
+    connect_store,
+    per_key,
+    split_hostport,
+)
+from .mooncake_object import HEADER_SIZE, LEGACY_META_SUFFIX, ObjectCodec, RegisteredBuffers, size_problem
 
 
-def meta_key(key: str) -> str:
-    return key + META_SUFFIX
-
-
-def encode_meta(fingerprint: str, length: int, crc: int) -> bytes:
-    fp = fingerprint.encode()
-    return _META.pack(_META_MAGIC, _META_VERSION, len(fp), length, crc) + fp
-
-
-def decode_meta(blob: bytes) -> tuple[str, int, int, int]:
-    """(fingerprint, length, checksum algorithm, checksum) from a record; ValueError if it is not one."""
-    if len(blob) < _META.size:
-        raise ValueError(f"integrity record of {len(blob)} B is too short")
-    magic, version, fp_len, length, crc = _META.unpack_from(blob)
-    if magic != _META_MAGIC or version not in _META_VERSIONS or len(blob) != _META.size + fp_len:
-        raise ValueError("not a BSR integrity record")
-    return blob[_META.size :].decode(errors="replace"), length, _META_VERSIONS[version], crc
-
-
-def crc32_of(view: torch.Tensor, algo: int = DEFAULT_CHECKSUM) -> int:
-    t = view if view.device.type == "cpu" else view.cpu()
-    return payload_crc(algo, t.numpy())
-
-
-def _per_key(results: list, n: int, op: str) -> list:
-    if len(results) != n:
-        raise TierError(f"Mooncake {op} returned {len(results)} results for {n} keys")
-    return results
-
-
-def _check_port(host: str, port: int, timeout: float, what: str) -> None:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return
-    except OSError as e:
-        raise TierUnavailableError(f"Mooncake {what} {host}:{port} does not answer: {e}") from e
-
-
-def _split_hostport(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {addr!r}")
-    return host.strip("[]"), int(port)
+def _split(start: int, end: int, ways: int) -> list[tuple[int, int]]:
+    """[start, end) in up to `ways` contiguous, nearly equal parts."""
+    n = end - start
+    ways = max(1, min(ways, n))
+    cuts = [start + (n * i) // ways for i in range(ways + 1)]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
 class MooncakeTier(Tier):
@@ -154,6 +117,9 @@ class MooncakeTier(Tier):
         tenant_id: str = "default",
         verify: bool = True,
         fetch_workers: int = 2,
+        verify_batch_bytes: int = 4 << 20,
+        verify_threads: int = 1,
+        put_batch_bytes: int = 64 << 20,
     ) -> None:
         super().__init__(chunk_bytes, fingerprint)
         if chunk_bytes <= 0:
@@ -173,92 +139,26 @@ class MooncakeTier(Tier):
         self._store = None
         self._pending: dict[int, FetchHandle] = {}  # FetchHandle is unhashable (dataclass eq)
         self._pending_lock = threading.Lock()
-        self.stats = {"fetches": 0, "puts": 0, "meta_ops": 0, "temp_registrations": 0}
+        self.object_bytes = HEADER_SIZE + chunk_bytes
+        self.codec = ObjectCodec(fingerprint, tenant_id)
+        self._batch_objects = max(1, verify_batch_bytes // self.object_bytes)
+        self._put_objects = max(1, put_batch_bytes // self.object_bytes)
+        self._sizes = [HEADER_SIZE, chunk_bytes]
+        self.stats = {"fetches": 0, "get_calls": 0, "objects_verified": 0, "puts": 0, "temp_registrations": 0}
 
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError as e:  # pragma: no cover - depends on the install
-            raise TierUnavailableError(f"mooncake.store cannot be imported: {e}") from e
-
-        deadline = time.monotonic() + connect_timeout_s
-        # Fail fast (connection refused is immediate) before setup(), which retries for ~90 s.
-        mhost, mport = _split_hostport(master_address)
-        _check_port(mhost, mport, connect_timeout_s, "master")
-        url = urlparse(metadata_server)
-        if url.scheme in ("http", "https") and url.hostname:
-            _check_port(url.hostname, url.port or 80, max(0.1, deadline - time.monotonic()), "metadata server")
-
-        store = MooncakeDistributedStore()
-        # setup() holds the GIL in 0.3.13, so the worker thread below cannot time it out by
-        # itself: what bounds it is (retries) x (RPC timeout) <= connect_timeout_s. A retry
-        # only helps when the randomly chosen client port collides with another client's.
-        retries = 2
-        rpc_ms = max(200, int(1000 * min(rpc_timeout_s, connect_timeout_s / (retries + 0.5))))
-        self.rpc_timeout_s = rpc_ms / 1000
-        env = {
-            "MC_RPC_TIMEOUT_MS": str(rpc_ms),
-            "MC_RPC_CONNECT_TIMEOUT_MS": str(rpc_ms),
-            "MC_STORE_CLIENT_SETUP_RETRIES": str(retries),
-        }
-        if protocol == "tcp":
-            env["MC_TCP_BIND_ADDRESS"] = local_hostname
-        result: dict = {}
-        abandoned = threading.Event()
-        handoff = threading.Lock()  # makes "caller gave up" vs "setup returned" atomic
-
-        def run_setup() -> None:
-            try:
-                result["rc"] = store.setup(
-                    local_hostname,
-                    metadata_server,
-                    global_segment_size,
-                    local_buffer_size,
-                    protocol,
-                    device_name,
-                    master_address,
-                    None,
-                    False,
-                    "",
-                    tenant_id,
-                )
-            except BaseException as e:  # noqa: BLE001 - reported to the caller
-                result["exc"] = e
-            with handoff:
-                result["done"] = True
-                gave_up = abandoned.is_set()
-            if gave_up:  # the caller gave up: do not leave a half-open client behind
-                with contextlib.suppress(Exception):
-                    store.close()
-
-        with _ENV_LOCK:
-            saved = {k: os.environ.get(k) for k in env}
-            for k, v in env.items():
-                if saved[k] is None:
-                    os.environ[k] = v
-            try:
-                th = threading.Thread(target=run_setup, name="bsr-mooncake-setup", daemon=True)
-                th.start()
-                th.join(max(0.1, deadline - time.monotonic()))
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-        with handoff:
-            timed_out = not result.get("done")
-            if timed_out:
-                abandoned.set()
-        if timed_out:
-            raise TierUnavailableError(
-                f"Mooncake setup against {master_address} did not finish within {connect_timeout_s:.1f}s"
-            )
-        if "exc" in result:
-            raise TierUnavailableError(f"Mooncake setup failed: {result['exc']}") from result["exc"]
-        if result.get("rc") != 0:
-            with contextlib.suppress(Exception):
-                store.close()
-            raise TierUnavailableError(f"Mooncake setup against {master_address} returned {result.get('rc')}")
+        store, self.rpc_timeout_s = connect_store(
+            master_address, metadata_server, protocol=protocol, local_hostname=local_hostname,
+            global_segment_size=global_segment_size, local_buffer_size=local_buffer_size, device_name=device_name,
+            connect_timeout_s=connect_timeout_s, rpc_timeout_s=rpc_timeout_s, tenant_id=tenant_id,
+        )
         self._store = store
-        self._pool = ThreadPoolExecutor(max_workers=max(1, fetch_workers), thread_name_prefix="bsr-mooncake-fetch")
+        self._headers = RegisteredBuffers(self._register_owned, self._unregister_owned)  # fetch header areas
+        self._staging = RegisteredBuffers(self._register_owned, self._unregister_owned)  # put staging
+        workers = max(1, fetch_workers)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bsr-mooncake-fetch")
+        self._verify_ways = max(1, verify_threads)
+        self._verifiers = ThreadPoolExecutor(max_workers=workers * self._verify_ways,
+                                             thread_name_prefix="bsr-mooncake-verify")
 
     # -- helpers ---------------------------------------------------------------------------
     def _live_store(self):
@@ -329,7 +229,7 @@ class MooncakeTier(Tier):
 
     def _master_answers(self) -> bool:
         try:
-            _check_port(*_split_hostport(self.master_address), 0.5, "master")
+            check_port(*split_hostport(self.master_address), 0.5, "master")
             return True
         except TierUnavailableError:
             return False
@@ -344,16 +244,27 @@ class MooncakeTier(Tier):
     def _error_for(self, key: str, code: int) -> TierError:
         if code == OBJECT_NOT_FOUND:
             return MissingObjectError(f"{key}: not in the Mooncake store")
-        if code in _UNREACHABLE:
+        if code in UNREACHABLE:
             return TierUnavailableError(f"{key}: Mooncake master unreachable (code {code})")
-        if code == INVALID_PARAMS and self._store is not None:
+        store = self._store
+        if store is not None:  # a size mismatch (-600 larger, -800 smaller, or a short read)
             with contextlib.suppress(Exception):
-                size = self._store.get_size(key)
-                if size > self.chunk_bytes:
-                    return CorruptObjectError(f"{key}: object of {size} B, expected {self.chunk_bytes} B")
+                size = store.get_size(key)
+                if size >= 0 and size != self.object_bytes:
+                    legacy = size == self.chunk_bytes and store.is_exist(key + LEGACY_META_SUFFIX) == 1
+                    return size_problem(key, size, self.chunk_bytes, legacy)
         if code >= 0:
-            return CorruptObjectError(f"{key}: object of {code} B, expected {self.chunk_bytes} B")
+            return CorruptObjectError(f"{key}: read {code} B, expected {self.object_bytes} B")
         return TierError(f"{key}: Mooncake error {code}")
+
+    def _register_owned(self, ptr: int, size: int) -> None:
+        rc = self._live_store().register_buffer(ptr, size)
+        if rc != 0:
+            raise self._registration_error(size, rc)
+
+    def _unregister_owned(self, ptr: int) -> None:
+        if self._store is not None:
+            self._store.unregister_buffer(ptr)
 
     # -- Tier API --------------------------------------------------------------------------
     def register_staging(self, buffer: torch.Tensor) -> None:
@@ -375,18 +286,18 @@ class MooncakeTier(Tier):
                 self._store.unregister_buffer(ptr)
 
     def probe(self, keys: Sequence[str]) -> list[bool]:
+        """One `batch_is_exist` for the keys (one key per chunk); holds nothing."""
         store = self._live_store()
         keys = list(keys)
         if not keys:
             return []
-        codes = _per_key(store.batch_is_exist(keys + [meta_key(k) for k in keys]), 2 * len(keys), "batch_is_exist")
-        n = len(keys)
-        for k, code in zip(keys + keys, codes, strict=True):
+        codes = per_key(store.batch_is_exist(keys), len(keys), "batch_is_exist")
+        for k, code in zip(keys, codes, strict=True):
             if code < 0:
-                if code in _UNREACHABLE:
+                if code in UNREACHABLE:
                     raise TierUnavailableError(f"probe: Mooncake master unreachable (code {code})")
                 raise TierError(f"probe of {k} failed with code {code}")
-        present = [codes[i] == 1 and codes[n + i] == 1 for i in range(n)]
+        present = [c == 1 for c in codes]
         drop = [k for k, p in zip(keys, present, strict=True) if p and k in self.faults.drop_after_probe]
         if drop:
             self.delete(drop)
@@ -431,80 +342,106 @@ class MooncakeTier(Tier):
             raise FetchTimeoutError(f"fetch of {len(keys)} objects started after its deadline")
         store = self._live_store()
         self.stats["fetches"] += 1
-        self.stats["meta_ops"] += 1
-        metas = _per_key(store.get_batch([meta_key(k) for k in keys]), len(keys), "get_batch")
         ptrs = [v.data_ptr() for v in views]
-        taken = self._register_missing(ptrs)
+        headers = self._headers.acquire(len(keys) * HEADER_SIZE)
         try:
-            codes = _per_key(
-                store.batch_get_into(keys, ptrs, [self.chunk_bytes] * len(keys)), len(keys), "batch_get_into"
-            )
-        finally:
-            self._release(taken)
-        for k, code in zip(keys, codes, strict=True):
-            if code != self.chunk_bytes:
-                raise self._error_for(k, code)
-        for k, v in zip(keys, views, strict=True):
-            if k in faults.corrupt_keys:
-                v[len(v) // 2] ^= 0xFF  # flip a byte of the landed object
-        for k, v, blob in zip(keys, views, metas, strict=True):
-            if not blob:
-                raise MissingObjectError(f"{k}: integrity record {meta_key(k)} is missing")
+            taken = self._register_missing(ptrs)
             try:
-                fp, length, algo, crc = decode_meta(bytes(blob))
-            except ValueError as e:
-                raise CorruptObjectError(f"{k}: {e}") from e
-            if fp != self.fingerprint:
-                raise CorruptObjectError(f"{k}: written under fingerprint {fp[:16]}, expected {self.fingerprint[:16]}")
-            if length != self.chunk_bytes:
-                raise CorruptObjectError(f"{k}: recorded length {length}, expected {self.chunk_bytes}")
-            if self.verify and crc32_of(v, algo) != crc:
-                raise CorruptObjectError(f"{k}: crc32 mismatch")
+                self._transfer_and_verify(store, keys, views, ptrs, headers, deadline)
+            finally:
+                self._release(taken)
+        finally:
+            self._headers.release(headers)
         return len(keys) * self.chunk_bytes
 
+    def _transfer_and_verify(self, store, keys: list[str], views: list[torch.Tensor], ptrs: list[int],
+                             headers: torch.Tensor, deadline: float) -> None:
+        """Sub-batch by sub-batch: one round trip lands headers + payloads, then the sub-batch is
+        verified, split across the verifier threads, while the next one is in flight. Returns (or
+        raises) only after every transfer ended and every started verification finished."""
+        n, step, h = len(keys), self._batch_objects, HEADER_SIZE
+        hbase = headers.data_ptr()
+        rows = headers[: n * h].numpy().reshape(n, h)
+        checks: list[Future] = []
+        landed = 0
+        try:
+            for s in range(0, n, step):
+                e = min(n, s + step)
+                if s and (time.monotonic() >= deadline or any(f.done() and f.exception() for f in checks)):
+                    break  # the caller stopped waiting, or the window already failed
+                bufs = [[hbase + i * h, ptrs[i]] for i in range(s, e)]
+                codes = per_key(store.batch_get_into_multi_buffers(keys[s:e], bufs, [self._sizes] * (e - s)),
+                                e - s, "batch_get_into_multi_buffers")
+                self.stats["get_calls"] += 1
+                for k, code in zip(keys[s:e], codes, strict=True):
+                    if code != self.object_bytes:
+                        raise self._error_for(k, code)
+                for k, v in zip(keys[s:e], views[s:e], strict=True):
+                    if k in self.faults.corrupt_keys:
+                        v[len(v) // 2] ^= 0xFF  # flip a byte of the landed object
+                for a, b in _split(s, e, self._verify_ways):
+                    checks.append(self._verifiers.submit(self._verify, keys[a:b], rows[a:b], ptrs[a:b]))
+                landed = e
+        finally:
+            wait_all(checks)
+        for f in checks:
+            f.result()  # the first failed part raises
+        if landed < n:
+            raise FetchTimeoutError(f"fetch of {n} objects passed its deadline after {landed} had landed")
+
+    def _verify(self, keys: list[str], rows: np.ndarray, ptrs: list[int]) -> None:
+        self.codec.check(keys, rows, ptrs, [self.chunk_bytes] * len(keys), verify=self.verify)
+        self.stats["objects_verified"] += len(keys)
+
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
+        """Header + payload per object, staged in a registered buffer, one upsert per batch."""
         store = self._live_store()
         keys = list(keys)
         self._check_views(keys, views)
-        if not keys:
-            return
-        metas = [encode_meta(self.fingerprint, self.chunk_bytes, crc32_of(v)) for v in views]
-        ptrs = [v.data_ptr() for v in views]
-        taken = self._register_missing(ptrs)
+        for s in range(0, len(keys), self._put_objects):
+            self._put_batch(store, keys[s : s + self._put_objects], views[s : s + self._put_objects])
+
+    def _put_batch(self, store, keys: list[str], views: Sequence[torch.Tensor]) -> None:
+        n, ob = len(keys), self.object_bytes
+        buf = self._staging.acquire(n * ob)
         try:
-            codes = _per_key(
-                store.batch_upsert_from(keys, ptrs, [self.chunk_bytes] * len(keys)), len(keys), "batch_upsert_from"
-            )
+            rows = buf[: n * ob].view(n, ob)
+            for row, k, v in zip(rows, keys, views, strict=True):
+                row[HEADER_SIZE:].copy_(v.reshape(-1))
+                self.codec.write_header(row, k, self.chunk_bytes)
+            base = buf.data_ptr()
+            codes = per_key(store.batch_upsert_from(keys, [base + i * ob for i in range(n)], [ob] * n), n,
+                            "batch_upsert_from")
         finally:
-            self._release(taken)
+            self._staging.release(buf)
         self.stats["puts"] += 1
         bad = [(k, c) for k, c in zip(keys, codes, strict=True) if c != 0]
         if bad:
             k, c = bad[0]
-            if c in _UNREACHABLE:
+            if c in UNREACHABLE:
                 raise TierUnavailableError(f"put of {len(bad)} objects failed: master unreachable ({c})")
             hint = " (store full)" if c == NO_AVAILABLE_HANDLE else ""
             raise TierError(f"put of {len(bad)}/{len(keys)} objects failed, first {k}: code {c}{hint}")
-        self.stats["meta_ops"] += 1
-        rc = store.upsert_batch([meta_key(k) for k in keys], metas)
-        if rc != 0:
-            if rc in _UNREACHABLE:
-                raise TierUnavailableError(f"writing integrity records failed: master unreachable ({rc})")
-            raise TierError(f"writing {len(keys)} integrity records failed with code {rc}")
 
     def delete(self, keys: Sequence[str]) -> None:
-        """Remove chunks and their records. force=True: a read leaves a lease (10 s by default)
-        during which a plain remove returns OBJECT_HAS_LEASE; delete is an explicit eviction."""
+        """Remove chunks (and a record of the old two-key format, if one is left). force=True: a
+        read leaves a lease (10 s by default) during which a plain remove returns
+        OBJECT_HAS_LEASE; delete is an explicit eviction."""
         store = self._live_store()
         keys = list(keys)
         if not keys:
             return
-        all_keys = keys + [meta_key(k) for k in keys]
-        codes = _per_key(store.batch_remove(all_keys, True), len(all_keys), "batch_remove")
+        all_keys = keys + [k + LEGACY_META_SUFFIX for k in keys]
+        codes = per_key(store.batch_remove(all_keys, True), len(all_keys), "batch_remove")
         bad = [(k, c) for k, c in zip(all_keys, codes, strict=True) if c not in (0, OBJECT_NOT_FOUND)]
         if bad:
             k, c = bad[0]
-            raise self._error_for(k, c) if c in _UNREACHABLE else TierError(f"remove of {k} failed with {c}")
+            raise self._error_for(k, c) if c in UNREACHABLE else TierError(f"remove of {k} failed with {c}")
+
+    def worker_threads(self) -> set[threading.Thread]:
+        """The tier's long-lived Python threads (fetch and verify pools; joined by close())."""
+        pools = (getattr(self, "_pool", None), getattr(self, "_verifiers", None))
+        return {t for p in pools if p is not None for t in getattr(p, "_threads", ())}
 
     def health(self) -> int:
         """Mooncake health_check(): 0 healthy, 1 not set up / closed, 2 master unreachable."""
@@ -519,11 +456,16 @@ class MooncakeTier(Tier):
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        verifiers = getattr(self, "_verifiers", None)
+        if verifiers is not None:
+            verifiers.shutdown(wait=True, cancel_futures=True)
         with self._pending_lock:  # fetches cancelled before they started
             for h in self._pending.values():
                 h.set_error(TierUnavailableError("Mooncake tier closed before the fetch ran"))
             self._pending.clear()
         self._closed = True
+        for owned in (self._headers, self._staging):  # unregistered through self._store
+            owned.close()
         store, self._store = self._store, None
         if store is None:
             return

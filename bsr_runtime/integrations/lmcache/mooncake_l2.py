@@ -14,11 +14,18 @@ LMCache's plugin factory imports the module, builds `BSRMooncakeL2AdapterConfig.
 adapter_params)` (found by the "<class>Config" naming convention) and calls
 `BSRMooncakeL2Adapter(config, l1_memory_desc=...)`.
 
-Data path (zero copy): the whole L1 arena described by `l1_memory_desc` is registered with the
-store once (`register_buffer`; required over RDMA); stores are `batch_upsert_from(keys, ptrs,
-sizes)` straight from the L1 objects, loads `batch_get_into(keys, ptrs, sizes)` straight into the
-L1 objects the prefetch controller reserved, lookups `batch_is_exist`. Every operation runs on a
-small thread pool and completes through the adapter's three event fds, as LMCache requires.
+Object format and data path: the MooncakeTier's (bsr_runtime/tiers/mooncake_object.py). Each
+object is a 128-byte header (magic, version, `fingerprint`, sha256 of the store key, tenant,
+payload length, CRC-32C) followed by the L1 object's bytes, under one key. The whole L1 arena
+described by `l1_memory_desc` is registered with the store once (`register_buffer`; required over
+RDMA). Loads are `batch_get_into_multi_buffers` in sub-batches of about `verify_batch_bytes`: the
+header into a registered header area, the payload straight into the L1 object the prefetch
+controller reserved; each sub-batch is verified (headers compared in one step, CRC-32C in place on
+a verifier thread) while the next is in flight, and an object that fails (another key's, another
+tenant's or registration's, damaged, headerless) is a clear bit, i.e. a miss. Stores stage header
++ payload in a registered buffer and `batch_upsert_from` them; lookups are one `batch_is_exist`.
+Every operation runs on a small thread pool and completes through the adapter's three event fds,
+as LMCache requires.
 
 Locks. Mooncake has no pin for readers (a get leaves only a short lease), so "lookup and lock" is a
 client-side refcount per key, like LMCache's NativeConnectorL2Adapter; `submit_unlock` drops it and
@@ -33,7 +40,9 @@ bind address), so its `faults` (e.g. `unavailable`) also apply to this adapter.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import ctypes
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +56,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from bsr_runtime.tiers.mooncake import MooncakeTier
+from bsr_runtime.tiers.mooncake_object import HEADER_SIZE, ObjectCodec
 
 logger = init_logger(__name__)
 
@@ -69,6 +79,9 @@ class BSRMooncakeL2AdapterConfig(L2AdapterConfigBase):
         "key_prefix": (str, "lmcache"),
         "register_l1": (bool, True),
         "max_capacity_bytes": (int, 0),
+        "fingerprint": (str, "lmcache-l2"),
+        "verify_batch_bytes": (int, 8 << 20),
+        "put_batch_bytes": (int, 64 << 20),
     }
 
     def __init__(self, master_address: str, metadata_server: str, **kw: Any) -> None:
@@ -127,8 +140,9 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
             local_hostname=config.local_hostname, global_segment_size=config.global_segment_size,
             local_buffer_size=config.local_buffer_size, device_name=config.device_name,
             connect_timeout_s=config.connect_timeout_s, rpc_timeout_s=config.rpc_timeout_s,
-            tenant_id=config.tenant_id, verify=False, fetch_workers=1,
+            tenant_id=config.tenant_id, fetch_workers=config.num_workers,
         )
+        self._codec = ObjectCodec(config.fingerprint, config.tenant_id)
         self.faults = self._tier.faults
         self._registered: int | None = None
         try:
@@ -192,7 +206,7 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
         try:
             store = self._tier._live_store()
             sizes_all = [o.get_size() for o in objects]
-            codes = store.batch_upsert_from(self._keys(keys), [o.data_ptr for o in objects], sizes_all)
+            codes = self._put_objects(store, self._keys(keys), objects, sizes_all)
             ok = len(codes) == len(keys) and all(c == 0 for c in codes)
             with self._lock:
                 for k, c, s in zip(keys, codes, sizes_all, strict=False):
@@ -210,6 +224,30 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
         with self._lock:
             self._stores[task] = L2StoreResult(ok, nbytes)
         self._store_efd.notify()
+
+    def _put_objects(self, store, names: list[str], objects, sizes: list[int]) -> list[int]:
+        """Header + payload per object, staged in registered buffers of about put_batch_bytes."""
+        codes: list[int] = []
+        start, cap = 0, self.config.put_batch_bytes
+        while start < len(names):
+            end, total = start, 0
+            while end < len(names) and (end == start or total + HEADER_SIZE + sizes[end] <= cap):
+                total += HEADER_SIZE + sizes[end]
+                end += 1
+            buf = self._tier._staging.acquire(total)
+            try:
+                ptrs, off = [], 0
+                for o, name, size in zip(objects[start:end], names[start:end], sizes[start:end], strict=True):
+                    row = buf[off : off + HEADER_SIZE + size]
+                    ctypes.memmove(row.data_ptr() + HEADER_SIZE, o.data_ptr, size)
+                    self._codec.write_header(row, name, size)
+                    ptrs.append(row.data_ptr())
+                    off += HEADER_SIZE + size
+                codes += store.batch_upsert_from(names[start:end], ptrs, [HEADER_SIZE + s for s in sizes[start:end]])
+            finally:
+                self._tier._staging.release(buf)
+            start = end
+        return codes
 
     def pop_completed_store_tasks(self) -> dict:
         with self._lock:
@@ -260,20 +298,49 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
     def _load_task(self, task: int, keys, objects) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            sizes = [o.get_size() for o in objects]
-            codes = self._tier._live_store().batch_get_into(self._keys(keys), [o.data_ptr for o in objects], sizes)
-            loaded = []
-            for i, (c, s) in enumerate(zip(codes, sizes, strict=False)):
-                if c == s:
-                    bitmap.set(i)
-                    loaded.append(keys[i])
-            if loaded:
-                self._notify_keys_accessed(loaded)
+            good = self._load_verified(self._keys(keys), [o.data_ptr for o in objects],
+                                       [o.get_size() for o in objects])
+            for i in good:
+                bitmap.set(i)
+            if good:
+                self._notify_keys_accessed([keys[i] for i in good])
         except Exception:
             logger.exception("BSRMooncakeL2Adapter load task %d failed", task)
         with self._lock:
             self._loads[task] = bitmap
         self._load_efd.notify()
+
+    def _load_verified(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """Indices of the objects that landed and passed their checks. One multi-buffer get per
+        sub-batch; a sub-batch is verified on a verifier thread while the next is in flight."""
+        store, n, h = self._tier._live_store(), len(names), HEADER_SIZE
+        step = max(1, self.config.verify_batch_bytes // (h + max(sizes, default=1)))
+        headers = self._tier._headers.acquire(n * h)
+        try:
+            rows, base = headers[: n * h].numpy().reshape(n, h), headers.data_ptr()
+            landed, checks = [], []
+            try:
+                for s in range(0, n, step):
+                    e = min(n, s + step)
+                    codes = store.batch_get_into_multi_buffers(
+                        names[s:e], [[base + i * h, ptrs[i]] for i in range(s, e)],
+                        [[h, sizes[i]] for i in range(s, e)])
+                    idx = [i for i, c in zip(range(s, e), codes, strict=False) if c == h + sizes[i]]
+                    landed.append(idx)
+                    checks.append(self._tier._verifiers.submit(
+                        self._codec.problems, [names[i] for i in idx], rows[idx], [ptrs[i] for i in idx],
+                        [sizes[i] for i in idx], True, False))
+            finally:
+                concurrent.futures.wait(checks)
+            good = []
+            for idx, f in zip(landed, checks, strict=True):
+                bad = f.result()
+                if bad:
+                    logger.warning("Mooncake L2: %d objects refused, first: %s", len(bad), next(iter(bad.values())))
+                good += [i for j, i in enumerate(idx) if j not in bad]
+            return good
+        finally:
+            self._tier._headers.release(headers)
 
     def query_load_result(self, task_id: int):
         with self._lock:

@@ -1,0 +1,131 @@
+"""Connecting a Mooncake store client (`mooncake.store.MooncakeDistributedStore`) in bounded time.
+
+Shared by MooncakeTier and the LMCache Mooncake L2 plugin. See tiers/mooncake.py for the
+quirks this works around (setup() retrying for ~90 s while holding the GIL, RPC timeouts, the
+tcp bind address) and the Mooncake error codes below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from urllib.parse import urlparse
+
+from .base import TierError, TierUnavailableError
+
+# Mooncake ErrorCode values (mooncake-store/include/types.h)
+OBJECT_NOT_FOUND = -704
+OBJECT_HAS_LEASE = -706
+INVALID_PARAMS = -600
+NO_AVAILABLE_HANDLE = -200
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+UNREACHABLE = {RPC_FAIL, RPC_TIMEOUT}
+
+_ENV_LOCK = threading.Lock()
+
+
+def per_key(results: list, n: int, op: str) -> list:
+    if len(results) != n:
+        raise TierError(f"Mooncake {op} returned {len(results)} results for {n} keys")
+    return results
+
+
+def check_port(host: str, port: int, timeout: float, what: str) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return
+    except OSError as e:
+        raise TierUnavailableError(f"Mooncake {what} {host}:{port} does not answer: {e}") from e
+
+
+def split_hostport(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def connect_store(master_address: str, metadata_server: str, *, protocol: str, local_hostname: str,
+                  global_segment_size: int, local_buffer_size: int, device_name: str,
+                  connect_timeout_s: float, rpc_timeout_s: float, tenant_id: str):
+    """(set-up client, effective RPC timeout in s). Raises TierUnavailableError within about
+    connect_timeout_s when the master or metadata server does not answer or setup() fails."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise TierUnavailableError(f"mooncake.store cannot be imported: {e}") from e
+
+    deadline = time.monotonic() + connect_timeout_s
+    # Fail fast (connection refused is immediate) before setup(), which retries for ~90 s.
+    mhost, mport = split_hostport(master_address)
+    check_port(mhost, mport, connect_timeout_s, "master")
+    url = urlparse(metadata_server)
+    if url.scheme in ("http", "https") and url.hostname:
+        check_port(url.hostname, url.port or 80, max(0.1, deadline - time.monotonic()), "metadata server")
+
+    store = MooncakeDistributedStore()
+    # setup() holds the GIL in 0.3.13, so the worker thread below cannot time it out by
+    # itself: what bounds it is (retries) x (RPC timeout) <= connect_timeout_s. A retry
+    # only helps when the randomly chosen client port collides with another client's.
+    retries = 2
+    rpc_ms = max(200, int(1000 * min(rpc_timeout_s, connect_timeout_s / (retries + 0.5))))
+    env = {
+        "MC_RPC_TIMEOUT_MS": str(rpc_ms),
+        "MC_RPC_CONNECT_TIMEOUT_MS": str(rpc_ms),
+        "MC_STORE_CLIENT_SETUP_RETRIES": str(retries),
+    }
+    if protocol == "tcp":
+        env["MC_TCP_BIND_ADDRESS"] = local_hostname
+    args = (local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol, device_name,
+            master_address, None, False, "", tenant_id)
+    _setup_bounded(store, args, env, deadline, f"Mooncake setup against {master_address}", connect_timeout_s)
+    return store, rpc_ms / 1000
+
+
+def _setup_bounded(store, args: tuple, env: dict[str, str], deadline: float, what: str, timeout_s: float) -> None:
+    """store.setup(*args) on a thread with `env` set (unless the user set it), given up at deadline."""
+    result: dict = {}
+    abandoned = threading.Event()
+    handoff = threading.Lock()  # makes "caller gave up" vs "setup returned" atomic
+
+    def run_setup() -> None:
+        try:
+            result["rc"] = store.setup(*args)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            result["exc"] = e
+        with handoff:
+            result["done"] = True
+            gave_up = abandoned.is_set()
+        if gave_up:  # the caller gave up: do not leave a half-open client behind
+            with contextlib.suppress(Exception):
+                store.close()
+
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        for k, v in env.items():
+            if saved[k] is None:
+                os.environ[k] = v
+        try:
+            th = threading.Thread(target=run_setup, name="bsr-mooncake-setup", daemon=True)
+            th.start()
+            th.join(max(0.1, deadline - time.monotonic()))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+    with handoff:
+        timed_out = not result.get("done")
+        if timed_out:
+            abandoned.set()
+    if timed_out:
+        raise TierUnavailableError(f"{what} did not finish within {timeout_s:.1f}s")
+    if "exc" in result:
+        raise TierUnavailableError(f"Mooncake setup failed: {result['exc']}") from result["exc"]
+    if result.get("rc") != 0:
+        with contextlib.suppress(Exception):
+            store.close()
+        raise TierUnavailableError(f"{what} returned {result.get('rc')}")
