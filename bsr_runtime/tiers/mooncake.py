@@ -262,8 +262,6 @@ class MooncakeTier(Tier):
 
     # -- helpers ---------------------------------------------------------------------------
     def _live_store(self):
-        if self.faults.unavailable:
-            raise TierUnavailableError("Mooncake tier unavailable (fault injected)")
         if self._store is None or self._closed:
             raise TierUnavailableError("Mooncake tier is closed")
         return self._store
@@ -387,9 +385,6 @@ class MooncakeTier(Tier):
                     raise TierUnavailableError(f"probe: Mooncake master unreachable (code {code})")
                 raise TierError(f"probe of {k} failed with code {code}")
         present = [codes[i] == 1 and codes[n + i] == 1 for i in range(n)]
-        drop = [k for k, p in zip(keys, present, strict=True) if p and k in self.faults.drop_after_probe]
-        if drop:
-            self.delete(drop)
         return present
 
     def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float) -> FetchHandle:
@@ -421,11 +416,6 @@ class MooncakeTier(Tier):
                 self._pending.pop(id(handle), None)
 
     def _fetch_now(self, keys: list[str], views: list[torch.Tensor], deadline: float) -> int:
-        faults = self.faults
-        if faults.fail_fetch is not None:
-            faults.fail_fetch(keys)
-        if faults.delay_s > 0 and self._closing.wait(faults.delay_s):
-            raise TierUnavailableError("Mooncake tier closed during the fetch")
         if time.monotonic() >= deadline:
             # Never start a transfer the caller has stopped waiting for (its slot may be reused).
             raise FetchTimeoutError(f"fetch of {len(keys)} objects started after its deadline")
@@ -444,9 +434,6 @@ class MooncakeTier(Tier):
         for k, code in zip(keys, codes, strict=True):
             if code != self.chunk_bytes:
                 raise self._error_for(k, code)
-        for k, v in zip(keys, views, strict=True):
-            if k in faults.corrupt_keys:
-                v[len(v) // 2] ^= 0xFF  # flip a byte of the landed object
         for k, v, blob in zip(keys, views, metas, strict=True):
             if not blob:
                 raise MissingObjectError(f"{k}: integrity record {meta_key(k)} is missing")
