@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bsr_harness.faulty_tier import FaultyTier
-from bsr_harness.testdata import POISON
+from bsr_harness.testdata import block_tables, poison
 from bsr_kernels import Registration, presets
 from bsr_runtime.connector import BSRConnector, ConnectorRequest
 from bsr_runtime.keys import KeySpace, PrefixKeys
@@ -147,30 +147,6 @@ class Source:
         return state_hash(self.reg, self.kv, self.tables, num_chunks)
 
 
-def make_tables(reg: Registration, num_chunks_per_request: Sequence[int], seed: int,
-                spare: int = 1, holes: bool = True) -> tuple[list[int], list[list[torch.Tensor]]]:
-    """Disjoint shuffled block tables for several requests sharing one set of destination
-    tensors: (blocks per group, per request the per-group tables). Groups with a sliding
-    window get -1 blocks at the start of longer prefixes, as an engine marks blocks outside it."""
-    gen = torch.Generator().manual_seed(seed)
-    per_req: list[list[torch.Tensor]] = [[] for _ in num_chunks_per_request]
-    blocks = []
-    for g in range(reg.num_groups):
-        needs = [reg.blocks_needed(g, n * reg.chunk_tokens) for n in num_chunks_per_request]
-        total = sum(needs) + spare
-        blocks.append(total)
-        perm = torch.randperm(total, generator=gen)
-        windowed = any(s.sliding_window for s in reg.specs if s.group == g)
-        at = 0
-        for i, need in enumerate(needs):
-            table = perm[at : at + need].clone()
-            at += need
-            if holes and windowed and need > 4:
-                table[: need // 3] = -1
-            per_req[i].append(table)
-    return blocks, per_req
-
-
 def random_kv(reg: Registration, blocks: Sequence[int], seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     kv = reg.allocate(list(blocks))
@@ -187,7 +163,7 @@ def make_source(reg: Registration, num_chunks: int, seed: int, salt: str = "", t
     only, the state also on `kv_seed` (TP ranks: same request, different state per rank)."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 50_000, (num_chunks * reg.chunk_tokens + extra_tokens,), generator=gen).tolist()
-    blocks, (tables,) = make_tables(reg, [num_chunks], seed + 1)
+    blocks, (tables,) = block_tables(reg, [num_chunks], seed + 1)
     kv = random_kv(reg, blocks, seed + 2 if kv_seed is None else kv_seed)
     space = KeySpace(reg.fingerprint, tp_rank, tp_world, salt)
     src = Source(reg, tokens, space, num_chunks, "", kv, tables)
@@ -442,10 +418,8 @@ class FaultMatrix:
             store(healthy_src, fs)
             store(healthy_src, remote)
 
-            blocks, (tables, healthy_tables) = make_tables(reg, [n, self.num_chunks], seed + 7)
-            kv = reg.allocate(blocks)
-            for t in kv:
-                t.view(torch.uint8).fill_(POISON)
+            blocks, (tables, healthy_tables) = block_tables(reg, [n, self.num_chunks], seed + 7)
+            kv = poison(reg.allocate(blocks))
             conn = stack.enter_context(BSRConnector(reg, [remote, fs], kv, config=config, salt=salt))
             return self._drive(scenario, conn, remote, fs, master, src, healthy_src, tables, healthy_tables, kv, t0)
 
@@ -580,7 +554,6 @@ __all__ = [
     "damage_object",
     "disarm",
     "make_source",
-    "make_tables",
     "run_fault_matrix",
     "store",
 ]
