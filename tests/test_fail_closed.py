@@ -250,7 +250,7 @@ def fs_setup(tmp_path):
     tier = FaultyTier(FilesystemTier(tmp_path, reg.chunk_bytes, reg.fingerprint))
     src = make_source(reg, 3, seed=5, salt="fs")
     store(src, tier)
-    blocks, (tables,) = block_tables(reg, [3], seed=9)
+    blocks, (tables,) = block_tables(reg, [3], 9)
     kv = reg.allocate(blocks)
     conn = BSRConnector(reg, [tier], kv, config=RestoreConfig(prefetch_window_chunks=1, backend="torch"), salt="fs")
     yield reg, tier, src, tables, kv, conn

@@ -103,7 +103,7 @@ def _run(rank, world, mode, master_address, metadata_server, outdir, agree_timeo
                for i, name in enumerate(["healthy", "rank1_fetch", "rank0_install", "after", "late"])}
     for src in sources.values():
         store(src, remote)
-    blocks, tables = block_tables(reg, [REQ_CHUNKS] * len(sources), seed=77 + rank)
+    blocks, tables = block_tables(reg, [REQ_CHUNKS] * len(sources), 77 + rank)
     kv = reg.allocate(blocks)
     conn = BSRConnector(reg, [remote, fs], kv, config=RestoreConfig(prefetch_window_chunks=2, pipeline_depth=1,
                                                                      backend="torch"),
