@@ -33,13 +33,13 @@ sys.path.insert(0, str(ROOT))  # runs from a plain checkout too
 
 import torch  # noqa: E402
 
+from bsr_harness.testdata import POISON, poisoned, window_tables  # noqa: E402
 from bsr_kernels import cuda_backend, presets  # noqa: E402
 from bsr_kernels.install import gather_window, install_window  # noqa: E402
 from bsr_kernels.install_torch import gather_torch, install_torch  # noqa: E402
 from bsr_kernels.registration import Registration  # noqa: E402
 from bsr_kernels.validate import check_window  # noqa: E402
 
-POISON = 0xA5
 WINDOWS = (1, 8, 16, 32, 64)
 
 
@@ -75,25 +75,8 @@ def random_bytes(n: int, device: torch.device, pinned: bool = False) -> torch.Te
 
 def make_tables(reg: Registration, first: int, num: int, seed: int, neg: float, device: torch.device):
     """Shuffled block tables for chunks first..first+num-1 (-1 before the window and in holes)."""
-    gen = torch.Generator().manual_seed(seed)
-    tables, nblocks = [], []
-    first_tok, end_tok = first * reg.chunk_tokens, (first + num) * reg.chunk_tokens
-    for g in range(reg.num_groups):
-        need = reg.blocks_needed(g, end_tok)
-        lo = first_tok // reg.group_tokens_per_block(g)
-        nb = need - lo + 2
-        ids = torch.randperm(nb, generator=gen)[: need - lo]
-        ids[torch.rand(need - lo, generator=gen) < neg] = -1
-        tables.append(torch.cat([torch.full((lo,), -1), ids]).to(torch.int64).to(device))
-        nblocks.append(nb)
-    return tables, nblocks
-
-
-def poisoned(reg: Registration, nblocks, device) -> list[torch.Tensor]:
-    kv = reg.allocate(nblocks, device)
-    for t in kv:
-        t.view(torch.uint8).fill_(POISON)
-    return kv
+    tables, nblocks = window_tables(reg, first, num, seed, neg)
+    return [t.to(device) for t in tables], nblocks
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from bsr_harness.testdata import poison, request_tables
 from bsr_kernels import Registration
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.probe import probe_prefix
@@ -20,8 +21,6 @@ from bsr_runtime.restore import BoundedRestorer, RestoreConfig, RestoreRequest
 from bsr_runtime.state_hash import state_hash
 from bsr_runtime.store import store_prefix
 from bsr_runtime.tiers.base import Tier
-
-POISON = 0xA5
 
 
 @dataclass
@@ -39,26 +38,10 @@ class SourceState:
         return len(self.tokens) // self.reg.chunk_tokens
 
 
-def random_tables(reg: Registration, num_chunks: int, gen: torch.Generator) -> tuple[list[int], list[torch.Tensor]]:
-    """Shuffled block tables; sliding-window groups get -1 blocks before their window, as an
-    engine marks blocks that fell out of the window."""
-    blocks, tables = [], []
-    for g in range(reg.num_groups):
-        need = reg.blocks_needed(g, num_chunks * reg.chunk_tokens)
-        table = torch.randperm(need, generator=gen)
-        window = max((s.sliding_window or 0) for s in reg.specs if s.group == g)
-        if window:
-            keep_blocks = -(-window // reg.group_tokens_per_block(g)) + 1
-            table[: max(0, need - keep_blocks)] = -1
-        blocks.append(need)
-        tables.append(table)
-    return blocks, tables
-
-
 def make_source(reg: Registration, num_chunks: int, seed: int = 0, salt: str = "") -> SourceState:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 100_000, (num_chunks * reg.chunk_tokens,), generator=gen).tolist()
-    blocks, tables = random_tables(reg, num_chunks, gen)
+    blocks, tables = request_tables(reg, num_chunks, gen, spare=0, holes="window")
     kv = reg.allocate(blocks)
     for t in kv:
         flat = t.view(torch.uint8).view(-1)
@@ -105,12 +88,11 @@ class Destinations:
     def __init__(self, reg: Registration, num_chunks: int, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.reg = reg
-        self.blocks, self.tables = random_tables(reg, num_chunks, gen)
+        self.blocks, self.tables = request_tables(reg, num_chunks, gen, spare=0, holes="window")
         self.kv = reg.allocate(self.blocks)
 
     def poison(self) -> None:
-        for t in self.kv:
-            t.view(torch.uint8).fill_(POISON)
+        poison(self.kv)
 
 
 def source_hashes(src: SourceState, chunk_counts: Sequence[int]) -> dict[int, str]:

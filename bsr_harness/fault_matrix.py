@@ -8,7 +8,7 @@ the marker), tears it down, and finally restores a healthy request through the s
 connector and checks its state hash. `run_fault_matrix()` returns one `FaultRow` per
 scenario (for `bsr faults`); the tests drive `FaultMatrix.run()` and check the details.
 
-Fault injection used here (FaultPlan on the tiers, plus):
+Fault injection used here (a FaultyTier around the Mooncake tier, its FaultPlan armed per scenario, plus):
 - `arm_install_fault(retriever, window)`: raise during the install of window k
 - `FetchCallHook`: run an action (kill the master, raise) when fetch number k starts
 - `FaultSpec.rank`: a fault that applies to one TP rank only (`applies_to(rank)`)
@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 from bsr_harness.faulty_installer import InjectedInstallError, InstallFault
+from bsr_harness.faulty_tier import FaultyTier
+from bsr_harness.testdata import block_tables, poison
 from bsr_kernels import Registration, WindowInstaller, presets
 from bsr_runtime.connector import BSRConnector, ConnectorRequest
 from bsr_runtime.keys import KeySpace, PrefixKeys
@@ -48,7 +50,7 @@ class InjectedFault(TierError):
 
 # -- hooks -------------------------------------------------------------------------------------
 class FetchCallHook:
-    """FaultPlan.fail_fetch hook: runs `action(call_index, keys)` on every fetch call from
+    """A FaultPlan.fail_fetch hook: runs `action(call_index, keys)` on every fetch call from
     `at_call` on (call 0 = the first window's fetch); `once` limits it to that call."""
 
     def __init__(self, at_call: int, action: Callable[[int, Sequence[str]], None], once: bool = True) -> None:
@@ -94,22 +96,24 @@ class FaultSpec:
     def applies_to(self, rank: int) -> bool:
         return self.rank is None or self.rank == rank
 
-    def arm(self, retriever: Retriever, tier: Tier, rank: int = 0) -> None:
+    def arm(self, retriever: Retriever, tier: FaultyTier, rank: int = 0) -> None:
         """Arm this fault on `tier` / `retriever` if it applies to `rank`: fetch call k of the
         next restore from `tier` is window k at any pipeline depth (windows are submitted in
         order); an install fault fires once (see arm_install_fault)."""
         if not self.applies_to(rank):
             return
         if self.phase == FETCH:
-            tier.faults.fail_fetch = FetchCallHook(self.window, raise_injected)
+            tier.plan.fail_fetch = FetchCallHook(self.window, raise_injected)
         else:
             arm_install_fault(retriever, self.window)
 
 
 def disarm(retriever: Retriever, tiers: Sequence[Tier]) -> None:
+    """Disarm the install fault and every FaultyTier among `tiers` (repairing what they damaged)."""
     retriever.restorer.make_installer = WindowInstaller
     for t in tiers:
-        t.faults.clear()
+        if isinstance(t, FaultyTier):
+            t.clear()
 
 
 # -- source state ------------------------------------------------------------------------------
@@ -133,30 +137,6 @@ class Source:
         return state_hash(self.reg, self.kv, self.tables, num_chunks)
 
 
-def make_tables(reg: Registration, num_chunks_per_request: Sequence[int], seed: int,
-                spare: int = 1, holes: bool = True) -> tuple[list[int], list[list[torch.Tensor]]]:
-    """Disjoint shuffled block tables for several requests sharing one set of destination
-    tensors: (blocks per group, per request the per-group tables). Groups with a sliding
-    window get -1 blocks at the start of longer prefixes, as an engine marks blocks outside it."""
-    gen = torch.Generator().manual_seed(seed)
-    per_req: list[list[torch.Tensor]] = [[] for _ in num_chunks_per_request]
-    blocks = []
-    for g in range(reg.num_groups):
-        needs = [reg.blocks_needed(g, n * reg.chunk_tokens) for n in num_chunks_per_request]
-        total = sum(needs) + spare
-        blocks.append(total)
-        perm = torch.randperm(total, generator=gen)
-        windowed = any(s.sliding_window for s in reg.specs if s.group == g)
-        at = 0
-        for i, need in enumerate(needs):
-            table = perm[at : at + need].clone()
-            at += need
-            if holes and windowed and need > 4:
-                table[: need // 3] = -1
-            per_req[i].append(table)
-    return blocks, per_req
-
-
 def random_kv(reg: Registration, blocks: Sequence[int], seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     kv = reg.allocate(list(blocks))
@@ -173,7 +153,7 @@ def make_source(reg: Registration, num_chunks: int, seed: int, salt: str = "", t
     only, the state also on `kv_seed` (TP ranks: same request, different state per rank)."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 50_000, (num_chunks * reg.chunk_tokens + extra_tokens,), generator=gen).tolist()
-    blocks, (tables,) = make_tables(reg, [num_chunks], seed + 1)
+    blocks, (tables,) = block_tables(reg, [num_chunks], seed + 1)
     kv = random_kv(reg, blocks, seed + 2 if kv_seed is None else kv_seed)
     space = KeySpace(reg.fingerprint, tp_rank, tp_world, salt)
     src = Source(reg, tokens, space, num_chunks, "", kv, tables)
@@ -415,12 +395,14 @@ class FaultMatrix:
                 host = MooncakeStoreHost(master, self.segment_bytes)
                 stack.callback(host.stop)
                 host.start()
-                remote = self._mooncake(master, global_segment_size=0, rpc_timeout_s=0.5, connect_timeout_s=5.0)
+                remote = FaultyTier(self._mooncake(master, global_segment_size=0, rpc_timeout_s=0.5,
+                                                   connect_timeout_s=5.0))
                 stack.callback(remote.close)
             else:
-                remote = self.shared_remote()
-                stack.callback(self._forget, remote, [src, healthy_src])
-                stack.callback(remote.faults.clear)  # never leave a fault armed on the shared tier
+                remote = FaultyTier(self.shared_remote(), close_inner=False)
+                stack.callback(remote.close)
+                stack.callback(self._forget, remote.inner, [src, healthy_src])
+                stack.callback(remote.clear)  # never leave an object damaged in the shared store
             fs = stack.enter_context(FilesystemTier(fs_dir, reg.chunk_bytes, reg.fingerprint, load_concurrency=2))
 
             store(src, fs if scenario in DAMAGE_SCENARIOS else remote)
@@ -429,15 +411,13 @@ class FaultMatrix:
             store(healthy_src, fs)
             store(healthy_src, remote)
 
-            blocks, (tables, healthy_tables) = make_tables(reg, [n, self.num_chunks], seed + 7)
-            kv = reg.allocate(blocks)
-            for t in kv:
-                t.view(torch.uint8).fill_(0xA5)
+            blocks, (tables, healthy_tables) = block_tables(reg, [n, self.num_chunks], seed + 7)
+            kv = poison(reg.allocate(blocks))
             conn = stack.enter_context(BSRConnector(reg, [remote, fs], kv, config=config, salt=salt))
             return self._drive(scenario, conn, remote, fs, master, src, healthy_src, tables, healthy_tables, kv, t0)
 
-    def _drive(self, scenario, conn: BSRConnector, remote, fs, master, src: Source, healthy_src: Source,
-               tables, healthy_tables, kv, t0) -> ScenarioResult:
+    def _drive(self, scenario, conn: BSRConnector, remote: FaultyTier, fs: FilesystemTier, master, src: Source,
+               healthy_src: Source, tables, healthy_tables, kv, t0) -> ScenarioResult:
         reg = self.reg
         ct = reg.chunk_tokens
         n = src.num_chunks
@@ -445,27 +425,27 @@ class FaultMatrix:
         windows = conn.retriever.config.prefetch_window_chunks
         # faults that act at the probe
         if scenario == "key_evicted_after_probe":
-            remote.faults.drop_after_probe = set(src.keys(min(2, n - 1), 1))
+            remote.plan.drop_after_probe = set(src.keys(min(2, n - 1), 1))
         tokens, _ = conn.get_num_new_matched_tokens(req, 0)
         conn.update_state_after_alloc(req, tables, tokens)
         # faults that act after the probe and allocation, before or during the load
         if scenario == "remote_unavailable_before":
             master.kill()
         elif scenario == "remote_unavailable_mid":
-            remote.faults.fail_fetch = FetchCallHook(1, lambda i, keys: master.kill())
+            remote.plan.fail_fetch = FetchCallHook(1, lambda i, keys: master.kill())
         elif scenario == "remote_and_ssd_absent":
-            remote.faults.unavailable = True
+            remote.plan.unavailable = True
         elif scenario == "remote_fails_ssd_serves":
-            remote.faults.fail_fetch = FetchCallHook(1, raise_injected)
+            remote.plan.fail_fetch = FetchCallHook(1, raise_injected)
         elif scenario == "fetch_timeout":
-            remote.faults.delay_s = 1.5
+            remote.plan.delay_s = 1.5
         elif scenario == "corrupt_object":
-            remote.faults.corrupt_keys = set(src.keys(min(3, n - 1), 1))
+            remote.plan.corrupt_keys = set(src.keys(min(3, n - 1), 1))
         elif scenario == "install_exception":
             arm_install_fault(conn.retriever, 1)
         elif scenario == "last_window_fault":
             last = -(-n // windows) - 1
-            remote.faults.fail_fetch = FetchCallHook(last, raise_injected)
+            remote.plan.fail_fetch = FetchCallHook(last, raise_injected)
         elif scenario in DAMAGE_SCENARIOS:
             damage_object(scenario, fs, src.keys(min(1, n - 1), 1)[0], self.workdir / f"outside-{self._runs}.bsr")
         (outcome,) = conn.start_load()
@@ -567,7 +547,6 @@ __all__ = [
     "damage_object",
     "disarm",
     "make_source",
-    "make_tables",
     "run_fault_matrix",
     "store",
 ]

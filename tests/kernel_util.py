@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from bsr_harness.testdata import POISON, poisoned, window_tables
 from bsr_kernels import Registration, TensorSpec
 
-POISON = 0xA5
+__all__ = ["POISON", "poisoned"]  # re-exported for the kernel tests
 
 # tokens per block of a group -> the ratios that fit with block sizes 1..64
 _TPB_CHOICES = [4, 16, 64, 256, 512, 8192]
@@ -52,16 +53,7 @@ def make_case(reg: Registration, first_chunk: int, num_chunks: int, seed: int, h
               spare_blocks: int = 3) -> Case:
     """Block tables covering chunks 0..first_chunk+num_chunks-1, shuffled, some -1, and random staging."""
     gen = torch.Generator().manual_seed(seed)
-    total_tokens = (first_chunk + num_chunks) * reg.chunk_tokens
-    tables, num_blocks = [], []
-    for g in range(reg.num_groups):
-        need = reg.blocks_needed(g, total_tokens)
-        nb = need + spare_blocks
-        table = torch.randperm(nb, generator=gen)[:need]
-        holes = torch.rand(need, generator=gen) < hole_frac
-        table[holes] = -1
-        tables.append(table)
-        num_blocks.append(nb)
+    tables, num_blocks = window_tables(reg, 0, first_chunk + num_chunks, gen, hole_frac, spare=spare_blocks)
     staging = random_bytes(num_chunks * reg.chunk_bytes, gen)
     return Case(reg, num_blocks, tables, first_chunk, num_chunks, staging)
 
@@ -71,13 +63,6 @@ def random_bytes(n: int, gen: torch.Generator) -> torch.Tensor:
     out = torch.randint(0, 255, (n,), dtype=torch.uint8, generator=gen)
     out[out == POISON] = POISON + 1
     return out
-
-
-def poisoned(reg: Registration, num_blocks: list[int]) -> list[torch.Tensor]:
-    kv = reg.allocate(num_blocks)
-    for t in kv:
-        t.view(torch.uint8).fill_(POISON)
-    return kv
 
 
 def random_kv(reg: Registration, num_blocks: list[int], seed: int) -> list[torch.Tensor]:

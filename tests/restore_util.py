@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kernel_util import POISON, random_kv
+from kernel_util import random_kv
 
+from bsr_harness.testdata import poisoned, request_tables
 from bsr_kernels import Registration
 from bsr_runtime.keys import KeySpace
 from bsr_runtime.restore import RestoreRequest
@@ -24,19 +25,8 @@ class StoredPrefix:
 
 def random_tables(reg: Registration, num_chunks: int, seed: int, spare: int = 2,
                   sliding_holes: bool = True) -> tuple[list[int], list[torch.Tensor]]:
-    """Shuffled block tables covering the prefix; group 0 of a windowed registration gets -1
-    blocks before its window, as an engine marks blocks outside a sliding window."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks, tables = [], []
-    for g in range(reg.num_groups):
-        need = reg.blocks_needed(g, num_chunks * reg.chunk_tokens)
-        blocks.append(need + spare)
-        table = torch.randperm(need + spare, generator=gen)[:need]
-        windowed = any(s.sliding_window for s in reg.specs if s.group == g)
-        if sliding_holes and windowed and need > 4:
-            table[: need // 3] = -1
-        tables.append(table)
-    return blocks, tables
+    """Shuffled block tables covering the prefix (bsr_harness.testdata.request_tables)."""
+    return request_tables(reg, num_chunks, seed, spare=spare, holes="third" if sliding_holes else "none")
 
 
 def store_random_prefix(reg: Registration, tier, num_chunks: int, seed: int = 0, salt: str = "",
@@ -54,7 +44,5 @@ def store_random_prefix(reg: Registration, tier, num_chunks: int, seed: int = 0,
 def fresh_request(stored: StoredPrefix, seed: int, request_id: str = "req-0") -> RestoreRequest:
     """Destinations for a restore of `stored`: other block ids than the source, poisoned."""
     blocks, tables = random_tables(stored.reg, stored.num_chunks, seed + 100)
-    kv = stored.reg.allocate(blocks)
-    for t in kv:
-        t.view(torch.uint8).fill_(POISON)
+    kv = poisoned(stored.reg, blocks)
     return RestoreRequest(request_id, stored.tokens, stored.keyspace, kv, tables)

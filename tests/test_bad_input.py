@@ -12,9 +12,10 @@ import shutil
 
 import pytest
 import torch
-from kernel_util import POISON
 from restore_util import fresh_request, store_random_prefix
 
+from bsr_harness.faulty_tier import FaultyTier
+from bsr_harness.testdata import POISON
 from bsr_kernels import presets
 from bsr_runtime.keys import PrefixKeys
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig
@@ -30,7 +31,7 @@ N = 6
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-input")
-    tier = FilesystemTier(root, REG.chunk_bytes, REG.fingerprint)
+    tier = FaultyTier(FilesystemTier(root, REG.chunk_bytes, REG.fingerprint))
     sp = store_random_prefix(REG, tier, N, seed=41)
     yield tier, sp
     tier.close()
@@ -38,7 +39,7 @@ def stored(tmp_path_factory):
 
 def _no_fetch(tier):
     calls = []
-    tier.faults.fail_fetch = calls.append
+    tier.plan.fail_fetch = calls.append
     return calls
 
 
@@ -89,7 +90,7 @@ def test_bad_destinations_rejected_before_any_byte_moves(stored, mutate, match):
         with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=2)) as r, pytest.raises(ValueError, match=match):
             r.restore(req, tier, N)
     finally:
-        tier.faults.clear()
+        tier.clear()
     assert calls == [] and _untouched(req)
 
 
@@ -109,7 +110,7 @@ def test_registration_mismatch_between_store_and_engine(stored, tmp_path):
                 with pytest.raises(ValueError, match="was opened for registration"):
                     r.restore(req, odd, N)
     finally:
-        tier.faults.clear()
+        tier.clear()
     assert calls == []
 
 

@@ -22,6 +22,7 @@ import time
 import pytest
 
 from bsr_harness.experiments import Destinations, make_source, store_source
+from bsr_harness.faulty_tier import FaultyTier
 from bsr_kernels import presets
 from bsr_runtime.admission import ByteBudget
 from bsr_runtime.keys import PrefixKeys
@@ -66,7 +67,8 @@ def _plan(seed: int):
     return plans
 
 
-def run_concurrent(tier, seed: int):
+def run_concurrent(inner, seed: int):
+    tier = FaultyTier(inner, close_inner=False)
     reg = _reg()
     c = reg.chunk_bytes
     plans = _plan(seed)
@@ -91,7 +93,7 @@ def run_concurrent(tier, seed: int):
                                                       fetch_timeout_s=60.0), admission=budget)
         jobs.append(dict(i=i, n=n, w=w, depth=depth, fault=fault, expected=expected, dst=dst, req=req,
                          restorer=restorer, report=None, error=None))
-    tier.faults.corrupt_keys = corrupt
+    tier.plan.corrupt_keys = corrupt
 
     samples: list[tuple[int, int]] = []
     stop = threading.Event()
@@ -157,7 +159,8 @@ def run_concurrent(tier, seed: int):
               f"{sum(j['fault'] is not None for j in jobs)} faulted failed closed; {elapsed:.2f} s")
         return dict(max_live=max_live, max_used=max_used, budget=budget.budget_bytes, max_wait=max(waits))
     finally:
-        tier.faults.clear()
+        tier.clear()
+        tier.close()
         for j in jobs:
             j["restorer"].close()
 

@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bsr_harness.testdata import POISON, window_tables
 from bsr_kernels import cuda_backend, presets
 from bsr_kernels.install_torch import gather_torch, install_torch
 from bsr_kernels.registration import Registration, TensorSpec
@@ -23,7 +24,6 @@ from bsr_kernels.validate import WindowArgs, check_window
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
-POISON = 0xA5
 # Same flags as setup.py (checked below).
 NVCC_FLAGS = ["-O3", "-Xcompiler", "-fPIC", "-shared",
               "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90"]
@@ -115,20 +115,10 @@ def _random_bytes(n: int, gen: torch.Generator) -> torch.Tensor:
 def _tables(reg: Registration, first: int, num: int, gen: torch.Generator, neg: float):
     """Per group: a block table whose window part is a shuffled subset of the destination's
     blocks with some -1; the parts outside the window hold ids no kernel may read."""
-    tables, nblocks = [], []
-    first_tok, end_tok = first * reg.chunk_tokens, (first + num) * reg.chunk_tokens
-    for g in range(reg.num_groups):
-        need = reg.blocks_needed(g, end_tok)
-        lo = first_tok // reg.group_tokens_per_block(g)
-        spare = int(torch.randint(0, 3, (1,), generator=gen))
-        nb = need - lo + spare
-        ids = torch.randperm(nb, generator=gen)[: need - lo]
-        ids[torch.rand(need - lo, generator=gen) < neg] = -1
-        tail = int(torch.randint(0, 3, (1,), generator=gen))
-        table = torch.cat([torch.full((lo,), -7), ids, torch.full((tail,), -9)]).to(torch.int64)
-        tables.append(table)
-        nblocks.append(nb)
-    return tables, nblocks
+    def upto2() -> int:
+        return int(torch.randint(0, 3, (1,), generator=gen))
+
+    return window_tables(reg, first, num, gen, neg, spare=upto2, before=-7, tail=upto2, tail_id=-9)
 
 
 def _written_mask(reg: Registration, i: int, table: torch.Tensor, first: int, num: int, nb: int):

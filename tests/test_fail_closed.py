@@ -29,11 +29,12 @@ from bsr_harness.fault_matrix import (
     FaultMatrix,
     FaultRow,
     make_source,
-    make_tables,
     run_fault_matrix,
     store,
 )
 from bsr_harness.faulty_installer import InstallFault
+from bsr_harness.faulty_tier import FaultyTier
+from bsr_harness.testdata import block_tables
 from bsr_kernels import WindowInstaller, presets
 from bsr_runtime import commit
 from bsr_runtime.connector import BSRConnector, ConnectorRequest, FinishedIds
@@ -247,10 +248,10 @@ class _Counted:
 @pytest.fixture
 def fs_setup(tmp_path):
     reg = presets.llama_like(layers=2, kv_heads=2, head_dim=16, block_size=16)
-    tier = FilesystemTier(tmp_path, reg.chunk_bytes, reg.fingerprint)
+    tier = FaultyTier(FilesystemTier(tmp_path, reg.chunk_bytes, reg.fingerprint))
     src = make_source(reg, 3, seed=5, salt="fs")
     store(src, tier)
-    blocks, (tables,) = make_tables(reg, [3], seed=9)
+    blocks, (tables,) = block_tables(reg, [3], 9)
     kv = reg.allocate(blocks)
     conn = BSRConnector(reg, [tier], kv, config=RestoreConfig(prefetch_window_chunks=1, backend="torch"), salt="fs")
     yield reg, tier, src, tables, kv, conn
@@ -264,9 +265,9 @@ def test_marker_suppresses_lookup_until_running(fs_setup):
     tokens, load_async = conn.get_num_new_matched_tokens(req, 0)
     assert tokens == 3 * reg.chunk_tokens and load_async is False
     conn.update_state_after_alloc(req, [t.tolist() for t in tables], tokens)
-    tier.faults.corrupt_keys = set(src.keys(2, 1))  # the last window is corrupt
+    tier.plan.corrupt_keys = set(src.keys(2, 1))  # the last window is corrupt
     (out,) = conn.start_load()
-    tier.faults.clear()
+    tier.clear()
     assert not out.committed and out.exposed_tokens == 0
     fin = conn.get_finished(set())
     assert isinstance(fin, FinishedIds) and fin.failed_recving == {"r1"}

@@ -11,12 +11,13 @@ the request in every group invalid — never anything in between.
 
 from __future__ import annotations
 
-import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from kernel_util import registrations
 
-from bsr_harness.fault_matrix import FETCH, INSTALL, FaultSpec, make_source, make_tables, store
+from bsr_harness.fault_matrix import FETCH, INSTALL, FaultSpec, make_source, store
+from bsr_harness.faulty_tier import FaultyTier
+from bsr_harness.testdata import block_tables, poison
 from bsr_runtime import commit
 from bsr_runtime.plan import count_windows
 from bsr_runtime.restore import RestoreConfig, RestoreRequest
@@ -47,12 +48,12 @@ def cases(draw):
 def test_outcome_is_all_or_nothing(case):
     reg, n, w, depth, world, fault, lower, seed = case
     ct = reg.chunk_tokens
-    blocks, tables = make_tables(reg, [n] * world, seed)  # each rank: its own blocks of one kv set
+    blocks, tables = block_tables(reg, [n] * world, seed)  # each rank: its own blocks of one kv set
     retrievers, requests, sources = [], [], []
     try:
         for r in range(world):
             src = make_source(reg, n, seed, salt="prop", tp_rank=r, tp_world=world, kv_seed=seed + 31 * r + 1)
-            top = MemoryTier(reg.chunk_bytes, reg.fingerprint)
+            top = FaultyTier(MemoryTier(reg.chunk_bytes, reg.fingerprint))
             store(src, top)
             tiers = [top]
             if lower is not None:
@@ -65,9 +66,7 @@ def test_outcome_is_all_or_nothing(case):
                                                       backend="torch"))
             if fault is not None:
                 fault.arm(ret, top, r)
-            kv = reg.allocate(blocks)
-            for t in kv:
-                t.view(torch.uint8).fill_(0xA5)  # poison: nothing restored reads as a restore
+            kv = poison(reg.allocate(blocks))  # nothing restored reads as a restore
             requests.append(RestoreRequest(f"req-{seed}", src.tokens, src.keyspace, kv, tables[r]))
             retrievers.append(ret)
             sources.append(src)

@@ -1,4 +1,5 @@
-"""FilesystemTier: real files under tmp_path, fetched into real StagingPool slots."""
+"""FilesystemTier: real files under tmp_path, fetched into real StagingPool slots. The Tier contract
+and every FaultyTier fault run against it in tests/test_tier_contract.py."""
 
 from __future__ import annotations
 
@@ -120,30 +121,6 @@ def test_crc32_files_readable(root):
         out = torch.zeros(SMALL, dtype=torch.uint8)
         r.fetch(["k"], [out], deadline()).wait()
         assert torch.equal(out, d)
-
-
-def test_probe_bitmap_and_delete(tier):
-    keys = [f"k{i}" for i in range(6)]
-    tier.put(keys[::2], payloads(3, SMALL))
-    assert tier.probe(keys) == [True, False, True, False, True, False]
-    tier.delete(["k2", "k3"])
-    assert tier.probe(keys) == [True, False, False, False, True, False]
-
-
-def test_missing_object(tier):
-    tier.put(["a"], payloads(1, SMALL))
-    views = [torch.zeros(SMALL, dtype=torch.uint8) for _ in range(2)]
-    with pytest.raises(MissingObjectError):
-        tier.fetch(["a", "b"], views, deadline()).wait()
-
-
-def test_bad_views_rejected(tier):
-    with pytest.raises(ValueError):
-        tier.fetch(["a"], [torch.zeros(SMALL - 16, dtype=torch.uint8)], deadline())
-    with pytest.raises(ValueError):
-        tier.put(["a"], [torch.zeros(SMALL // 4, dtype=torch.int32)])
-    with pytest.raises(ValueError):
-        tier.fetch(["a", "b"], [torch.zeros(SMALL, dtype=torch.uint8)], deadline())
 
 
 # -- integrity -----------------------------------------------------------------------------
@@ -332,23 +309,11 @@ def test_any_key_maps_to_hex_name(key):
     assert all(c in "0123456789abcdef" for c in name[:-4]) and len(name) == 68
 
 
-def test_tenant_salts_never_collide(root):
+def test_tenant_salts_never_share_a_file():
     tokens = list(range(256 * 4))
     ka = PrefixKeys(KeySpace(FP, salt="tenant-a"), tokens, 256).window(0, 4)
     kb = PrefixKeys(KeySpace(FP, salt="tenant-b"), tokens, 256).window(0, 4)
-    assert not set(ka) & set(kb)
     assert not {fsmod.object_relpath(k) for k in ka} & {fsmod.object_relpath(k) for k in kb}
-    with FilesystemTier(root, SMALL, FP) as t:
-        da = payloads(4, SMALL, seed=1)
-        t.put(ka, da)
-        assert t.probe(kb) == [False] * 4
-        with pytest.raises(MissingObjectError):
-            t.fetch(kb, [torch.zeros(SMALL, dtype=torch.uint8) for _ in kb], deadline()).wait()
-        db = payloads(4, SMALL, seed=2)
-        t.put(kb, db)
-        views = [torch.zeros(SMALL, dtype=torch.uint8) for _ in ka]
-        t.fetch(ka, views, deadline()).wait()
-        assert all(torch.equal(v, d) for v, d in zip(views, da, strict=True))
 
 
 # -- atomic writes -------------------------------------------------------------------------
@@ -462,13 +427,13 @@ def test_reads_overlap_with_load_concurrency(root, conc):
         active, peak = [0], [0]
         real = t._read_into
 
-        def counting(key, arr, corrupt=False):
+        def counting(key, arr):
             with lock:
                 active[0] += 1
                 peak[0] = max(peak[0], active[0])
             try:
                 time.sleep(0.03)
-                return real(key, arr, corrupt)
+                return real(key, arr)
             finally:
                 with lock:
                     active[0] -= 1
@@ -490,81 +455,13 @@ def test_first_error_stops_unstarted_reads(root):
         t.put(keys[1:], payloads(9, SMALL))
         reads = []
         real = t._read_into
-        t._read_into = lambda key, arr, corrupt=False: (reads.append(key), real(key, arr, corrupt))[1]
+        t._read_into = lambda key, arr: (reads.append(key), real(key, arr))[1]
         with pytest.raises(MissingObjectError):
             t.fetch(keys, [torch.zeros(SMALL, dtype=torch.uint8) for _ in keys], deadline()).wait()
         assert reads == ["k0"]
 
 
-# -- faults --------------------------------------------------------------------------------
-
-
-def test_fault_unavailable(tier):
-    _put_one(tier)
-    tier.faults.unavailable = True
-    out = torch.zeros(SMALL, dtype=torch.uint8)
-    for op in (
-        lambda: tier.probe(["k"]),
-        lambda: tier.fetch(["k"], [out], deadline()),
-        lambda: tier.put(["k"], [out]),
-        lambda: tier.delete(["k"]),
-    ):
-        with pytest.raises(TierUnavailableError):
-            op()
-    tier.faults.clear()
-    assert tier.probe(["k"]) == [True]
-
-
-def test_fault_drop_after_probe(tier):
-    tier.put(["a", "b"], payloads(2, SMALL))
-    tier.faults.drop_after_probe = {"a", "zzz"}
-    assert tier.probe(["a", "b", "zzz"]) == [True, True, False]
-    assert not os.path.exists(tier.path_of("a"))
-    assert isinstance(_fetch_err(tier, "a")[0], MissingObjectError)
-    assert tier.probe(["a", "b"]) == [False, True]
-
-
-def test_fault_delay(tier):
-    d = _put_one(tier)
-    tier.faults.delay_s = 0.3
-    out = torch.zeros(SMALL, dtype=torch.uint8)
-    h = tier.fetch(["k"], [out], time.monotonic() + 0.05)
-    with pytest.raises(FetchTimeoutError):
-        h.wait()
-    assert h.quiesce(1.0) and not h.done()  # bytes landed; only the completion is late
-    t0 = time.monotonic()
-    h = tier.fetch(["k"], [out], deadline())
-    assert h.wait() == SMALL and time.monotonic() - t0 >= 0.25
-    assert torch.equal(out, d)
-
-
-def test_fault_corrupt_keys(tier):
-    tier.put(["a", "b"], payloads(2, SMALL))
-    tier.faults.corrupt_keys = {"b"}
-    out = [torch.zeros(SMALL, dtype=torch.uint8) for _ in range(2)]
-    tier.fetch(["a"], out[:1], deadline()).wait()
-    with pytest.raises(CorruptObjectError):
-        tier.fetch(["a", "b"], out, deadline()).wait()
-    tier.faults.clear()
-    tier.fetch(["a", "b"], out, deadline()).wait()  # the stored object is intact
-
-
-def test_fault_fail_fetch(tier):
-    _put_one(tier)
-    seen = []
-
-    def boom(keys):
-        seen.append(tuple(keys))
-        raise ValueError("injected")
-
-    tier.faults.fail_fetch = boom
-    out = torch.zeros(SMALL, dtype=torch.uint8)
-    with pytest.raises(TierError) as ei:
-        tier.fetch(["k"], [out], deadline()).wait()
-    assert seen == [("k",)] and isinstance(ei.value.__cause__, ValueError)
-    tier.faults.fail_fetch = lambda keys: (_ for _ in ()).throw(MissingObjectError("gone"))
-    with pytest.raises(MissingObjectError):
-        tier.fetch(["k"], [out], deadline()).wait()
+# -- deadlines -----------------------------------------------------------------------------
 
 
 def test_quiesce_after_timeout_waits_for_inflight_read(root):
@@ -572,7 +469,7 @@ def test_quiesce_after_timeout_waits_for_inflight_read(root):
         keys = ["a", "b", "c"]
         t.put(keys, payloads(3, SMALL))
         real = t._read_into
-        t._read_into = lambda key, arr, corrupt=False: (time.sleep(0.2), real(key, arr, corrupt))[1]
+        t._read_into = lambda key, arr: (time.sleep(0.2), real(key, arr))[1]
         out = [torch.zeros(SMALL, dtype=torch.uint8) for _ in keys]
         h = t.fetch(keys, out, time.monotonic() + 0.05)
         with pytest.raises(FetchTimeoutError):
@@ -601,34 +498,12 @@ def _tier_threads():
     return [t for t in threading.enumerate() if t.name.startswith("bsr-fs") or isinstance(t, threading.Timer)]
 
 
-def test_no_threads_after_close(root):
-    t = FilesystemTier(root, SMALL, FP, load_concurrency=4)
-    keys = [f"k{i}" for i in range(16)]
-    t.put(keys, payloads(16, SMALL))
-    out = [torch.zeros(SMALL, dtype=torch.uint8) for _ in keys]
-    t.fetch(keys, out, deadline()).wait()
-    t.faults.delay_s = 5.0
-    pending = t.fetch(keys, out, deadline(30))  # completion parked on a delay timer
-    assert _tier_threads()
-    t0 = time.monotonic()
-    t.close()
-    assert time.monotonic() - t0 < 2.0
-    assert _tier_threads() == []
-    with pytest.raises(TierUnavailableError):
-        pending.wait()
-    t.close()  # idempotent
-    with pytest.raises(TierUnavailableError):
-        t.probe(keys)
-    with pytest.raises(TierUnavailableError):
-        t.fetch(keys, out, deadline())
-
-
 def test_close_fails_queued_fetches(root):
     t = FilesystemTier(root, SMALL, FP, load_concurrency=1)
     keys = [f"k{i}" for i in range(8)]
     t.put(keys, payloads(8, SMALL))
     real = t._read_into
-    t._read_into = lambda key, arr, corrupt=False: (time.sleep(0.05), real(key, arr, corrupt))[1]
+    t._read_into = lambda key, arr: (time.sleep(0.05), real(key, arr))[1]
     h = t.fetch(keys, [torch.zeros(SMALL, dtype=torch.uint8) for _ in keys], deadline())
     time.sleep(0.01)
     t.close()

@@ -18,9 +18,10 @@ import torch
 
 pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
 
-from kernel_util import POISON, random_kv  # noqa: E402
+from kernel_util import random_kv  # noqa: E402
 from restore_util import random_tables  # noqa: E402
 
+from bsr_harness.testdata import POISON  # noqa: E402
 from bsr_kernels import gather_window, presets  # noqa: E402
 from bsr_runtime.admission import ByteBudget  # noqa: E402
 from bsr_runtime.integrations.lmcache import (  # noqa: E402
@@ -437,6 +438,22 @@ def mc_l2(master, **kw):
     return mooncake_l2(master.master_address, master.metadata_server, **kw)
 
 
+@contextmanager
+def unreachable(plugin):
+    """Every store operation of the Mooncake plugin fails as with the master gone (from outside:
+    the plugin reaches its client only through its MooncakeTier's `_live_store()`)."""
+    from bsr_runtime.tiers.base import TierUnavailableError
+
+    def down():
+        raise TierUnavailableError("Mooncake store unreachable (injected)")
+
+    plugin._tier._live_store = down
+    try:
+        yield
+    finally:
+        del plugin._tier._live_store
+
+
 @pytest.mark.mooncake
 def test_mooncake_plugin_round_trip(stored, mooncake_master):
     n = 12
@@ -466,11 +483,8 @@ def test_mooncake_plugin_round_trip(stored, mooncake_master):
         assert bits is not None and bits.get_indices_list() == [0]
         assert torch.equal(bufs[0], chunk3) and not bufs[1].any()
 
-        plugin.faults.unavailable = True  # the adapter cannot reach the store
-        try:
+        with unreachable(plugin):  # the adapter cannot reach the store
             bad = ad.retrieve(stored.request(seed=111, rid="mc-down"), n)
-        finally:
-            plugin.faults.clear()
         assert not bad.ok and bad.committed_tokens == 0 and bad.l1_after_bytes == 0 and bad.force_local
         assert ad.retrieve(stored.request(seed=112), n).ok
 

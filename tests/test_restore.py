@@ -6,6 +6,7 @@ import pytest
 import torch
 from restore_util import fresh_request, store_random_prefix
 
+from bsr_harness.faulty_tier import FaultyTier
 from bsr_kernels import presets
 from bsr_runtime.admission import ByteBudget
 from bsr_runtime.keys import KeySpace, PrefixKeys
@@ -24,7 +25,7 @@ REGS = {
 @pytest.fixture(scope="module", params=sorted(REGS))
 def stored(request):
     reg = REGS[request.param]()
-    tier = MemoryTier(reg.chunk_bytes, reg.fingerprint)
+    tier = FaultyTier(MemoryTier(reg.chunk_bytes, reg.fingerprint))
     return tier, store_random_prefix(reg, tier, num_chunks=7, seed=3)
 
 
@@ -130,12 +131,12 @@ def test_bad_destinations_rejected_before_any_fetch(stored):
     req.block_tables[0] = req.block_tables[0][:1]
     restorer = BoundedRestorer(sp.reg, RestoreConfig(prefetch_window_chunks=2))
     calls = []
-    tier.faults.fail_fetch = calls.append
+    tier.plan.fail_fetch = calls.append
     try:
         with pytest.raises(ValueError, match="too short"):
             restorer.restore(req, tier, sp.num_chunks)
     finally:
-        tier.faults.clear()
+        tier.clear()
     assert calls == []
 
 
@@ -161,11 +162,11 @@ def test_staging_bytes_never_above_capacity_in_flight(stored):
     tier, sp = stored
     restorer = BoundedRestorer(sp.reg, RestoreConfig(prefetch_window_chunks=3, pipeline_depth=2))
     seen = []
-    tier.faults.fail_fetch = lambda keys: seen.append(restorer.pool.live_bytes)
+    tier.plan.fail_fetch = lambda keys: seen.append(restorer.pool.live_bytes)
     try:
         rep = restorer.restore(fresh_request(sp, seed=5), tier, sp.num_chunks)
     finally:
-        tier.faults.clear()
+        tier.clear()
     assert rep.ok
     assert seen and max(seen) <= 3 * sp.reg.chunk_bytes
     assert torch.tensor(seen).max().item() == 3 * sp.reg.chunk_bytes  # both slots live at once

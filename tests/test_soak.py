@@ -22,6 +22,7 @@ import pytest
 
 from bsr_harness.experiments import Destinations, make_source, store_source
 from bsr_harness.faulty_installer import InstallFault
+from bsr_harness.faulty_tier import FaultyTier
 from bsr_kernels import WindowInstaller, presets
 from bsr_runtime.keys import PrefixKeys
 from bsr_runtime.plan import count_windows
@@ -51,7 +52,7 @@ def test_soak_restore_fail_cycles(tmp_path):
     proc = psutil.Process()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tier = FilesystemTier(tmp_path, reg.chunk_bytes, reg.fingerprint, load_concurrency=2)
+        tier = FaultyTier(FilesystemTier(tmp_path, reg.chunk_bytes, reg.fingerprint, load_concurrency=2))
         try:
             stored = []
             for i in range(6):
@@ -74,19 +75,19 @@ def test_soak_restore_fail_cycles(tmp_path):
                 counts[fault] += 1
                 make_installer = WindowInstaller
                 if fault == "corrupt":
-                    tier.faults.corrupt_keys = {victim}
+                    tier.plan.corrupt_keys = {victim}
                 elif fault == "missing":
                     tier.delete([victim])
                 elif fault == "drop_after_probe":
-                    tier.faults.drop_after_probe = {victim}
+                    tier.plan.drop_after_probe = {victim}
                     assert probe_prefix(tier, keys).prefix_chunks == n  # probed present, then evicted
                 elif fault == "unavailable":
-                    tier.faults.unavailable = True
+                    tier.plan.unavailable = True
                 elif fault == "fail_fetch":
                     def fail(ks, victim=victim):
                         if victim in ks:
                             raise MissingObjectError(f"injected: {victim}")
-                    tier.faults.fail_fetch = fail
+                    tier.plan.fail_fetch = fail
                 elif fault == "install":
                     bad_window = rng.randrange(count_windows(n, w, depth))  # later windows too: no partial commit
 
@@ -98,7 +99,7 @@ def test_soak_restore_fail_cycles(tmp_path):
                                      make_installer=make_installer) as restorer:
                     rep = restorer.restore(req, tier, n)
                     assert restorer.pool.live_bytes == 0
-                tier.faults.clear()
+                tier.clear()
                 if fault in ("missing", "drop_after_probe"):
                     store_source(src, tier, window_chunks=4)  # put the evicted object back
                 if fault is None:

@@ -18,7 +18,8 @@ import time
 import pytest
 import torch
 
-from bsr_harness.experiments import POISON, Destinations, make_source, store_source
+from bsr_harness.experiments import Destinations, make_source, store_source
+from bsr_harness.testdata import POISON
 from bsr_kernels import presets
 from bsr_runtime.keys import PrefixKeys
 from bsr_runtime.probe import probe_prefix

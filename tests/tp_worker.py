@@ -75,9 +75,10 @@ def _run(rank, world, mode, master_address, metadata_server, outdir, agree_timeo
         FetchCallHook,
         disarm,
         make_source,
-        make_tables,
         store,
     )
+    from bsr_harness.faulty_tier import FaultyTier
+    from bsr_harness.testdata import block_tables
     from bsr_kernels import presets
     from bsr_runtime import commit
     from bsr_runtime.connector import BSRConnector, ConnectorRequest
@@ -92,8 +93,8 @@ def _run(rank, world, mode, master_address, metadata_server, outdir, agree_timeo
     fs_root.mkdir()
     # no segment of its own: objects live on the module's standalone store host, so a rank that
     # dies takes none of its peers' objects with it
-    remote = MooncakeTier(reg.chunk_bytes, reg.fingerprint, master_address, metadata_server,
-                          global_segment_size=0)
+    remote = FaultyTier(MooncakeTier(reg.chunk_bytes, reg.fingerprint, master_address, metadata_server,
+                                     global_segment_size=0))
     fs = FilesystemTier(fs_root, reg.chunk_bytes, reg.fingerprint)  # an empty lower tier
     salt = f"tp-{mode}"
     # every rank: the same requests (same tokens), its own objects and state (kv_seed)
@@ -102,7 +103,7 @@ def _run(rank, world, mode, master_address, metadata_server, outdir, agree_timeo
                for i, name in enumerate(["healthy", "rank1_fetch", "rank0_install", "after", "late"])}
     for src in sources.values():
         store(src, remote)
-    blocks, tables = make_tables(reg, [REQ_CHUNKS] * len(sources), seed=77 + rank)
+    blocks, tables = block_tables(reg, [REQ_CHUNKS] * len(sources), 77 + rank)
     kv = reg.allocate(blocks)
     conn = BSRConnector(reg, [remote, fs], kv, config=RestoreConfig(prefetch_window_chunks=2, pipeline_depth=1,
                                                                      backend="torch"),
@@ -116,7 +117,7 @@ def _run(rank, world, mode, master_address, metadata_server, outdir, agree_timeo
             if fault is not None:
                 fault.arm(conn.retriever, remote, rank)
             if hook is not None:
-                remote.faults.fail_fetch = hook
+                remote.plan.fail_fetch = hook
             t0 = time.monotonic()
             (o,) = conn.start_load()
             elapsed = time.monotonic() - t0

@@ -6,7 +6,6 @@
 
 from .base import (
     CorruptObjectError,
-    FaultPlan,
     FetchHandle,
     FetchTimeoutError,
     MissingObjectError,
@@ -19,7 +18,6 @@ from .memory import MemoryTier
 
 __all__ = [
     "CorruptObjectError",
-    "FaultPlan",
     "FetchHandle",
     "FetchTimeoutError",
     "FilesystemTier",

@@ -1,11 +1,11 @@
-"""Helpers shared by the tier implementations: view checks and delayed completion (faults)."""
+"""Helpers shared by the tier implementations: settled handles, view checks, payload checksums."""
 
 from __future__ import annotations
 
 import os
 import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ class SettledFetchHandle(FetchHandle):
 
     `wait()` may raise FetchTimeoutError while reads are still landing; `quiesce()` returns
     as soon as the tier has stopped writing into the views (which can be before the handle
-    completes: under FaultPlan.delay_s the completion itself is late, the bytes are not).
+    completes, e.g. when a wrapper delays the completion but not the bytes).
     """
 
     def __init__(self, keys: tuple[str, ...], deadline: float) -> None:
@@ -58,62 +58,6 @@ def host_views(keys: Sequence[str], views: Sequence[torch.Tensor], chunk_bytes: 
             raise ValueError(f"{what}: view {i} has {v.numel():,} bytes, objects are {chunk_bytes:,} B")
         out.append(v.detach().reshape(-1).numpy())
     return out
-
-
-class DelayedCompletions:
-    """Runs completion callbacks `delay` seconds later (the FaultPlan.delay_s fault).
-
-    Each pending completion is one short-lived timer thread; `close()` cancels every pending
-    one (running its `on_cancel` instead) and joins the timer threads, so none outlive the tier.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: dict[threading.Timer, Callable[[], None]] = {}
-        self._timers: set[threading.Timer] = set()  # started and not yet finished
-        self._closed = False
-
-    def schedule(self, delay: float, fn: Callable[[], None], on_cancel: Callable[[], None]) -> None:
-        if delay <= 0:
-            fn()
-            return
-        timer = threading.Timer(delay, lambda: self._fire(timer, fn))
-        timer.daemon = True
-        with self._lock:
-            if self._closed:
-                cancelled = True
-            else:
-                cancelled = False
-                self._pending[timer] = on_cancel
-                self._timers.add(timer)
-                timer.start()
-        if cancelled:
-            on_cancel()
-
-    def _fire(self, timer: threading.Timer, fn: Callable[[], None]) -> None:
-        try:
-            with self._lock:
-                if self._pending.pop(timer, None) is None:
-                    return  # cancelled by close()
-            fn()
-        finally:
-            with self._lock:
-                self._timers.discard(timer)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            pending = list(self._pending.items())
-            self._pending.clear()
-            timers = list(self._timers)
-        for timer, on_cancel in pending:
-            timer.cancel()
-            on_cancel()
-        for timer in timers:
-            if timer is not threading.current_thread():
-                timer.join()
-        with self._lock:
-            self._timers.difference_update(timers)
 
 
 # -- payload checksums (shared by the filesystem and Mooncake tiers) -------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +82,6 @@ class Tier(ABC):
     def __init__(self, chunk_bytes: int, fingerprint: str) -> None:
         self.chunk_bytes = chunk_bytes
         self.fingerprint = fingerprint
-        self.faults = FaultPlan()
 
     @abstractmethod
     def probe(self, keys: Sequence[str]) -> list[bool]:
@@ -115,27 +114,3 @@ class Tier(ABC):
         self.close()
         return False
 
-
-@dataclass
-class FaultPlan:
-    """Faults a tier injects on demand (tests and `bsr faults`). All off by default.
-
-    - unavailable: every operation raises TierUnavailableError
-    - drop_after_probe: keys deleted right after they are probed present (eviction race)
-    - delay_s: each fetch completes this many seconds late (past a short deadline = timeout)
-    - corrupt_keys: objects whose bytes are flipped when fetched
-    - fail_fetch: called with the key list of each fetch; raise inside to fail it
-    """
-
-    unavailable: bool = False
-    drop_after_probe: set[str] = field(default_factory=set)
-    delay_s: float = 0.0
-    corrupt_keys: set[str] = field(default_factory=set)
-    fail_fetch: Callable[[Sequence[str]], None] | None = None
-
-    def clear(self) -> None:
-        self.unavailable = False
-        self.drop_after_probe = set()
-        self.delay_s = 0.0
-        self.corrupt_keys = set()
-        self.fail_fetch = None

@@ -61,7 +61,6 @@ from ._common import (
     CRC32C,
     DEFAULT_CHECKSUM,
     HAVE_CRC32C,
-    DelayedCompletions,
     SettledFetchHandle,
     host_views,
     payload_crc,
@@ -139,14 +138,11 @@ def _io_full(fn, fd: int, bufs: list, offset: int) -> int:
 
 
 class _FetchState:
-    __slots__ = ("handle", "deadline", "corrupt", "delay", "total", "landed", "nbytes", "started",
-                 "finished", "error", "final", "lock")
+    __slots__ = ("handle", "deadline", "total", "landed", "nbytes", "started", "finished", "error", "final", "lock")
 
-    def __init__(self, handle: SettledFetchHandle, corrupt: set[str], delay: float) -> None:
+    def __init__(self, handle: SettledFetchHandle) -> None:
         self.handle = handle
         self.deadline = handle.deadline
-        self.corrupt = corrupt
-        self.delay = delay
         self.total = len(handle.keys)
         self.landed = 0
         self.nbytes = 0
@@ -220,7 +216,6 @@ class FilesystemTier(Tier):
         self._fp = _fingerprint_bytes(fingerprint)
         self._root_fd = os.open(self.root, _DIR_FLAGS)
         self._pool = ThreadPoolExecutor(max_workers=load_concurrency, thread_name_prefix="bsr-fs")
-        self._delayed = DelayedCompletions()
         self._lock = threading.Lock()
         self._inflight: set[_FetchState] = set()
         self._closed = False
@@ -287,8 +282,6 @@ class FilesystemTier(Tier):
     def _check(self, op: str) -> None:
         if self._closed:
             raise TierUnavailableError(f"filesystem tier: {op} after close()")
-        if self.faults.unavailable:
-            raise TierUnavailableError(f"filesystem tier: {op}: {self.root} unavailable (fault)")
 
     def _present(self, key: str) -> bool:
         h = key_digest(key).hex()
@@ -309,15 +302,9 @@ class FilesystemTier(Tier):
         self._check("probe")
         keys = list(keys)
         try:
-            present = [self._present(k) for k in keys]
+            return [self._present(k) for k in keys]
         except OSError as e:
             raise TierError(f"filesystem tier: probe failed: {e}") from e
-        drop = self.faults.drop_after_probe
-        if drop:
-            doomed = [k for k, p in zip(keys, present, strict=True) if p and k in drop]
-            if doomed:
-                self._delete(doomed)
-        return present
 
     # -- fetch -----------------------------------------------------------------------------
     def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float) -> SettledFetchHandle:
@@ -325,14 +312,7 @@ class FilesystemTier(Tier):
         keys = tuple(keys)
         arrays = host_views(keys, views, self.chunk_bytes, "filesystem tier fetch")
         handle = SettledFetchHandle(keys, deadline)
-        state = _FetchState(handle, set(self.faults.corrupt_keys) & set(keys), self.faults.delay_s)
-        fail = self.faults.fail_fetch
-        if fail is not None:
-            try:
-                fail(keys)
-            except BaseException as e:
-                self._fail(state, e)
-                return handle
+        state = _FetchState(handle)
         if not keys:
             self._finish(state)
             return handle
@@ -360,7 +340,7 @@ class FilesystemTier(Tier):
             return
         err = None
         try:
-            self._read_into(key, arr, key in state.corrupt)
+            self._read_into(key, arr)
         except BaseException as e:
             err = e
         with state.lock:
@@ -391,8 +371,7 @@ class FilesystemTier(Tier):
         self._finish(state)
 
     def _finish(self, state: _FetchState) -> None:
-        """Every read of the fetch has ended (or can no longer start): settle, then complete
-        the handle, `delay_s` later under that fault."""
+        """Every read of the fetch has ended (or can no longer start): settle, then complete the handle."""
         with self._lock:
             self._inflight.discard(state)
         handle = state.handle
@@ -402,20 +381,12 @@ class FilesystemTier(Tier):
             wrapped = TierError(f"filesystem tier: fetch failed: {err!r}")
             wrapped.__cause__ = err
             err = wrapped
+        if err is not None:
+            handle.set_error(err)
+        else:
+            handle.set_result(state.nbytes)
 
-        def complete() -> None:
-            if err is not None:
-                handle.set_error(err)
-            else:
-                handle.set_result(state.nbytes)
-
-        self._delayed.schedule(
-            state.delay,
-            complete,
-            lambda: handle.set_error(TierUnavailableError("filesystem tier closed before the fetch completed")),
-        )
-
-    def _read_into(self, key: str, arr: np.ndarray, corrupt: bool = False) -> int:
+    def _read_into(self, key: str, arr: np.ndarray) -> int:
         fd, digest = self._open_object(key)
         try:
             st = os.fstat(fd)
@@ -430,8 +401,6 @@ class FilesystemTier(Tier):
         if n != self.object_size:
             raise CorruptObjectError(f"filesystem tier: object {key} is truncated ({n:,} of {self.object_size:,} B)")
         algo, crc = self._check_header(key, bytes(header), digest)
-        if corrupt:  # FaultPlan.corrupt_keys: flip a landed byte before the check
-            arr[len(arr) // 2] ^= 0xFF
         if payload_crc(algo, arr) != crc:
             raise CorruptObjectError(f"filesystem tier: checksum mismatch for {key}")
         return self.chunk_bytes
@@ -600,7 +569,6 @@ class FilesystemTier(Tier):
                 if state.error is None:
                     state.error = TierUnavailableError("filesystem tier closed before the fetch completed")
             self._maybe_finish(state)
-        self._delayed.close()
         os.close(self._root_fd)
 
     def __del__(self) -> None:  # pragma: no cover - best effort for tiers never closed

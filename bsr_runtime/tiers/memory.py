@@ -1,8 +1,8 @@
 """MemoryTier: a dict of bytes. FOR UNIT TESTS ONLY.
 
 It is not a cache and not a product tier: it holds every object it is given in Python
-memory, without bound. It exists so runtime tests can exercise the tier contract and every
-FaultPlan fault without files, daemons or a network.
+memory, without bound. It exists so runtime tests can exercise the tier contract (and, wrapped in the harness's
+FaultyTier, every fault) without files, daemons or a network.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._common import DelayedCompletions, SettledFetchHandle, host_views
+from ._common import SettledFetchHandle, host_views
 from .base import (
     CorruptObjectError,
     MissingObjectError,
@@ -36,7 +36,7 @@ class MemoryTier(Tier):
     """A dict of bytes, for unit tests only (see the module docstring).
 
     `fetch` copies synchronously into the views before it returns, then hands back an already
-    completed FetchHandle (completed `delay_s` later under that fault). Each object carries the
+    completed FetchHandle. Each object carries the
     crc32 and registration fingerprint it was stored with; both are checked on fetch.
     Pass the same `store` dict to several tiers to model one store seen by several ranks or
     registrations.
@@ -50,7 +50,6 @@ class MemoryTier(Tier):
         super().__init__(chunk_bytes, fingerprint)
         self._store: dict[str, _Stored] = {} if store is None else store
         self._lock = threading.Lock()
-        self._delayed = DelayedCompletions()
         self._closed = False
 
     def __len__(self) -> int:
@@ -59,31 +58,19 @@ class MemoryTier(Tier):
     def _check(self, op: str) -> None:
         if self._closed:
             raise TierUnavailableError(f"memory tier: {op} after close()")
-        if self.faults.unavailable:
-            raise TierUnavailableError(f"memory tier: {op}: store unavailable (fault)")
 
     def probe(self, keys: Sequence[str]) -> list[bool]:
         self._check("probe")
-        keys = list(keys)
         with self._lock:
-            present = [k in self._store for k in keys]
-            drop = self.faults.drop_after_probe
-            for k, p in zip(keys, present, strict=True):
-                if p and k in drop:
-                    self._store.pop(k, None)
-        return present
+            return [k in self._store for k in keys]
 
     def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float) -> SettledFetchHandle:
         self._check("fetch")
         keys = tuple(keys)
         arrays = host_views(keys, views, self.chunk_bytes, "memory tier fetch")
         handle = SettledFetchHandle(keys, deadline)
-        corrupt = set(self.faults.corrupt_keys)
         nbytes = 0
-        err: BaseException | None = None
         try:
-            if self.faults.fail_fetch is not None:
-                self.faults.fail_fetch(keys)
             for key, arr in zip(keys, arrays, strict=True):
                 with self._lock:
                     obj = self._store.get(key)
@@ -99,29 +86,15 @@ class MemoryTier(Tier):
                         f"memory tier: object {key} has {len(obj.data):,} B, expected {self.chunk_bytes:,}"
                     )
                 arr[:] = np.frombuffer(obj.data, dtype=np.uint8)
-                if key in corrupt:
-                    arr[len(arr) // 2] ^= 0xFF
                 if zlib.crc32(arr) != obj.crc:
                     raise CorruptObjectError(f"memory tier: checksum mismatch for {key}")
                 nbytes += self.chunk_bytes
         except TierError as e:
-            err = e
-        except Exception as e:  # fail_fetch may raise anything: surface it as a TierError
-            err = TierError(f"memory tier: fetch failed: {e!r}")
-            err.__cause__ = e
-        handle.mark_settled()  # every byte landed (or failed) before fetch returns
-
-        def complete() -> None:
-            if err is not None:
-                handle.set_error(err)
-            else:
-                handle.set_result(nbytes)
-
-        self._delayed.schedule(
-            self.faults.delay_s,
-            complete,
-            lambda: handle.set_error(TierUnavailableError("memory tier closed before the fetch completed")),
-        )
+            handle.mark_settled()
+            handle.set_error(e)
+            return handle
+        handle.mark_settled()  # every byte landed before fetch returns
+        handle.set_result(nbytes)
         return handle
 
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
@@ -139,7 +112,4 @@ class MemoryTier(Tier):
                 self._store.pop(k, None)
 
     def close(self) -> None:
-        if self._closed:
-            return
         self._closed = True
-        self._delayed.close()

@@ -162,8 +162,6 @@ class MooncakeTier(Tier):
 
     # -- helpers ---------------------------------------------------------------------------
     def _live_store(self):
-        if self.faults.unavailable:
-            raise TierUnavailableError("Mooncake tier unavailable (fault injected)")
         if self._store is None or self._closed:
             raise TierUnavailableError("Mooncake tier is closed")
         return self._store
@@ -298,9 +296,6 @@ class MooncakeTier(Tier):
                     raise TierUnavailableError(f"probe: Mooncake master unreachable (code {code})")
                 raise TierError(f"probe of {k} failed with code {code}")
         present = [c == 1 for c in codes]
-        drop = [k for k, p in zip(keys, present, strict=True) if p and k in self.faults.drop_after_probe]
-        if drop:
-            self.delete(drop)
         return present
 
     def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float) -> FetchHandle:
@@ -332,11 +327,6 @@ class MooncakeTier(Tier):
                 self._pending.pop(id(handle), None)
 
     def _fetch_now(self, keys: list[str], views: list[torch.Tensor], deadline: float) -> int:
-        faults = self.faults
-        if faults.fail_fetch is not None:
-            faults.fail_fetch(keys)
-        if faults.delay_s > 0 and self._closing.wait(faults.delay_s):
-            raise TierUnavailableError("Mooncake tier closed during the fetch")
         if time.monotonic() >= deadline:
             # Never start a transfer the caller has stopped waiting for (its slot may be reused).
             raise FetchTimeoutError(f"fetch of {len(keys)} objects started after its deadline")
@@ -376,9 +366,6 @@ class MooncakeTier(Tier):
                 for k, code in zip(keys[s:e], codes, strict=True):
                     if code != self.object_bytes:
                         raise self._error_for(k, code)
-                for k, v in zip(keys[s:e], views[s:e], strict=True):
-                    if k in self.faults.corrupt_keys:
-                        v[len(v) // 2] ^= 0xFF  # flip a byte of the landed object
                 for a, b in _split(s, e, self._verify_ways):
                     checks.append(self._verifiers.submit(self._verify, keys[a:b], rows[a:b], ptrs[a:b]))
                 landed = e

@@ -35,7 +35,7 @@ controller unless `max_capacity_bytes` is set.
 Failures (master unreachable, key missing, client closed) are per-key misses in the lookup/load
 bitmaps and a failed store result; the retrieve above fails closed on them. Connecting reuses
 bsr_runtime.tiers.mooncake.MooncakeTier's set-up (port checks, bounded setup, RPC timeouts, tcp
-bind address), so its `faults` (e.g. `unavailable`) also apply to this adapter.
+bind address); every store operation goes through that tier's `_live_store()`.
 """
 
 from __future__ import annotations
@@ -143,7 +143,6 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
             tenant_id=config.tenant_id, fetch_workers=config.num_workers,
         )
         self._codec = ObjectCodec(config.fingerprint, config.tenant_id)
-        self.faults = self._tier.faults
         self._registered: int | None = None
         try:
             if config.register_l1 and l1_memory_desc is not None and l1_memory_desc.ptr and l1_memory_desc.size > 0:

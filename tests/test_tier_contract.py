@@ -1,0 +1,356 @@
+"""The Tier contract, the same tests against every tier: memory, filesystem and Mooncake (a real
+mooncake_master on 127.0.0.1), and every FaultyTier fault against each of them.
+
+The LMCache integration is not a Tier (it plugs L2 adapters into LMCache's StorageManager and
+restores through LMCacheAdapter), so it is not in this suite; tests/test_lmcache_adapter.py covers it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from bsr_harness.faulty_tier import FaultyTier
+from bsr_kernels import StagingPool
+from bsr_runtime.keys import KeySpace, PrefixKeys
+from bsr_runtime.tiers import (
+    CorruptObjectError,
+    FetchTimeoutError,
+    FilesystemTier,
+    MemoryTier,
+    MissingObjectError,
+    Tier,
+    TierError,
+    TierUnavailableError,
+)
+
+FP = "0123456789abcdef0123456789abcdef"
+FP_OTHER = "fedcba9876543210fedcba9876543210"
+C = 4096 + 16 * 5  # not a power of two on purpose
+
+KINDS = ["memory", "filesystem", pytest.param("mooncake", marks=[pytest.mark.mooncake, pytest.mark.timeout(300)])]
+
+
+def payloads(n: int, chunk_bytes: int = C, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 256, (chunk_bytes,), dtype=torch.uint8, generator=g) for _ in range(n)]
+
+
+def zeros(n: int, chunk_bytes: int = C) -> list[torch.Tensor]:
+    return [torch.zeros(chunk_bytes, dtype=torch.uint8) for _ in range(n)]
+
+
+def deadline(s: float = 20.0) -> float:
+    return time.monotonic() + s
+
+
+@pytest.fixture(scope="module")
+def mooncake_clients(request):
+    """Mooncake clients shared by the module, one per (chunk_bytes, fingerprint): a client
+    takes 1-2 s to close. Tests keep apart by their keys (see Store.keys)."""
+    made: dict[tuple[int, str], Tier] = {}
+
+    def get(chunk_bytes: int, fingerprint: str) -> Tier:
+        if (chunk_bytes, fingerprint) not in made:
+            from bsr_runtime.tiers.mooncake import MooncakeTier
+
+            m = request.getfixturevalue("mooncake_master")
+            made[chunk_bytes, fingerprint] = MooncakeTier(chunk_bytes, fingerprint, m.master_address,
+                                                          m.metadata_server, global_segment_size=128 << 20)
+        return made[chunk_bytes, fingerprint]
+
+    yield get
+    for t in made.values():
+        t.close()
+
+
+class Store:
+    """One store of one kind for a test: every tier opened on it sees the same objects."""
+
+    def __init__(self, kind: str, request, tmp_path) -> None:
+        self.kind = kind
+        self._request = request
+        self._root = tmp_path
+        self._dict: dict = {}
+        self._owned: list[Tier] = []
+        self._salt = uuid.uuid4().hex
+
+    def keys(self, n: int, prefix: str = "k") -> list[str]:
+        """Keys of this test only (a Mooncake store is shared by the module)."""
+        return [f"{self._salt}/{prefix}{i}" for i in range(n)]
+
+    def tier(self, chunk_bytes: int = C, fingerprint: str = FP, own: bool = False) -> Tier:
+        """A tier on this store; `own`: a fresh one the test may close (closed at teardown anyway)."""
+        if self.kind == "mooncake" and not own:
+            return self._request.getfixturevalue("mooncake_clients")(chunk_bytes, fingerprint)
+        if self.kind == "mooncake":
+            t = self._request.getfixturevalue("mooncake_tier_factory")(chunk_bytes, fingerprint)
+        elif self.kind == "filesystem":
+            t = FilesystemTier(self._root, chunk_bytes, fingerprint, load_concurrency=2)
+        else:
+            t = MemoryTier(chunk_bytes, fingerprint, store=self._dict)
+        self._owned.append(t)
+        return t
+
+    def close(self) -> None:
+        for t in self._owned:
+            t.close()
+
+
+@pytest.fixture(params=KINDS)
+def store(request, tmp_path):
+    s = Store(request.param, request, tmp_path)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def tier(store):
+    return store.tier()
+
+
+@pytest.fixture
+def faulty(store):
+    """A FaultyTier around the store's tier (which it leaves open: it may be shared)."""
+    t = FaultyTier(store.tier(), close_inner=False)
+    yield t
+    t.clear()
+    t.close()
+
+
+def pool_threads(t: Tier) -> list[threading.Thread]:
+    pool = getattr(t, "_pool", None)
+    return list(getattr(pool, "_threads", ())) if pool is not None else []
+
+
+def delay_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "bsr-fault-delay"]
+
+
+# -- the contract ------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk_bytes", [4096, C, 1 << 20])
+def test_roundtrip_into_staging_pool(store, chunk_bytes):
+    n = 5
+    t = store.tier(chunk_bytes)
+    data = payloads(n, chunk_bytes, seed=chunk_bytes)
+    keys = store.keys(n)
+    pool = StagingPool(chunk_bytes, capacity_chunks=n, num_slots=1)
+    t.register_staging(pool.buffer)
+    try:
+        t.put(keys, data)
+        assert t.probe(keys) == [True] * n
+        lease = pool.acquire(n)
+        lease.view.zero_()
+        views = [lease.chunk(i) for i in range(n)]
+        h = t.fetch(keys, views, deadline())
+        assert h.wait() == n * chunk_bytes and h.done() and h.quiesce(0)
+        assert all(torch.equal(v, d) for v, d in zip(views, data, strict=True))
+        pool.release(lease)
+    finally:
+        t.unregister_staging(pool.buffer)
+
+
+def test_put_copies(store, tier):
+    [d] = payloads(1)
+    keys = store.keys(1)
+    tier.put(keys, [d])
+    expect = d.clone()
+    d.zero_()
+    out = zeros(1)
+    tier.fetch(keys, out, deadline()).wait()
+    assert torch.equal(out[0], expect)
+
+
+def test_put_overwrites(store, tier):
+    keys = store.keys(1)
+    a, b = payloads(2, seed=3)
+    tier.put(keys, [a])
+    tier.put(keys, [b])
+    out = zeros(1)
+    tier.fetch(keys, out, deadline()).wait()
+    assert torch.equal(out[0], b)
+
+
+def test_probe_delete_missing(store, tier):
+    a, b, c = keys = store.keys(3)
+    tier.put([a, c], payloads(2))
+    assert tier.probe(keys) == [True, False, True]
+    with pytest.raises(MissingObjectError):
+        tier.fetch(keys, zeros(3), deadline()).wait()
+    tier.delete([a])
+    assert tier.probe(keys) == [False, False, True]
+    tier.delete(keys)  # absent keys are fine
+    assert tier.probe(keys) == [False, False, False]
+
+
+def test_empty_batches(tier):
+    assert tier.probe([]) == []
+    tier.put([], [])
+    assert tier.fetch([], [], deadline()).wait() == 0
+
+
+def test_bad_views_rejected(store, tier):
+    keys = store.keys(2)
+    with pytest.raises(ValueError):
+        tier.put(keys[:1], [torch.zeros(C + 16, dtype=torch.uint8)])
+    with pytest.raises(ValueError):
+        tier.fetch(keys[:1], [torch.zeros(C, dtype=torch.float32)], deadline())
+    with pytest.raises(ValueError):
+        tier.fetch(keys[:1], [torch.zeros(C - 16, dtype=torch.uint8)], deadline())
+    with pytest.raises(ValueError):
+        tier.fetch(keys, zeros(1), deadline())
+
+
+def test_registration_mismatch_is_corrupt(store, tier):
+    keys = store.keys(1)
+    tier.put(keys, payloads(1))
+    other = store.tier(fingerprint=FP_OTHER, own=True)
+    with pytest.raises(CorruptObjectError):
+        other.fetch(keys, zeros(1), deadline()).wait()
+
+
+def test_tenant_salts_never_see_each_other(store, tier):
+    tokens = list(range(256 * 3))
+    salt = store.keys(1)[0]
+    ka = PrefixKeys(KeySpace(FP, salt=salt + "a"), tokens, 256).window(0, 3)
+    kb = PrefixKeys(KeySpace(FP, salt=salt + "b"), tokens, 256).window(0, 3)
+    assert not set(ka) & set(kb)
+    da, db = payloads(3, seed=1), payloads(3, seed=2)
+    tier.put(ka, da)
+    assert tier.probe(kb) == [False] * 3
+    with pytest.raises(MissingObjectError):
+        tier.fetch(kb, zeros(3), deadline()).wait()
+    tier.put(kb, db)
+    out = zeros(3)
+    tier.fetch(ka, out, deadline()).wait()
+    assert all(torch.equal(v, d) for v, d in zip(out, da, strict=True))
+
+
+def test_close_is_final(store):
+    t = store.tier(own=True)
+    keys = store.keys(4)
+    t.put(keys, payloads(4))
+    t.fetch(keys, zeros(4), deadline()).wait()
+    threads = pool_threads(t)
+    t.close()
+    t.close()  # idempotent
+    assert not any(th.is_alive() for th in threads)
+    with pytest.raises(TierUnavailableError):
+        t.probe(keys)
+    with pytest.raises(TierUnavailableError):
+        t.fetch(keys, zeros(4), deadline())
+
+
+# -- every FaultyTier fault against every tier -------------------------------------------------
+def test_fault_unavailable(store, faulty):
+    keys = store.keys(1)
+    faulty.put(keys, payloads(1))
+    faulty.plan.unavailable = True
+    out = zeros(1)
+    for op in (
+        lambda: faulty.probe(keys),
+        lambda: faulty.fetch(keys, out, deadline()),
+        lambda: faulty.put(keys, out),
+        lambda: faulty.delete(keys),
+        lambda: faulty.register_staging(torch.zeros(C, dtype=torch.uint8)),
+    ):
+        with pytest.raises(TierUnavailableError):
+            op()
+    faulty.clear()
+    assert faulty.probe(keys) == [True]
+
+
+def test_fault_drop_after_probe(store, faulty):
+    a, b, gone = keys = store.keys(3)
+    faulty.put([a, b], payloads(2))
+    faulty.fetch([a, b], zeros(2), deadline()).wait()  # a read may leave a lease (Mooncake): still evicted
+    faulty.plan.drop_after_probe = {a, gone}
+    assert faulty.probe(keys) == [True, True, False]
+    with pytest.raises(MissingObjectError):
+        faulty.fetch([a], zeros(1), deadline()).wait()
+    assert faulty.probe([a, b]) == [False, True]
+    assert faulty.inner.probe([a, b]) == [False, True]  # evicted from the store itself
+
+
+def test_fault_delay(store, faulty):
+    keys = store.keys(1)
+    [d] = payloads(1)
+    faulty.put(keys, [d])
+    faulty.plan.delay_s = 0.3
+    out = zeros(1)
+    h = faulty.fetch(keys, out, time.monotonic() + 0.05)
+    with pytest.raises(FetchTimeoutError):
+        h.wait()
+    assert h.quiesce(2.0) and not h.done()  # the bytes landed; only the completion is late
+    assert torch.equal(out[0], d)
+    t0 = time.monotonic()
+    out[0].zero_()
+    assert faulty.fetch(keys, out, deadline()).wait() == C
+    assert time.monotonic() - t0 >= 0.25
+    assert torch.equal(out[0], d)
+
+
+def test_fault_corrupt_keys_damages_the_stored_object(store, faulty):
+    a, b = keys = store.keys(2)
+    data = payloads(2)
+    faulty.put(keys, data)
+    faulty.plan.corrupt_keys = {b}
+    out = zeros(2)
+    faulty.fetch([a], out[:1], deadline()).wait()
+    with pytest.raises(CorruptObjectError):
+        faulty.fetch(keys, out, deadline()).wait()
+    assert faulty.probe(keys) == [True, True]  # present: only reading it shows the damage
+    with pytest.raises(CorruptObjectError):  # really damaged in the store, not in the views
+        faulty.inner.fetch([b], zeros(1), deadline()).wait()
+    faulty.clear()  # puts the original back
+    faulty.fetch(keys, out, deadline()).wait()
+    assert all(torch.equal(v, x) for v, x in zip(out, data, strict=True))
+
+
+def test_fault_fail_fetch(store, faulty):
+    keys = store.keys(1)
+    faulty.put(keys, payloads(1))
+    seen = []
+
+    def boom(ks):
+        seen.append(tuple(ks))
+        raise ValueError("injected")
+
+    faulty.plan.fail_fetch = boom
+    out = zeros(1)
+    with pytest.raises(TierError) as ei:
+        faulty.fetch(keys, out, deadline()).wait()
+    assert seen == [tuple(keys)] and isinstance(ei.value.__cause__, ValueError)
+    faulty.plan.fail_fetch = lambda ks: (_ for _ in ()).throw(MissingObjectError("gone"))
+    with pytest.raises(MissingObjectError):
+        faulty.fetch(keys, out, deadline()).wait()
+    faulty.plan.fail_fetch = seen.append  # a hook that returns lets the fetch run
+    assert faulty.fetch(keys, out, deadline()).wait() == C
+
+
+def test_faulty_close_fails_late_completions(store):
+    inner = store.tier(own=True)
+    t = FaultyTier(inner)
+    keys = store.keys(4)
+    t.put(keys, payloads(4))
+    out = zeros(4)
+    t.fetch(keys, out, deadline()).wait()
+    t.plan.delay_s = 5.0
+    pending = t.fetch(keys, out, deadline(30))  # completion parked for 5 s
+    assert delay_threads()
+    threads = pool_threads(inner)
+    t0 = time.monotonic()
+    t.close()  # closes the inner tier too
+    assert time.monotonic() - t0 < 4.5
+    assert delay_threads() == [] and not any(th.is_alive() for th in threads)
+    with pytest.raises(TierUnavailableError):
+        pending.wait()
+    t.close()  # idempotent
+    with pytest.raises(TierUnavailableError):
+        t.probe(keys)
+    with pytest.raises(TierUnavailableError):
+        inner.probe(keys)
