@@ -8,215 +8,54 @@ the marker), tears it down, and finally restores a healthy request through the s
 connector and checks its state hash. `run_fault_matrix()` returns one `FaultRow` per
 scenario (for `bsr faults`); the tests drive `FaultMatrix.run()` and check the details.
 
-Fault injection used here (a FaultyTier around the Mooncake tier, its FaultPlan armed per scenario, plus):
-- `arm_install_fault(retriever, window)`: raise during the install of window k
-- `FetchCallHook`: run an action (kill the master, raise) when fetch number k starts
-- `FaultSpec.rank`: a fault that applies to one TP rank only (`applies_to(rank)`)
+
+The faults and where each scenario arms its own are in `fault_scenarios.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from bsr_harness.faulty_installer import InjectedInstallError, InstallFault
+from bsr_harness.fault_scenarios import (
+    ARM_AT_PROBE,
+    ARM_BEFORE_LOAD,
+    DAMAGE_SCENARIOS,
+    DEDICATED_MASTER,
+    EXPECTED,
+    FETCH,
+    INSTALL,
+    SCENARIO_CONFIG,
+    SCENARIOS,
+    FaultSpec,
+    FetchCallHook,
+    InjectedFault,
+    Scene,
+    Source,
+    arm_install_fault,
+    damage_object,
+    disarm,
+    make_source,
+    store,
+)
+from bsr_harness.faulty_installer import InjectedInstallError
 from bsr_harness.faulty_tier import FaultyTier
 from bsr_harness.testdata import block_tables, poison
-from bsr_kernels import Registration, WindowInstaller, presets
+from bsr_kernels import Registration, presets
 from bsr_runtime.connector import BSRConnector, ConnectorRequest
-from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.restore import RestoreConfig
-from bsr_runtime.retrieve import LOCAL, RetrieveOutcome, Retriever
+from bsr_runtime.retrieve import LOCAL, RetrieveOutcome
 from bsr_runtime.state_hash import state_hash
-from bsr_runtime.store import store_prefix
 from bsr_runtime.tiers.base import Tier, TierError
-from bsr_runtime.tiers.filesystem import HEADER_SIZE, FilesystemTier, pack_header
-
-FETCH, INSTALL = "fetch", "install"
-
-
-class InjectedFault(TierError):
-    """A fault raised on purpose by a fault hook (a TierError: the restore fails closed)."""
-
-
-# -- hooks -------------------------------------------------------------------------------------
-class FetchCallHook:
-    """A FaultPlan.fail_fetch hook: runs `action(call_index, keys)` on every fetch call from
-    `at_call` on (call 0 = the first window's fetch); `once` limits it to that call."""
-
-    def __init__(self, at_call: int, action: Callable[[int, Sequence[str]], None], once: bool = True) -> None:
-        self.at_call = at_call
-        self.action = action
-        self.once = once
-        self.calls = 0
-        self.fired = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, keys: Sequence[str]) -> None:
-        with self._lock:
-            i = self.calls
-            self.calls += 1
-        if i == self.at_call or (not self.once and i > self.at_call):
-            self.fired += 1
-            self.action(i, keys)
-
-
-def raise_injected(call: int, keys: Sequence[str]) -> None:
-    raise InjectedFault(f"injected fetch failure at fetch call {call} ({len(keys)} objects)")
-
-
-def arm_install_fault(retriever: Retriever, window: int, once: bool = True) -> None:
-    """Make the install of window `window` raise InjectedInstallError: in the next restore that
-    reaches it only (`once`, a transient fault: a fallback restore then installs cleanly), or
-    in every restore."""
-    retriever.restorer.make_installer = InstallFault(window, once).make
-
-
-@dataclass(frozen=True)
-class FaultSpec:
-    """A fault point: `phase` (fetch | install) of `window`, on TP rank `rank` (None: every rank)."""
-
-    window: int
-    phase: str = FETCH
-    rank: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.phase not in (FETCH, INSTALL):
-            raise ValueError(f"phase must be {FETCH!r} or {INSTALL!r}, got {self.phase!r}")
-
-    def applies_to(self, rank: int) -> bool:
-        return self.rank is None or self.rank == rank
-
-    def arm(self, retriever: Retriever, tier: FaultyTier, rank: int = 0) -> None:
-        """Arm this fault on `tier` / `retriever` if it applies to `rank`: fetch call k of the
-        next restore from `tier` is window k at any pipeline depth (windows are submitted in
-        order); an install fault fires once (see arm_install_fault)."""
-        if not self.applies_to(rank):
-            return
-        if self.phase == FETCH:
-            tier.plan.fail_fetch = FetchCallHook(self.window, raise_injected)
-        else:
-            arm_install_fault(retriever, self.window)
-
-
-def disarm(retriever: Retriever, tiers: Sequence[Tier]) -> None:
-    """Disarm the install fault and every FaultyTier among `tiers` (repairing what they damaged)."""
-    retriever.restorer.make_installer = WindowInstaller
-    for t in tiers:
-        if isinstance(t, FaultyTier):
-            t.clear()
-
-
-# -- source state ------------------------------------------------------------------------------
-@dataclass
-class Source:
-    """A prefix stored in some tiers: its tokens, keyspace and canonical state hash."""
-
-    reg: Registration
-    tokens: list[int]
-    keyspace: KeySpace
-    num_chunks: int
-    state_hash: str
-    kv: list[torch.Tensor] = field(repr=False)
-    tables: list[torch.Tensor] = field(repr=False)
-
-    def keys(self, first: int = 0, n: int | None = None) -> list[str]:
-        n = self.num_chunks - first if n is None else n
-        return PrefixKeys(self.keyspace, self.tokens, self.reg.chunk_tokens).window(first, n)
-
-    def hash_of(self, num_chunks: int) -> str:
-        return state_hash(self.reg, self.kv, self.tables, num_chunks)
-
-
-def random_kv(reg: Registration, blocks: Sequence[int], seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    kv = reg.allocate(list(blocks))
-    for t in kv:
-        flat = t.view(torch.uint8).view(-1)
-        flat.copy_(torch.randint(1, 255, (flat.numel(),), dtype=torch.uint8, generator=gen))
-    return kv
-
-
-def make_source(reg: Registration, num_chunks: int, seed: int, salt: str = "", tp_rank: int = 0,
-                tp_world: int = 1, extra_tokens: int = 1, kv_seed: int | None = None) -> Source:
-    """A random prefix of num_chunks chunks (+ extra_tokens prompt tokens beyond it) held in
-    random source blocks; store it with `store(source, tier)`. The tokens depend on `seed`
-    only, the state also on `kv_seed` (TP ranks: same request, different state per rank)."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 50_000, (num_chunks * reg.chunk_tokens + extra_tokens,), generator=gen).tolist()
-    blocks, (tables,) = block_tables(reg, [num_chunks], seed + 1)
-    kv = random_kv(reg, blocks, seed + 2 if kv_seed is None else kv_seed)
-    space = KeySpace(reg.fingerprint, tp_rank, tp_world, salt)
-    src = Source(reg, tokens, space, num_chunks, "", kv, tables)
-    src.state_hash = src.hash_of(num_chunks)
-    return src
-
-
-def store(src: Source, tier: Tier, window_chunks: int = 4) -> None:
-    rep = store_prefix(src.reg, tier, src.keyspace, src.tokens, src.kv, src.tables, src.num_chunks,
-                       window_chunks=window_chunks, backend="torch")
-    if rep.state_hash != src.state_hash:  # pragma: no cover - a gather/hash bug
-        raise AssertionError(f"stored hash {rep.state_hash} != source hash {src.state_hash}")
-
-
-def damage_object(scenario: str, fs: FilesystemTier, key: str, outside: Path) -> None:
-    """Damage one object file of the filesystem tier in place (the damaged-data scenarios)."""
-    path = Path(fs.path_of(key))
-    if scenario == "ssd_truncated_object":
-        os.truncate(path, path.stat().st_size // 2)
-    elif scenario == "ssd_flipped_byte":
-        data = bytearray(path.read_bytes())
-        data[-100] ^= 0xFF
-        path.write_bytes(bytes(data))
-    elif scenario == "ssd_foreign_header":  # a valid header of another registration (MTP on)
-        data = bytearray(path.read_bytes())
-        other = presets.dsv4_flash(mtp=True, scale=1 / 64).fingerprint[:32].encode()
-        data[:HEADER_SIZE] = pack_header(other, bytes(data[64:96]), len(data) - HEADER_SIZE,
-                                         int.from_bytes(data[6:8], "little"), int.from_bytes(data[24:28], "little"))
-        path.write_bytes(bytes(data))
-    elif scenario == "ssd_directory_in_place":
-        path.unlink()
-        path.mkdir()
-    elif scenario == "ssd_symlink_out_of_root":  # valid-looking bytes outside the root
-        shutil.copyfile(path, outside)
-        path.unlink()
-        path.symlink_to(outside)
-    else:
-        raise ValueError(f"{scenario!r} is not a damaged-data scenario")
-
-
-# -- the matrix --------------------------------------------------------------------------------
-# the prefix lives only on the filesystem (SSD) tier; one object is damaged after the probe
-DAMAGE_SCENARIOS = (
-    "ssd_truncated_object",
-    "ssd_flipped_byte",
-    "ssd_foreign_header",
-    "ssd_directory_in_place",
-    "ssd_symlink_out_of_root",
-)
-SCENARIOS = (
-    "healthy",
-    "remote_unavailable_before",
-    "remote_unavailable_mid",
-    "remote_and_ssd_absent",
-    "remote_fails_ssd_serves",
-    "key_evicted_after_probe",
-    "fetch_timeout",
-    "corrupt_object",
-    "install_exception",
-    "last_window_fault",
-    *DAMAGE_SCENARIOS,
-)
-EXPECTED = {s: "failed_closed" for s in SCENARIOS} | {"healthy": "committed", "remote_fails_ssd_serves": "committed"}
+from bsr_runtime.tiers.filesystem import FilesystemTier
 
 
 @dataclass
@@ -367,8 +206,6 @@ class FaultMatrix:
     def run(self, scenario: str) -> ScenarioResult:
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
-        from bsr_harness.mooncake_launcher import MooncakeMaster, MooncakeStoreHost
-
         self._runs += 1
         t0 = time.monotonic()
         reg = self.reg
@@ -377,135 +214,120 @@ class FaultMatrix:
         n = self.long_chunks if scenario == "last_window_fault" else self.num_chunks
         src = make_source(reg, n, seed, salt)
         healthy_src = make_source(reg, self.num_chunks, seed + 500, salt)
-        dedicated = scenario in ("remote_unavailable_before", "remote_unavailable_mid")
-        cfg = {"healthy": {}, "remote_unavailable_mid": {"pipeline_depth": 1},
-               "remote_fails_ssd_serves": {"pipeline_depth": 1}, "fetch_timeout": {"fetch_timeout_s": 0.5},
-               "last_window_fault": {"prefetch_window_chunks": 2, "pipeline_depth": 1}}.get(scenario, {})
-        config = self._config(**cfg)
-
+        config = self._config(**SCENARIO_CONFIG.get(scenario, {}))
         fs_dir = Path(tempfile.mkdtemp(prefix=f"fs-{scenario}-", dir=self.workdir))
-        master = self.master
         # closed in reverse order: connector (unregisters staging), tiers, store host, master, files
         with contextlib.ExitStack() as stack:
             stack.callback(shutil.rmtree, fs_dir, ignore_errors=True)
-            if dedicated:
-                master = MooncakeMaster()
-                stack.callback(master.stop)
-                master.start()
-                host = MooncakeStoreHost(master, self.segment_bytes)
-                stack.callback(host.stop)
-                host.start()
-                remote = FaultyTier(self._mooncake(master, global_segment_size=0, rpc_timeout_s=0.5,
-                                                   connect_timeout_s=5.0))
-                stack.callback(remote.close)
-            else:
-                remote = FaultyTier(self.shared_remote(), close_inner=False)
-                stack.callback(remote.close)
-                stack.callback(self._forget, remote.inner, [src, healthy_src])
-                stack.callback(remote.clear)  # never leave an object damaged in the shared store
+            master, remote = self._remote_for(scenario, stack, [src, healthy_src])
             fs = stack.enter_context(FilesystemTier(fs_dir, reg.chunk_bytes, reg.fingerprint, load_concurrency=2))
-
             store(src, fs if scenario in DAMAGE_SCENARIOS else remote)
             if scenario == "remote_fails_ssd_serves":
                 store(src, fs)
             store(healthy_src, fs)
             store(healthy_src, remote)
-
             blocks, (tables, healthy_tables) = block_tables(reg, [n, self.num_chunks], seed + 7)
             kv = poison(reg.allocate(blocks))
             conn = stack.enter_context(BSRConnector(reg, [remote, fs], kv, config=config, salt=salt))
-            return self._drive(scenario, conn, remote, fs, master, src, healthy_src, tables, healthy_tables, kv, t0)
+            scene = Scene(conn, remote, fs, master, src, self.workdir / f"outside-{self._runs}.bsr")
+            return self._drive(scenario, scene, healthy_src, tables, healthy_tables, kv, t0)
 
-    def _drive(self, scenario, conn: BSRConnector, remote: FaultyTier, fs: FilesystemTier, master, src: Source,
-               healthy_src: Source, tables, healthy_tables, kv, t0) -> ScenarioResult:
-        reg = self.reg
-        ct = reg.chunk_tokens
-        n = src.num_chunks
+    def _remote_for(self, scenario: str, stack: contextlib.ExitStack, sources: list[Source]):
+        """(master, FaultyTier): the shared master, or a dedicated one with its own store host."""
+        from bsr_harness.mooncake_launcher import MooncakeMaster, MooncakeStoreHost
+
+        if scenario not in DEDICATED_MASTER:
+            remote = FaultyTier(self.shared_remote(), close_inner=False)
+            stack.callback(remote.close)
+            stack.callback(self._forget, remote.inner, sources)
+            stack.callback(remote.clear)  # never leave an object damaged in the shared store
+            return self.master, remote
+        master = MooncakeMaster()
+        stack.callback(master.stop)
+        master.start()
+        host = MooncakeStoreHost(master, self.segment_bytes)
+        stack.callback(host.stop)
+        host.start()
+        remote = FaultyTier(self._mooncake(master, global_segment_size=0, rpc_timeout_s=0.5, connect_timeout_s=5.0))
+        stack.callback(remote.close)
+        return master, remote
+
+    def _drive(self, scenario: str, scene: Scene, healthy_src: Source, tables, healthy_tables, kv,
+               t0: float) -> ScenarioResult:
+        conn, src = scene.conn, scene.src
         req = ConnectorRequest(f"{scenario}-req", src.tokens)
-        windows = conn.retriever.config.prefetch_window_chunks
-        # faults that act at the probe
-        if scenario == "key_evicted_after_probe":
-            remote.plan.drop_after_probe = set(src.keys(min(2, n - 1), 1))
+        ARM_AT_PROBE.get(scenario, _nothing)(scene)
         tokens, _ = conn.get_num_new_matched_tokens(req, 0)
         conn.update_state_after_alloc(req, tables, tokens)
-        # faults that act after the probe and allocation, before or during the load
-        if scenario == "remote_unavailable_before":
-            master.kill()
-        elif scenario == "remote_unavailable_mid":
-            remote.plan.fail_fetch = FetchCallHook(1, lambda i, keys: master.kill())
-        elif scenario == "remote_and_ssd_absent":
-            remote.plan.unavailable = True
-        elif scenario == "remote_fails_ssd_serves":
-            remote.plan.fail_fetch = FetchCallHook(1, raise_injected)
-        elif scenario == "fetch_timeout":
-            remote.plan.delay_s = 1.5
-        elif scenario == "corrupt_object":
-            remote.plan.corrupt_keys = set(src.keys(min(3, n - 1), 1))
-        elif scenario == "install_exception":
-            arm_install_fault(conn.retriever, 1)
-        elif scenario == "last_window_fault":
-            last = -(-n // windows) - 1
-            remote.plan.fail_fetch = FetchCallHook(last, raise_injected)
-        elif scenario in DAMAGE_SCENARIOS:
-            damage_object(scenario, fs, src.keys(min(1, n - 1), 1)[0], self.workdir / f"outside-{self._runs}.bsr")
+        ARM_BEFORE_LOAD.get(scenario, _nothing)(scene)
         (outcome,) = conn.start_load()
         finished = conn.get_finished(set())
         load_errors = conn.get_block_ids_with_load_errors()
         marker_set = conn.markers.is_set(req.request_id)
-        disarm(conn.retriever, [remote, fs])
+        disarm(conn.retriever, [scene.remote, scene.fs])
+        partial_ok = self._partial_prefix_ok(scenario, outcome, kv, tables, src)
+        probes, marker_cleared = self._readmit(scenario, scene, req, tables, marker_set)
+        hash_ok = not outcome.committed or state_hash(self.reg, kv, tables, src.num_chunks) == src.state_hash
+        healthy, healthy_ok = self._healthy_request(scenario, conn, healthy_src, healthy_tables, kv)
+        first = outcome.attempts[0] if outcome.attempts else None
+        row = FaultRow(
+            scenario=scenario, outcome=outcome.outcome, tokens=tokens, exposed_tokens=outcome.exposed_tokens,
+            invalid_blocks=outcome.invalid_blocks, total_blocks=outcome.total_blocks, marker_set=marker_set,
+            marker_cleared=marker_cleared, staging_leaked_bytes=_live_staging(conn), served_by=outcome.served_by,
+            state_hash_ok=hash_ok and healthy_ok, expected=EXPECTED[scenario], error=outcome.error,
+            windows=first.windows if first else 0, windows_installed=first.windows_installed if first else 0,
+            probes_while_marked=probes, healthy_served_by=healthy.served_by if healthy else "",
+            seconds=time.monotonic() - t0,
+        )
+        return ScenarioResult(row, outcome, healthy, src, tables, kv, load_errors, set(finished.finished_recving),
+                              set(finished.failed_recving), healthy_src, healthy_tables, conn.retriever.config,
+                              partial_ok)
 
-        partial_ok = None
-        if scenario == "last_window_fault":  # the early windows really were installed before the fault
-            done = outcome.attempts[0].windows_installed * windows
-            partial_ok = done > 0 and state_hash(reg, kv, tables, done) == src.hash_of(done)
+    def _partial_prefix_ok(self, scenario: str, outcome: RetrieveOutcome, kv, tables, src: Source) -> bool | None:
+        """last_window_fault: the early windows really were installed before the fault."""
+        if scenario != "last_window_fault":
+            return None
+        windows = SCENARIO_CONFIG[scenario]["prefetch_window_chunks"]
+        done = outcome.attempts[0].windows_installed * windows
+        return done > 0 and state_hash(self.reg, kv, tables, done) == src.hash_of(done)
 
-        # the next admission pass: zero external tokens, and no lookup while the marker is set
-        counter = _ProbeCounter([remote, fs])
+    def _readmit(self, scenario: str, scene: Scene, req: ConnectorRequest, tables, marker_set: bool):
+        """The next admission pass (zero external tokens and no lookup while the marker is set),
+        RUNNING admission (clears the marker) and teardown; -> (lookups seen, marker cleared)."""
+        conn = scene.conn
+        counter = _ProbeCounter([scene.remote, scene.fs])
         try:
             again, _ = conn.get_num_new_matched_tokens(req, 0)
         finally:
             counter.restore()
         if marker_set and again != 0:
             raise AssertionError(f"{scenario}: re-admission with a force-local marker reported {again} tokens")
-        conn.on_request_running(req)  # admitted RUNNING: prefills locally
-        marker_cleared = not conn.markers.is_set(req.request_id)
+        conn.on_request_running(req)
+        cleared = not conn.markers.is_set(req.request_id)
         conn.request_finished(req, [t.tolist() for t in tables])
-        marker_cleared = marker_cleared and not conn.markers.is_set(req.request_id)
-        pool = conn.retriever.restorer.pool
-        leaked = pool.live_bytes if pool is not None else 0
+        return counter.count, cleared and not conn.markers.is_set(req.request_id)
 
-        hash_ok = True
-        if outcome.committed:
-            hash_ok = state_hash(reg, kv, tables, n) == src.state_hash
+    def _healthy_request(self, scenario: str, conn: BSRConnector, src: Source, tables, kv):
+        """A healthy request through the same connector -> (outcome, its state matched)."""
+        req = ConnectorRequest(f"{scenario}-healthy", src.tokens)
+        tokens, _ = conn.get_num_new_matched_tokens(req, 0)
+        conn.update_state_after_alloc(req, tables, tokens)
+        (healthy,) = conn.start_load() if tokens else (None,)
+        ok = (healthy is not None and healthy.committed
+              and state_hash(self.reg, kv, tables, src.num_chunks) == src.state_hash
+              and healthy.exposed_tokens == src.num_chunks * self.reg.chunk_tokens == tokens)
+        conn.on_request_running(req)
+        conn.request_finished(req)
+        return healthy, ok
 
-        # a healthy request through the same connector
-        hreq = ConnectorRequest(f"{scenario}-healthy", healthy_src.tokens)
-        htokens, _ = conn.get_num_new_matched_tokens(hreq, 0)
-        conn.update_state_after_alloc(hreq, healthy_tables, htokens)
-        (healthy,) = conn.start_load() if htokens else (None,)
-        if healthy is None or not healthy.committed:
-            hash_ok = False
-        else:
-            hash_ok = hash_ok and state_hash(reg, kv, healthy_tables, healthy_src.num_chunks) == healthy_src.state_hash
-            hash_ok = hash_ok and healthy.exposed_tokens == healthy_src.num_chunks * ct == htokens
-        conn.on_request_running(hreq)
-        conn.request_finished(hreq)
-        pool = conn.retriever.restorer.pool
-        leaked += pool.live_bytes if pool is not None else 0
 
-        first = outcome.attempts[0] if outcome.attempts else None
-        row = FaultRow(
-            scenario=scenario, outcome=outcome.outcome, tokens=tokens, exposed_tokens=outcome.exposed_tokens,
-            invalid_blocks=outcome.invalid_blocks, total_blocks=outcome.total_blocks, marker_set=marker_set,
-            marker_cleared=marker_cleared, staging_leaked_bytes=leaked, served_by=outcome.served_by,
-            state_hash_ok=hash_ok, expected=EXPECTED[scenario], error=outcome.error,
-            windows=first.windows if first else 0, windows_installed=first.windows_installed if first else 0,
-            probes_while_marked=counter.count, healthy_served_by=healthy.served_by if healthy else "",
-            seconds=time.monotonic() - t0,
-        )
-        return ScenarioResult(row, outcome, healthy, src, tables, kv, load_errors, set(finished.finished_recving),
-                              set(finished.failed_recving), healthy_src, healthy_tables, conn.retriever.config,
-                              partial_ok)
+def _nothing(scene: Scene) -> None:
+    return None
+
+
+def _live_staging(conn: BSRConnector) -> int:
+    pool = conn.retriever.restorer.pool
+    return pool.live_bytes if pool is not None else 0
 
 
 def run_fault_matrix(reg: Registration | None = None, *, scenarios: Sequence[str] | None = None,
