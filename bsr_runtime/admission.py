@@ -15,6 +15,8 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
+from .validation import check_int, check_timeout
+
 
 class WindowReservation:
     """The bytes one window holds from an admission; `release()` is idempotent, so every path
@@ -64,6 +66,7 @@ class SerialAdmission(Admission):
 
     @contextmanager
     def restore(self, timeout: float | None = None):
+        timeout = check_timeout("admission timeout", timeout, allow_none=True)
         t0 = time.monotonic()
         if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
             raise TimeoutError(f"restore admission not granted within {timeout}s")
@@ -75,22 +78,23 @@ class SerialAdmission(Admission):
 
     # with a serial lock, windows need no reservation of their own
     def reserve(self, nbytes: int, timeout: float | None = None) -> None:
-        return None
+        _check_nbytes(nbytes)
+        check_timeout("reservation timeout", timeout, allow_none=True)
 
     def try_reserve(self, nbytes: int) -> bool:
+        _check_nbytes(nbytes)
         return True
 
     def release(self, nbytes: int) -> None:
-        return None
+        _check_nbytes(nbytes)
 
 
 class ByteBudget(Admission):
     """A global byte budget B shared by concurrent restores (FIFO, no deadlock)."""
 
     def __init__(self, budget_bytes: int) -> None:
-        if budget_bytes <= 0:
-            raise ValueError(f"byte budget must be positive, got {budget_bytes}")
-        self.budget_bytes = budget_bytes
+        # an int: NaN or inf would disable the bound (every comparison with NaN is False)
+        self.budget_bytes = check_int("byte budget", budget_bytes, lo=1)
         self._used = 0
         self._peak = 0
         self._cond = threading.Condition()
@@ -115,6 +119,8 @@ class ByteBudget(Admission):
         self._peak = max(self._peak, self._used)
 
     def reserve(self, nbytes: int, timeout: float | None = None) -> None:
+        nbytes = _check_nbytes(nbytes)
+        timeout = check_timeout("reservation timeout", timeout, allow_none=True)
         if nbytes > self.budget_bytes:
             raise ValueError(f"a window of {nbytes:,} B exceeds the byte budget B = {self.budget_bytes:,} B")
         t0 = time.monotonic()
@@ -135,6 +141,7 @@ class ByteBudget(Admission):
         self.max_wait_s = max(self.max_wait_s, time.monotonic() - t0)
 
     def try_reserve(self, nbytes: int) -> bool:
+        nbytes = _check_nbytes(nbytes)
         with self._cond:
             if self._queue or self._used + nbytes > self.budget_bytes:
                 return False
@@ -142,8 +149,13 @@ class ByteBudget(Admission):
             return True
 
     def release(self, nbytes: int) -> None:
+        nbytes = _check_nbytes(nbytes)
         with self._cond:
             if nbytes > self._used:
                 raise RuntimeError(f"budget release of {nbytes} B exceeds the {self._used} B reserved")
             self._used -= nbytes
             self._cond.notify_all()
+
+
+def _check_nbytes(nbytes: object) -> int:
+    return check_int("reservation size (bytes)", nbytes, lo=0)

@@ -38,6 +38,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .validation import check_timeout
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -109,12 +111,11 @@ def all_min(values: Sequence[int], *, timeout_s: float = DEFAULT_TIMEOUT_S, tag:
     Every rank of the group must call it with vectors of the same length, in the same order
     of decisions. World size 1 / no process group: `values` unchanged."""
     global last_error
+    timeout_s = check_timeout("agree timeout_s", timeout_s)
     vals = [int(v) for v in values]
     dist = _dist()
     if dist is None or dist.get_world_size(group) == 1:
         return vals
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     if is_poisoned(group):
         last_error = "process group poisoned by an earlier failed agreement"
         return None

@@ -40,6 +40,7 @@ from .markers import ForceLocalMarkers
 from .restore import RestoreConfig, RestoreRequest
 from .retrieve import AgreeFn, Plan, RetrieveOutcome, Retriever
 from .tiers.base import Tier
+from .validation import check_int
 
 
 @dataclass
@@ -166,6 +167,7 @@ class BSRConnector:
 
     # -- scheduler side ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        num_computed_tokens = check_int("num_computed_tokens", num_computed_tokens, lo=0)
         rid = _request_id(request)
         tokens = _tokens(request)
         ct = self.reg.chunk_tokens

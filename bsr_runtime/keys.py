@@ -12,6 +12,8 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .validation import check_int, check_text, check_token_ids
+
 KEY_VERSION = "bsr1"
 
 
@@ -33,6 +35,7 @@ class KeySpace:
     salt: str = ""
 
     def __post_init__(self) -> None:
+        _check_space(self)
         if not 0 <= self.tp_rank < self.tp_world:
             raise ValueError(f"tp_rank {self.tp_rank} out of range for world size {self.tp_world}")
 
@@ -45,6 +48,14 @@ class KeySpace:
         return f"{self._prefix}-{chain_hash.hex()}"
 
 
+def _check_space(space: KeySpace) -> None:
+    """Types of the TP geometry and the salt (a lone surrogate cannot be hashed into a key)."""
+    check_int("tp_world", space.tp_world, lo=1)
+    check_int("tp_rank", space.tp_rank, lo=0)
+    check_text("salt", space.salt)
+    if not isinstance(space.fingerprint, str) or not space.fingerprint:
+        raise ValueError(f"fingerprint must be a non-empty string, got {space.fingerprint!r}")
+
 
 class PrefixKeys:
     """Keys of one request's prefix, produced window by window.
@@ -54,6 +65,8 @@ class PrefixKeys:
     """
 
     def __init__(self, space: KeySpace, tokens: Sequence[int], chunk_tokens: int) -> None:
+        check_int("chunk_tokens", chunk_tokens, lo=1)
+        check_token_ids(tokens)  # a float id would be truncated into another token's key
         self.space = space
         self.tokens = tokens
         self.chunk_tokens = chunk_tokens
@@ -62,6 +75,8 @@ class PrefixKeys:
         self._hash = _CHAIN_START
 
     def window(self, first_chunk: int, num_chunks: int) -> list[str]:
+        check_int("first_chunk", first_chunk)
+        check_int("num_chunks", num_chunks)
         end = first_chunk + num_chunks
         if end > self.num_chunks or first_chunk < 0 or num_chunks < 0:
             raise ValueError(

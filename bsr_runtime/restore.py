@@ -21,6 +21,7 @@ from .admission import ByteBudget, SerialAdmission
 from .keys import KeySpace, PrefixKeys
 from .plan import Window, count_windows, plan_windows, slot_sizes
 from .tiers.base import Tier
+from .validation import check_int, check_optional_int, check_timeout
 from .window_loop import LoopStats, WindowFailed, WindowLoop
 
 MAX_WINDOW_CHUNKS = 1 << 16  # an absurd W is a configuration error, not a huge allocation
@@ -43,9 +44,14 @@ class RestoreConfig:
             raise ValueError(f"prefetch_window_chunks (W) must be an integer >= 0, got {w!r}")
         if w > MAX_WINDOW_CHUNKS:
             raise ValueError(f"prefetch_window_chunks (W) = {w} is absurd (max {MAX_WINDOW_CHUNKS})")
+        check_int("pipeline_depth", self.pipeline_depth, lo=1, hi=2)
         slot_sizes(max(w, 1), self.pipeline_depth)  # validates depth
-        if not self.fetch_timeout_s > 0:
-            raise ValueError(f"fetch_timeout_s must be positive, got {self.fetch_timeout_s}")
+        # every timeout ends up in Event.wait / Lock.acquire: finite and <= threading.TIMEOUT_MAX
+        check_timeout("fetch_timeout_s", self.fetch_timeout_s)
+        check_timeout("admission_timeout_s", self.admission_timeout_s, allow_none=True)
+        check_optional_int("max_staging_bytes", self.max_staging_bytes, lo=1)
+        if not isinstance(self.backend, str):
+            raise ValueError(f"backend must be a string, got {self.backend!r}")
 
 
 @dataclass
@@ -186,6 +192,7 @@ class BoundedRestorer:
         returns a report with ok=False (committed_tokens = 0) after every slot, lease and
         reservation is released; the caller fails the request closed.
         """
+        num_chunks = check_int("num_chunks", num_chunks, lo=0)
         reg, cfg = self.reg, self.config
         self._check(req, tier, num_chunks)
         installer = self.make_installer(reg, req.kv, req.block_tables, num_chunks, backend=cfg.backend,

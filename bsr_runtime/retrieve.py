@@ -34,6 +34,7 @@ from .keys import KeySpace, PrefixKeys
 from .probe import probe_prefix
 from .restore import BoundedRestorer, RestoreConfig, RestoreReport, RestoreRequest
 from .tiers.base import Tier, TierError, TierUnavailableError
+from .validation import check_duration, check_int, check_timeout
 
 LOCAL = "local"  # served_by when no tier served the prefix: the engine prefills it locally
 NO_TIER = "none"
@@ -159,11 +160,11 @@ class Retriever:
                                  f"{reg.chunk_bytes:,} B")
         self.reg = reg
         self.tiers = list(tiers)
+        self.agree_timeout_s = check_timeout("agree_timeout_s", agree_timeout_s)
+        self.unavailable_cooldown_s = check_duration("unavailable_cooldown_s", unavailable_cooldown_s)
         self._own_restorer = restorer is None
         self.restorer = restorer or BoundedRestorer(reg, config)
         self.agree_fn: AgreeFn = agree or commit.agree
-        self.agree_timeout_s = agree_timeout_s
-        self.unavailable_cooldown_s = unavailable_cooldown_s
         self._down_until: dict[int, float] = {}  # id(tier) -> monotonic time it may be tried again
 
     @property
@@ -225,6 +226,9 @@ class Retriever:
         probed by the caller), then every other tier that probes the complete prefix. Does not
         commit: see `finalize` / `retrieve`."""
         reg = self.reg
+        num_chunks = check_int("num_chunks", num_chunks, lo=0)
+        if plan_tier is not None:
+            plan_tier = check_int("plan_tier", plan_tier, lo=0, hi=len(self.tiers) - 1)
         block_ids = request_block_ids(reg, req.block_tables, num_chunks)
         res = LocalResult(req.request_id, num_chunks, reg.chunk_tokens, [True] * reg.num_groups, LOCAL, block_ids)
         if num_chunks == 0:

@@ -1,0 +1,193 @@
+"""Knobs and inputs are validated where they enter (bsr_runtime/validation.py).
+
+- timeouts (every knob that ends in Event.wait / Lock.acquire): finite, positive and at most
+  threading.TIMEOUT_MAX; `inf` or 1e10 used to pass and then overflow inside a wait;
+- numeric bounds: NaN used to disable a bound (ByteBudget(nan) granted 1e15 B; a whole-plan
+  restore under max_staging_bytes=nan restored any size);
+- entry-point inputs of the connector and the key space: negative num_computed_tokens, float
+  token ids (truncated into another token's keys), float chunk counts, unencodable salts.
+Each is a ValueError naming the knob, raised before any work starts.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+from restore_util import fresh_request, store_random_prefix
+
+from bsr_kernels import presets
+from bsr_runtime import commit
+from bsr_runtime.admission import ByteBudget, SerialAdmission
+from bsr_runtime.connector import BSRConnector, ConnectorRequest
+from bsr_runtime.keys import KeySpace, PrefixKeys
+from bsr_runtime.restore import BoundedRestorer, RestoreConfig
+from bsr_runtime.retrieve import Retriever
+from bsr_runtime.tiers import MemoryTier
+
+REG = presets.llama_like(layers=2, kv_heads=1, head_dim=16, block_size=16)
+BAD_TIMEOUTS = [math.inf, 1e10, threading.TIMEOUT_MAX * 2, math.nan, -math.inf, 0, -1, True, "5", None]
+BAD_BYTES = [math.nan, math.inf, 1.5, 1e9, -1, 0, True, "64", None]
+
+
+def _tier():
+    return MemoryTier(REG.chunk_bytes, REG.fingerprint)
+
+
+@pytest.mark.parametrize("value", BAD_TIMEOUTS)
+@pytest.mark.parametrize("make", [
+    lambda v: RestoreConfig(fetch_timeout_s=v),
+    lambda v: RestoreConfig(admission_timeout_s=v) if v is not None else RestoreConfig(admission_timeout_s="x"),
+    lambda v: Retriever(REG, [_tier()], agree_timeout_s=v),
+    lambda v: Retriever(REG, [_tier()], unavailable_cooldown_s=v if v not in (0, None) else math.nan),
+    lambda v: BSRConnector(REG, [_tier()], agree_timeout_s=v),
+    lambda v: commit.agree([True], timeout_s=v),
+    lambda v: commit.all_min([1], timeout_s=v),
+], ids=["fetch_timeout_s", "admission_timeout_s", "retriever_agree", "cooldown", "connector_agree", "agree",
+        "all_min"])
+def test_timeout_knobs_refused(make, value):
+    with pytest.raises(ValueError, match="must be"):
+        make(value)
+
+
+@pytest.mark.parametrize("value", [math.inf, 1e10, math.nan, -1, 0, "1"])
+def test_admission_wait_timeouts_refused(value):
+    with pytest.raises(ValueError, match="timeout"), SerialAdmission(threading.Lock()).restore(value):
+        pass
+    budget = ByteBudget(10)
+    with pytest.raises(ValueError, match="timeout"):
+        budget.reserve(1, value)
+    assert budget.used_bytes == 0
+
+
+def test_largest_timeout_accepted_and_used():
+    """threading.TIMEOUT_MAX itself is a valid timeout: a restore with it works (no overflow)."""
+    tier = _tier()
+    sp = store_random_prefix(REG, tier, 3, seed=3)
+    cfg = RestoreConfig(prefetch_window_chunks=1, fetch_timeout_s=threading.TIMEOUT_MAX,
+                        admission_timeout_s=threading.TIMEOUT_MAX)
+    with BoundedRestorer(REG, cfg, admission=SerialAdmission(threading.Lock())) as r:
+        assert r.restore(fresh_request(sp, seed=4), tier, 3).ok
+
+
+@pytest.mark.parametrize("value", BAD_BYTES)
+def test_byte_budget_refuses_non_integers(value):
+    with pytest.raises(ValueError, match="byte budget"):
+        ByteBudget(value)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 1.5, -1, True, "1"])
+def test_byte_budget_reservations_are_integers(value):
+    budget = ByteBudget(100)
+    for op in (budget.reserve, budget.try_reserve, budget.release):
+        with pytest.raises(ValueError, match="reservation size"):
+            op(value)
+    assert budget.used_bytes == 0
+    with pytest.raises(ValueError, match="exceeds the byte budget"):
+        budget.reserve(10**15)  # the bound holds
+
+
+@pytest.mark.parametrize("value", [v for v in BAD_BYTES if v is not None])
+def test_max_staging_bytes_refuses_nan_and_friends(value):
+    with pytest.raises(ValueError, match="max_staging_bytes"):
+        RestoreConfig(prefetch_window_chunks=0, max_staging_bytes=value)
+
+
+@pytest.mark.parametrize("kw", [dict(pipeline_depth=2.0), dict(pipeline_depth=True), dict(pipeline_depth=math.nan),
+                                dict(prefetch_window_chunks=2.0), dict(prefetch_window_chunks=math.nan),
+                                dict(backend=None)])
+def test_other_config_knobs(kw):
+    with pytest.raises(ValueError):
+        RestoreConfig(**kw)
+
+
+def test_whole_plan_cap_still_binds():
+    """The whole-plan staging cap: an int cap that is too small refuses the plan (fail closed)."""
+    tier = _tier()
+    sp = store_random_prefix(REG, tier, 3, seed=5)
+    with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=0, max_staging_bytes=REG.chunk_bytes)) as r:
+        rep = r.restore(fresh_request(sp, seed=6), tier, 3)
+    assert not rep.ok and "StagingCapacityError" in rep.error
+
+
+# -- entry-point inputs ---------------------------------------------------------------------------
+
+@pytest.fixture
+def conn_setup():
+    tier = _tier()
+    sp = store_random_prefix(REG, tier, 4, seed=11)
+    conn = BSRConnector(REG, [tier], config=RestoreConfig(prefetch_window_chunks=2))
+    yield conn, sp
+    conn.close()
+
+
+@pytest.mark.parametrize("computed", [-100, -1, 1.5, math.nan, "0", None, True])
+def test_num_computed_tokens_validated(conn_setup, computed):
+    conn, sp = conn_setup
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        conn.get_num_new_matched_tokens(ConnectorRequest("r", sp.tokens), computed)
+    assert conn.get_num_new_matched_tokens(ConnectorRequest("r", sp.tokens), 0)[0] == 3 * REG.chunk_tokens
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda toks: [t + 0.9 for t in toks],
+    lambda toks: toks[:5] + [float(toks[5])] + toks[6:],
+    lambda toks: toks[:5] + [True] + toks[6:],
+    lambda toks: toks[:5] + ["7"] + toks[6:],
+    lambda toks: toks[:5] + [1 << 64] + toks[6:],
+    lambda toks: toks[:5] + [None] + toks[6:],
+    lambda toks: torch.tensor(toks, dtype=torch.float32),
+], ids=["all_float", "one_float", "bool", "str", "beyond_int64", "none", "float_tensor"])
+def test_token_ids_must_be_integers(conn_setup, mutate):
+    conn, sp = conn_setup
+    bad = mutate(list(sp.tokens))
+    with pytest.raises(ValueError, match="token id"):
+        conn.get_num_new_matched_tokens(ConnectorRequest("r", bad), 0)
+    with pytest.raises(ValueError, match="token id"):
+        PrefixKeys(sp.keyspace, bad, REG.chunk_tokens)
+
+
+def test_integer_token_containers_accepted(conn_setup):
+    conn, sp = conn_setup
+    ref = PrefixKeys(sp.keyspace, sp.tokens, REG.chunk_tokens).window(0, 4)
+    import numpy as np
+
+    for toks in (torch.tensor(sp.tokens), np.asarray(sp.tokens, dtype=np.int32), tuple(sp.tokens)):
+        assert PrefixKeys(sp.keyspace, toks, REG.chunk_tokens).window(0, 4) == ref
+
+
+@pytest.mark.parametrize("n", [2.5, 2.0, math.nan, -1, "2", True])
+def test_num_chunks_validated(n):
+    tier = _tier()
+    sp = store_random_prefix(REG, tier, 3, seed=21)
+    with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=2)) as r:
+        with pytest.raises(ValueError, match="num_chunks"):
+            r.restore(fresh_request(sp, seed=22), tier, n)
+        assert r.pool.live_bytes == 0
+    with Retriever(REG, [tier], RestoreConfig(prefetch_window_chunks=2)) as ret:
+        with pytest.raises(ValueError, match="num_chunks"):
+            ret.retrieve(fresh_request(sp, seed=23), n)
+    with pytest.raises(ValueError, match="num_chunks|outside"):
+        PrefixKeys(sp.keyspace, sp.tokens, REG.chunk_tokens).window(0, n)
+
+
+@pytest.mark.parametrize("salt", ["\ud800", "a\udfffb", b"bytes", 5, None])
+def test_salt_must_be_text(salt):
+    with pytest.raises(ValueError, match="salt"):
+        KeySpace(REG.fingerprint, salt=salt)
+    with pytest.raises(ValueError, match="salt"):
+        BSRConnector(REG, [_tier()], salt=salt)
+
+
+@pytest.mark.parametrize("kw", [dict(tp_rank=0.0), dict(tp_world=1.5), dict(tp_rank=True, tp_world=2),
+                                dict(tp_world=0), dict(tp_rank=-1)])
+def test_tp_geometry_is_integers(kw):
+    with pytest.raises(ValueError, match="tp_"):
+        KeySpace(REG.fingerprint, **kw)
+
+
+def test_unicode_salt_works():
+    a, b = KeySpace(REG.fingerprint, salt="tenant-é-😀"), KeySpace(REG.fingerprint, salt="tenant-e")
+    assert a.key(b"\0" * 16) != b.key(b"\0" * 16)
