@@ -38,7 +38,7 @@ from . import commit
 from .keys import KeySpace
 from .markers import ForceLocalMarkers
 from .restore import RestoreConfig, RestoreRequest
-from .retrieve import AgreeFn, Plan, RetrieveOutcome, Retriever
+from .retrieve import LOCAL, AgreeFn, LocalResult, Plan, RetrieveOutcome, Retriever, request_block_ids
 from .tiers.base import Tier
 from .validation import check_int
 
@@ -246,20 +246,27 @@ class BSRConnector:
     # -- worker side -------------------------------------------------------------------------
     def start_load(self, loads: Iterable[LoadSpec] | None = None) -> list[RetrieveOutcome]:
         """Run the given loads (default: every load recorded by update_state_after_alloc), in
-        order, synchronously. Every TP rank must run the same loads in the same order."""
+        order, synchronously. Every TP rank must run the same loads in the same order.
+
+        Each load completes or fails closed on its own: a load that raises (a bad block id, a
+        bad spec, a bug) is reported like any failed load (failed_recving, every block of every
+        group invalid, force-local marker) and the rest of the batch still runs."""
+        if self.kv is None:  # before draining: the recorded loads stay pending
+            raise RuntimeError("start_load before register_kv_caches: no destination tensors")
         if loads is None:
             loads = self.take_pending_loads()
-        out = []
-        for spec in loads:
-            out.append(self._load(spec))
-        return out
+        return [self._load(spec) for spec in loads]
 
     def _load(self, spec: LoadSpec) -> RetrieveOutcome:
-        if self.kv is None:
-            raise RuntimeError("start_load before register_kv_caches: no destination tensors")
-        tables = [torch.tensor(b, dtype=torch.int64) for b in spec.block_ids]
-        req = RestoreRequest(spec.request_id, spec.tokens, self.keyspace, self.kv, tables)
-        outcome = self.retriever.retrieve(req, spec.num_chunks, spec.plan_tier)
+        try:
+            tables = [torch.tensor(b, dtype=torch.int64) for b in spec.block_ids]
+            req = RestoreRequest(spec.request_id, spec.tokens, self.keyspace, self.kv, tables)
+            local = self.retriever.restore_local(req, spec.num_chunks, spec.plan_tier)
+        except Exception as e:  # noqa: BLE001 - this load fails closed; the batch goes on
+            local = self._failed_local(spec, e)
+        # every rank takes part in the commit agreement, also after a local exception, so the
+        # peers fail this request closed at once and the collectives stay aligned
+        outcome = self.retriever.commit_local(local, commit.make_tag(spec.request_id, "commit"))
         self.stats.loads += 1
         with self._lock:
             self._outcomes[spec.request_id] = outcome
@@ -279,6 +286,17 @@ class BSRConnector:
             self.markers.set(spec.request_id, outcome.error or "external restore failed")
         return outcome
 
+    def _failed_local(self, spec: LoadSpec, error: BaseException) -> LocalResult:
+        """The local result of a load that raised: every group invalid, every block reported."""
+        reg = self.reg
+        try:
+            blocks = request_block_ids(reg, spec.block_ids, check_int("num_chunks", spec.num_chunks, lo=0))
+        except Exception:  # noqa: BLE001 - the spec itself is bad: report every block it names
+            blocks = _all_block_ids(spec.block_ids, reg.num_groups)
+        num_chunks = spec.num_chunks if isinstance(spec.num_chunks, int) else 0
+        return LocalResult(spec.request_id, num_chunks, reg.chunk_tokens, [False] * reg.num_groups, LOCAL,
+                           blocks, error=f"load failed: {type(error).__name__}: {error}")
+
     def get_finished(self, finished_req_ids: set[str] | None = None) -> FinishedIds:
         """Requests whose load finished since the last call (committed or failed closed);
         `failed_recving` names the failed ones. Nothing is ever sent asynchronously."""
@@ -297,3 +315,18 @@ class BSRConnector:
     def outcome(self, request_id: str) -> RetrieveOutcome | None:
         with self._lock:
             return self._outcomes.get(request_id)
+
+
+def _all_block_ids(block_ids, num_groups: int) -> tuple[frozenset[int], ...]:
+    """Per group, every non-negative integer block id of `block_ids` (whatever its shape)."""
+    out = []
+    groups = list(block_ids) if isinstance(block_ids, (list, tuple)) else []
+    for g in range(max(num_groups, len(groups))):
+        ids = groups[g] if g < len(groups) else []
+        try:
+            ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        except TypeError:
+            ids = []
+        out.append(frozenset(int(b) for b in ids
+                             if isinstance(b, int) and not isinstance(b, bool) and b >= 0))
+    return tuple(out)

@@ -300,7 +300,12 @@ class Retriever:
         """restore_local, then the commit rule over every rank (self.agree_fn), then finalize.
         Every rank of the TP group must call it for the same requests in the same order."""
         local = self.restore_local(req, num_chunks, plan_tier)
-        tag = commit.make_tag(req.request_id, "commit") if tag is None else tag
+        return self.commit_local(local, tag)
+
+    def commit_local(self, local: LocalResult, tag: int | None = None) -> RetrieveOutcome:
+        """The commit rule over every rank (self.agree_fn) for one rank's local result, then
+        finalize. A rank whose restore raised takes part with an all-invalid vector."""
+        tag = commit.make_tag(local.request_id, "commit") if tag is None else tag
         try:
             agreed = self.agree_fn(local.valid_per_group, timeout_s=self.agree_timeout_s, tag=tag)
         except Exception as e:  # noqa: BLE001 - an agreement that cannot be reached is a no
