@@ -9,6 +9,7 @@ whole-plan path (the whole plan staged at once) as the baseline.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -140,6 +141,11 @@ class BoundedRestorer:
 
     Owns the staging pool (allocated once for W > 0) and the install stream; `admission`
     decides how concurrent restores share staging (default: one at a time per process).
+
+    Not thread-safe, by choice: one restore at a time per restorer (its pool holds W chunks for
+    one restore). A second concurrent `restore()` on the same restorer raises RuntimeError at
+    once instead of competing for the first one's slots (which ended in slot timeouts). For
+    concurrent restores make one restorer per thread and share one ByteBudget between them.
     """
 
     def __init__(self, reg: Registration, config: RestoreConfig | None = None, *,
@@ -167,6 +173,7 @@ class BoundedRestorer:
             if w > 0 else None
         )
         self._registered: dict[tuple[int, int], tuple[Tier, torch.Tensor]] = {}
+        self._busy = threading.Lock()  # taken without blocking by restore(): one restore at a time
 
     @property
     def staging_capacity_bytes(self) -> int:
@@ -186,13 +193,26 @@ class BoundedRestorer:
 
     # -- public ----------------------------------------------------------------------------
     def restore(self, req: RestoreRequest, tier: Tier, num_chunks: int) -> RestoreReport:
+        """Restore chunks 0..num_chunks-1 (the confirmed prefix) of `req` from `tier` (see _restore).
+
+        Raises RuntimeError when another thread is in restore() on this restorer (not thread-safe:
+        one restorer per thread, sharing a ByteBudget)."""
+        num_chunks = check_int("num_chunks", num_chunks, lo=0)
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("BoundedRestorer is not thread-safe: one restore at a time per restorer; "
+                               "make one per thread, sharing a ByteBudget")
+        try:
+            return self._restore(req, tier, num_chunks)
+        finally:
+            self._busy.release()
+
+    def _restore(self, req: RestoreRequest, tier: Tier, num_chunks: int) -> RestoreReport:
         """Restore chunks 0..num_chunks-1 (the confirmed prefix) of `req` from `tier`.
 
         Bad arguments raise ValueError before any byte moves. A tier or install failure
         returns a report with ok=False (committed_tokens = 0) after every slot, lease and
         reservation is released; the caller fails the request closed.
         """
-        num_chunks = check_int("num_chunks", num_chunks, lo=0)
         reg, cfg = self.reg, self.config
         self._check(req, tier, num_chunks)
         installer = self.make_installer(reg, req.kv, req.block_tables, num_chunks, backend=cfg.backend,
