@@ -13,18 +13,27 @@ files are written anywhere else, snapshots stay off).
 
 The master sleeps a fixed 1 s after starting the metadata server before it serves RPC, so
 start() takes a little over a second.
+
+Any thread may start, restart or stop a master. Children get PR_SET_PDEATHSIG=SIGKILL, which
+Linux ties to the *thread* that forked them, so every child is forked by one spawner thread
+that lives as long as the process: a master started from a short-lived worker thread outlives
+that thread and still dies with the process (normal exit: the finalizer; SIGKILL: the death
+signal).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -94,9 +103,62 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the parent
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the parent (thread: the spawner)
     except Exception:  # pragma: no cover - non-Linux
         pass
+
+
+class _Spawner:
+    """One daemon thread per process that forks every child, so that PR_SET_PDEATHSIG (tied to
+    the forking thread) fires only when the process itself goes. Restarted after os.fork()."""
+
+    _lock = threading.Lock()
+    _queue: queue.SimpleQueue | None = None
+    _pid: int | None = None
+
+    @classmethod
+    def popen(cls, args: list[str], **kw) -> subprocess.Popen:
+        if not sys.platform.startswith("linux"):  # pragma: no cover - no death signal elsewhere
+            return subprocess.Popen(args, **kw)
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        cls._started().put((args, kw, done))
+        ok, value = done.get()
+        if not ok:
+            raise value
+        return value
+
+    @classmethod
+    def _started(cls) -> queue.SimpleQueue:
+        with cls._lock:
+            if cls._queue is None or cls._pid != os.getpid():
+                cls._queue, cls._pid = queue.SimpleQueue(), os.getpid()
+                threading.Thread(target=cls._serve, args=(cls._queue,), name="bsr-mooncake-spawner",
+                                 daemon=True).start()
+            return cls._queue
+
+    @staticmethod
+    def _serve(requests: queue.SimpleQueue) -> None:
+        while True:
+            args, kw, done = requests.get()
+            try:
+                proc = subprocess.Popen(args, preexec_fn=_set_pdeathsig, **kw)  # noqa: PLW1509
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.put((False, e))
+            else:
+                done.put((True, proc))
+
+
+def _check_seconds(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= threading.TIMEOUT_MAX:
+        raise ValueError(f"{name} must be a finite number of seconds in (0, {threading.TIMEOUT_MAX:g}], got {value!r}")
+    return float(value)
+
+
+def _check_port(name: str, value: int | None) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536):
+        raise ValueError(f"{name} must be a TCP port number in 1..65535, got {value!r}")
+    return value
 
 
 def _kill_quietly(proc: subprocess.Popen | None) -> None:
@@ -115,8 +177,9 @@ class MooncakeMaster:
     - tenants: {name: quota_bytes} turns on `--enable_multi_tenants` with a file quota policy
       written to the temp dir (clients then pass `tenant_id`; unregistered tenants cannot write)
     - the log (`log_path`) lives in a temp dir removed by stop() unless keep_logs
-    - the child gets PR_SET_PDEATHSIG=SIGKILL, so it dies with the thread that started it
-      (start it from a long-lived thread), and a finalizer kills it if this object is dropped
+    - any thread may start/stop it: the child is forked by the process-wide spawner thread with
+      PR_SET_PDEATHSIG=SIGKILL, so it dies with this process (not with the calling thread), and a
+      finalizer kills it if this object is dropped or the interpreter exits
     """
 
     def __init__(
@@ -135,6 +198,8 @@ class MooncakeMaster:
         stop_timeout_s: float = 5.0,
         keep_logs: bool = False,
     ) -> None:
+        for name, port in (("rpc_port", rpc_port), ("http_port", http_port), ("metrics_port", metrics_port)):
+            _check_port(name, port)
         self.binary = binary or find_master_binary()
         self.rpc_port = rpc_port or free_port()
         self.http_port = http_port or free_port()
@@ -144,8 +209,12 @@ class MooncakeMaster:
         self.client_ttl_s = client_ttl_s
         self.default_kv_lease_ttl_ms = default_kv_lease_ttl_ms
         self.extra_args = list(extra_args)
-        self.start_timeout_s = start_timeout_s
-        self.stop_timeout_s = stop_timeout_s
+        self.start_timeout_s = _check_seconds("start_timeout_s", start_timeout_s)
+        self.stop_timeout_s = _check_seconds("stop_timeout_s", stop_timeout_s)
+        if client_ttl_s is not None:
+            _check_seconds("client_ttl_s", client_ttl_s)
+        if default_kv_lease_ttl_ms is not None:
+            _check_seconds("default_kv_lease_ttl_ms", default_kv_lease_ttl_ms)
         self.keep_logs = keep_logs
         self.workdir: Path | None = None
         self.log_path: Path | None = None
@@ -228,14 +297,8 @@ class MooncakeMaster:
         self._log.write(f"==== start {' '.join(args)}\n".encode())
         self._log.flush()
         t0 = time.monotonic()
-        self._proc = subprocess.Popen(
-            args,
-            cwd=self.workdir,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,  # noqa: PLW1509
-        )
+        self._proc = _Spawner.popen(args, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=self._log,
+                                    stderr=subprocess.STDOUT)
         if self._finalizer is not None:
             self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _kill_quietly, self._proc)
@@ -358,9 +421,11 @@ class MooncakeStoreHost:
         if not self.binary:
             raise MooncakeMasterError("mooncake_client not found next to the Python interpreter or on PATH")
         self.master = master
-        self.segment_bytes = int(segment_bytes)
-        self.port = port or free_port()
-        self.start_timeout_s = start_timeout_s
+        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1 << 20:
+            raise ValueError(f"segment_bytes must be an integer of at least 1 MiB, got {segment_bytes!r}")
+        self.segment_bytes = segment_bytes
+        self.port = _check_port("port", port) or free_port()
+        self.start_timeout_s = _check_seconds("start_timeout_s", start_timeout_s)
         self.settle_s = settle_s
         self._proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
@@ -375,9 +440,8 @@ class MooncakeStoreHost:
             "--logtostderr=true",
         ]
         log = open(self._workdir / "mooncake_client.log", "ab")  # noqa: SIM115 - owned by the child
-        self._proc = subprocess.Popen(args, cwd=self._workdir, stdin=subprocess.DEVNULL, stdout=log,
-                                      stderr=subprocess.STDOUT,
-                                      preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None)  # noqa: PLW1509
+        self._proc = _Spawner.popen(args, cwd=self._workdir, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT)
         log.close()
         self._finalizer = weakref.finalize(self, _kill_quietly, self._proc)
         deadline = time.monotonic() + self.start_timeout_s
