@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -17,6 +18,15 @@ import torch
 
 SEGMENT_ALIGN = 16
 DEFAULT_CHUNK_TOKENS = 256
+# sanity bounds of a registration (far above any real model; a registration outside them is a
+# configuration error, refused before any allocation is attempted)
+MAX_DIM = 1 << 31
+MAX_ENTRY_BYTES = 1 << 30
+MAX_BLOCK_SIZE = 1 << 20
+MAX_CHUNK_TOKENS = 1 << 20
+MAX_GROUPS = 1 << 10
+MAX_TENSORS = 1 << 16
+MAX_CHUNK_BYTES = 1 << 40
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.uint8: "uint8",
@@ -69,18 +79,26 @@ class TensorSpec:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "entry_shape", tuple(int(d) for d in self.entry_shape))
-        dtype_name(self.dtype)  # raises on unsupported dtypes
-        if not self.name:
-            raise ValueError("TensorSpec needs a name")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TensorSpec needs a non-empty string name, got {self.name!r}")
+        _check_text(self.name, "tensor name")
+        if not isinstance(self.entry_shape, (tuple, list)):
+            raise ValueError(f"tensor {self.name!r}: entry_shape must be a list of integers, got {self.entry_shape!r}")
+        object.__setattr__(self, "entry_shape", tuple(
+            _int(f"tensor {self.name!r}: entry_shape dim", d, None, MAX_DIM) for d in self.entry_shape))
         if any(d <= 0 for d in self.entry_shape):
             raise ValueError(f"tensor {self.name!r}: entry_shape {self.entry_shape} has a non-positive dim")
-        if self.block_size <= 0:
-            raise ValueError(f"tensor {self.name!r}: block_size must be positive, got {self.block_size}")
-        if self.token_ratio <= 0:
-            raise ValueError(f"tensor {self.name!r}: token_ratio must be positive, got {self.token_ratio}")
-        if self.group < 0:
-            raise ValueError(f"tensor {self.name!r}: group must be >= 0, got {self.group}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"tensor {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
+        dtype_name(self.dtype)  # raises on unsupported dtypes
+        _int(f"tensor {self.name!r}: block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        _int(f"tensor {self.name!r}: token_ratio", self.token_ratio, 1, MAX_CHUNK_TOKENS)
+        _int(f"tensor {self.name!r}: group", self.group, 0, MAX_GROUPS - 1)
+        if self.sliding_window is not None:
+            _int(f"tensor {self.name!r}: sliding_window", self.sliding_window, 1, None)
+        if self.entry_bytes > MAX_ENTRY_BYTES:
+            raise ValueError(f"tensor {self.name!r}: an entry of {self.entry_bytes:,} B exceeds "
+                             f"{MAX_ENTRY_BYTES:,} B (entry_shape {self.entry_shape})")
 
     @property
     def entry_bytes(self) -> int:
@@ -108,17 +126,32 @@ class TensorSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> TensorSpec:
+        """A spec from a registration file's entry; every field is checked (type and range) and a
+        bad one raises ValueError naming the tensor and the field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"each tensor must be a mapping of fields, got {type(d).__name__}")
         known = {"name", "dtype", "entry_shape", "block_size", "token_ratio", "group", "sliding_window"}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"tensor spec {d.get('name', '?')!r}: unknown fields {sorted(unknown)}")
+            raise ValueError(f"tensor spec {d.get('name', '?')!r}: unknown fields {sorted(map(str, unknown))}")
+        missing = [f for f in ("name", "dtype", "entry_shape", "block_size") if f not in d]
+        if missing:
+            raise ValueError(f"tensor spec {d.get('name', '?')!r}: missing fields {missing}")
+        name = d["name"]
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor name must be a non-empty string, got {name!r}")
+        if not isinstance(d["dtype"], str):
+            raise ValueError(f"tensor {name!r}: dtype must be a name such as 'uint8', got {d['dtype']!r}")
+        shape = d["entry_shape"]
+        if not isinstance(shape, list):
+            raise ValueError(f"tensor {name!r}: entry_shape must be a list of integers, got {shape!r}")
         return cls(
-            name=str(d["name"]),
+            name=name,
             dtype=dtype_from_name(d["dtype"]),
-            entry_shape=tuple(d["entry_shape"]),
-            block_size=int(d["block_size"]),
-            token_ratio=int(d.get("token_ratio", 1)),
-            group=int(d.get("group", 0)),
+            entry_shape=tuple(shape),
+            block_size=d["block_size"],
+            token_ratio=d.get("token_ratio", 1),
+            group=d.get("group", 0),
             sliding_window=d.get("sliding_window"),
         )
 
@@ -135,8 +168,11 @@ class Registration:
         object.__setattr__(self, "specs", tuple(self.specs))
         if not self.specs:
             raise ValueError("a registration needs at least one tensor")
-        if self.chunk_tokens <= 0:
-            raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
+        if len(self.specs) > MAX_TENSORS:
+            raise ValueError(f"{len(self.specs)} tensors exceed the maximum of {MAX_TENSORS}")
+        if not all(isinstance(s, TensorSpec) for s in self.specs):
+            raise ValueError("a registration's specs must be TensorSpec objects")
+        _int("chunk_tokens", self.chunk_tokens, 1, MAX_CHUNK_TOKENS)
         names = [s.name for s in self.specs]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -156,6 +192,8 @@ class Registration:
                 raise ValueError(
                     f"group {g}: tensors disagree on tokens per block (block_size*token_ratio): {sorted(tpb)}"
                 )
+        if self.chunk_bytes > MAX_CHUNK_BYTES:
+            raise ValueError(f"a chunk of {self.chunk_bytes:,} B exceeds {MAX_CHUNK_BYTES:,} B")
 
     # -- layout ----------------------------------------------------------------------------
     @property
@@ -199,11 +237,18 @@ class Registration:
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "custom") -> Registration:
-        if "tensors" not in d:
-            raise ValueError("registration file needs a 'tensors' list")
+        """A registration from a file's mapping {'chunk_tokens': int, 'tensors': [...]}; any bad
+        field raises ValueError (never TypeError/AttributeError), before anything is allocated."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a registration must be a mapping with a 'tensors' list, got {type(d).__name__}")
+        tensors = d.get("tensors")
+        if not isinstance(tensors, list) or not tensors:
+            raise ValueError(f"a registration needs a non-empty 'tensors' list, got {tensors!r:.80}")
+        if len(tensors) > MAX_TENSORS:
+            raise ValueError(f"{len(tensors)} tensors exceed the maximum of {MAX_TENSORS}")
         return cls(
-            specs=tuple(TensorSpec.from_dict(t) for t in d["tensors"]),
-            chunk_tokens=int(d.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)),
+            specs=tuple(TensorSpec.from_dict(t) for t in tensors),
+            chunk_tokens=d.get("chunk_tokens", DEFAULT_CHUNK_TOKENS),
             name=name,
         )
 
@@ -228,6 +273,24 @@ class Registration:
             f"{self.name}: {self.num_tensors} tensors, {self.num_groups} groups, "
             f"c = {self.chunk_bytes:,} B per {self.chunk_tokens}-token chunk"
         )
+
+
+def _int(what: str, value: object, lo: int | None, hi: int | None) -> int:
+    """`value` as an int in [lo, hi]; bools, floats (1e20, 16.0) and other types are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{what} must be an integer, got {value!r:.80}")
+    v = int(value)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"<= {hi:,}" if lo is None else f"in {lo}..{hi:,}"
+        raise ValueError(f"{what} must be {bound}, got {v:,}")
+    return v
+
+
+def _check_text(value: str, what: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} {value!r} is not valid Unicode text") from None
 
 
 def _per_group(num_blocks: int | list[int] | tuple[int, ...], num_groups: int) -> list[int]:

@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
+import shutil
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +22,10 @@ from pathlib import Path
 PAPER_TOKENS = [32768, 65536, 131072, 262144, 393216, 524032]
 DEFAULT_SCALE = 1 / 64  # c = 249,152 B: the 524032-token sweep fits in about 2 GiB here
 REGISTRATION_NAMES = ("dsv4-flash", "dsv4-flash-mtp", "llama-like")
+MAX_WINDOW = 1 << 16  # = bsr_runtime.restore.MAX_WINDOW_CHUNKS (kept import-free for --help speed)
+MAX_COUNT = 1 << 20  # --repeat, --rounds, --load-concurrency: anything above is a typo
+TOKEN_ID_BYTES = 40  # a Python int token id in a list: the object and its slot
+MEMORY_HEADROOM = 0.9  # use at most this share of the available memory
 
 
 class CliError(Exception):
@@ -81,13 +89,56 @@ def parse_tokens(text: str) -> list[int]:
     return tokens
 
 
-def non_negative_int(text: str) -> int:
+def _int_arg(text: str, lo: int, hi: int | None = None) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    if v < lo:
+        raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise argparse.ArgumentTypeError(f"must be <= {hi}, got {v}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    return _int_arg(text, 0)
+
+
+def positive_int(text: str) -> int:
+    return _int_arg(text, 1)
+
+
+def window_int(text: str) -> int:
+    """W in chunks: 0 (whole plan) .. MAX_WINDOW."""
+    return _int_arg(text, 0, MAX_WINDOW)
+
+
+def count_int(text: str) -> int:
+    return _int_arg(text, 1, MAX_COUNT)
+
+
+def parse_windows(text: str) -> list[int]:
+    """A comma-separated list of positive window sizes."""
+    try:
+        return [_int_arg(t, 1, MAX_WINDOW) for t in text.replace(" ", "").split(",") if t] or _no_windows(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"--windows must be positive window sizes up to {MAX_WINDOW}: {e}") from None
+
+
+def _no_windows(text: str) -> list[int]:
+    raise argparse.ArgumentTypeError(f"no window size in {text!r}")
+
+
+def seconds_type(text: str) -> float:
+    """A timeout: a finite number of seconds in (0, threading.TIMEOUT_MAX]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(v) or not 0 < v <= threading.TIMEOUT_MAX:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds in (0, {threading.TIMEOUT_MAX:g}], "
+                                         f"got {text!r}")
     return v
 
 
@@ -116,8 +167,8 @@ def load_registration(name: str, scale: float):
     path = Path(name)
     if not path.is_file():
         raise CliError(f"--registration {name!r} is neither one of {', '.join(REGISTRATION_NAMES)} nor a file")
-    text = path.read_text()
     try:
+        text = path.read_text()
         if path.suffix in (".yaml", ".yml"):
             import yaml
 
@@ -147,7 +198,7 @@ def _common(p: argparse.ArgumentParser, *, tier_default: str = "fs") -> None:
                    help=f"where the state is stored and restored from (default {tier_default})")
     g.add_argument("--root", help="fs tier: keep the objects in this existing directory (default: a temporary "
                                   "directory, removed afterwards)")
-    g.add_argument("--load-concurrency", type=int, default=None,
+    g.add_argument("--load-concurrency", type=count_int, default=None,
                    help="fs tier: parallel object reads (default $LMCACHE_FS_LOAD_CONCURRENCY or 1)")
     g.add_argument("--mooncake-master", metavar="HOST:PORT",
                    help="use an existing mooncake_master (default: start one on 127.0.0.1 and stop it after)")
@@ -156,7 +207,8 @@ def _common(p: argparse.ArgumentParser, *, tier_default: str = "fs") -> None:
     r = p.add_argument_group("restore")
     r.add_argument("--depth", type=int, choices=(1, 2), default=2,
                    help="pipeline depth: 2 fetches window j+1 while window j installs (default 2)")
-    r.add_argument("--timeout", type=float, default=120.0, help="fetch timeout per window, seconds (default 120)")
+    r.add_argument("--timeout", type=seconds_type, default=120.0,
+                   help="fetch timeout per window, seconds (default 120)")
     r.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "cuda"),
                    help="install backend (default auto)")
     o = p.add_argument_group("output")
@@ -189,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "peak staging against prefix length.")
     _common(d, tier_default="auto")
     d.add_argument("--tokens", type=parse_tokens, default=PAPER_TOKENS, help="prefix lengths (default the paper's)")
-    d.add_argument("--window", type=non_negative_int, default=32, help="W in chunks (default 32)")
+    d.add_argument("--window", type=window_int, default=32, help="W in chunks (default 32)")
     d.add_argument("--plot", default="bsr_demo_peak_staging.png", help="PNG to write (default %(default)s)")
     d.set_defaults(func=cmd_demo)
 
@@ -198,9 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "length at --window (and at W=0 with --baseline); one row per (tokens, W).")
     _common(s)
     s.add_argument("--tokens", type=parse_tokens, default=PAPER_TOKENS, help="comma-separated prefix lengths")
-    s.add_argument("--window", type=non_negative_int, default=32, help="W in chunks (0 = whole plan; default 32)")
+    s.add_argument("--window", type=window_int, default=32, help="W in chunks (0 = whole plan; default 32)")
     s.add_argument("--baseline", action="store_true", help="also run the whole-plan path (W=0) for every length")
-    s.add_argument("--repeat", type=int, default=1, help="runs per row; the median is reported (default 1)")
+    s.add_argument("--repeat", type=count_int, default=1, help="runs per row; the median is reported (default 1)")
     s.add_argument("--plot", help="PNG of peak staging against prefix length")
     s.set_defaults(func=cmd_sweep)
 
@@ -208,8 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Restores one prefix (default 262144 tokens) at W in {8,16,32,64}; peak "
                                    "staging must be W*c. Seconds are descriptive only.")
     _common(w)
-    w.add_argument("--tokens", type=int, default=262144, help="prefix length (default 262144)")
-    w.add_argument("--windows", default="8,16,32,64", help="comma-separated W values (default 8,16,32,64)")
+    w.add_argument("--tokens", type=positive_int, default=262144, help="prefix length (default 262144)")
+    w.add_argument("--windows", type=parse_windows, default=[8, 16, 32, 64],
+                   help="comma-separated W values (default 8,16,32,64)")
     w.add_argument("--plot", help="PNG of peak staging against W")
     w.set_defaults(func=cmd_wlaw)
 
@@ -220,8 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(la)
     la.add_argument("--tokens", type=parse_tokens, default=[32768, 131072, 262144],
                     help="prefix lengths (default 32768,131072,262144)")
-    la.add_argument("--window", type=non_negative_int, default=32, help="BSR window W (default 32)")
-    la.add_argument("--first-rung", type=int, default=1 << 20, help="first capacity rung in bytes (default 1 MiB)")
+    la.add_argument("--window", type=window_int, default=32, help="BSR window W (default 32)")
+    la.add_argument("--first-rung", type=positive_int, default=1 << 20,
+                    help="first capacity rung in bytes (default 1 MiB)")
     la.add_argument("--plot", help="PNG of the first passing rung against prefix length")
     la.set_defaults(func=cmd_ladder)
 
@@ -231,8 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "exposed tokens, invalid blocks, force-local marker, staging leaked, tier that "
                                    "served.")
     _common(f)
-    f.add_argument("--tokens", type=int, default=8192, help="prefix length per scenario (default 8192)")
-    f.add_argument("--window", type=non_negative_int, default=4, help="W in chunks (default 4)")
+    f.add_argument("--tokens", type=positive_int, default=8192, help="prefix length per scenario (default 8192)")
+    f.add_argument("--window", type=window_int, default=4, help="W in chunks (default 4)")
     f.add_argument("--scenarios", default="all", help="comma-separated scenario names (default all)")
     f.set_defaults(func=cmd_faults)
 
@@ -240,11 +294,83 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Installs one window of W chunks for each W with every backend present "
                                    "(torch; Triton and CUDA on a GPU) and a contiguous copy of the same bytes.")
     _common(b)
-    b.add_argument("--windows", default="1,8,16,32,64", help="comma-separated W values (default 1,8,16,32,64)")
+    b.add_argument("--windows", type=parse_windows, default=[1, 8, 16, 32, 64],
+                   help="comma-separated W values (default 1,8,16,32,64)")
     b.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    b.add_argument("--rounds", type=int, default=5, help="timed rounds per case; the fastest counts (default 5)")
+    b.add_argument("--rounds", type=count_int, default=5, help="timed rounds per case; the fastest counts (default 5)")
     b.set_defaults(func=cmd_bench)
     return p
+
+
+# -- resource checks: refuse work that cannot fit here before allocating any of it ------------
+
+def kv_bytes(reg, num_chunks: int) -> int:
+    """Bytes of the destination tensors that hold `num_chunks` chunks (Registration.allocate)."""
+    tokens = num_chunks * reg.chunk_tokens
+    return sum(reg.blocks_needed(s.group, tokens) * s.block_size * s.entry_bytes for s in reg.specs)
+
+
+def available_memory() -> int:
+    """Memory this process may still use: MemAvailable, capped by a cgroup (v2) limit."""
+    avail = None
+    with contextlib.suppress(ImportError):
+        import psutil
+
+        avail = psutil.virtual_memory().available
+    if avail is None:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = min(avail, int(limit) - used)
+    return max(0, avail)
+
+
+def require_memory(what: str, parts: dict[str, int]) -> None:
+    """Raise CliError when `parts` (label -> bytes) do not fit in the available memory."""
+    need = sum(parts.values())
+    avail = available_memory()
+    if need > avail * MEMORY_HEADROOM:
+        detail = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items() if v)
+        raise CliError(f"{what} needs about {human_bytes(need)} of memory ({detail}) but {human_bytes(avail)} is "
+                       "available here; use shorter --tokens, a smaller --window or a smaller --scale")
+
+
+def require_disk(what: str, root: str | None, need: int) -> None:
+    path = root or tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(path).free
+        if need > free * MEMORY_HEADROOM:
+            raise CliError(f"{what} needs about {human_bytes(need)} of disk in {path} but {human_bytes(free)} is "
+                           "free; use shorter --tokens or a smaller --scale")
+
+
+def _tier_bytes(reg, tier_names: list[str], num_chunks: int, l1_chunks: int = 0) -> int:
+    """Memory a tier holding `num_chunks` objects takes here (Mooncake segments, LMCache's L1)."""
+    c = reg.chunk_bytes
+    mem = 0
+    for name in tier_names:
+        if name.endswith("mooncake"):
+            mem = max(mem, num_chunks * c)
+        if name.startswith("lmcache-"):
+            mem = max(mem, (l1_chunks + 2) * (c + 4096) + (num_chunks * c if name.endswith("mooncake") else 0))
+    return mem
+
+
+def _require_tier_disk(reg, tier_names: list[str], num_chunks: int, root: str | None) -> None:
+    if any(name.endswith("fs") for name in tier_names):
+        require_disk("this run", root, num_chunks * (reg.chunk_bytes + 4096))
+
+
+def check_sweep_fits(args, reg, tier_names: list[str], max_chunks: int, windows: list[int]) -> None:
+    c, kv = reg.chunk_bytes, kv_bytes(reg, max_chunks)
+    staging = sum(w * c for w in windows if w) + (max_chunks * c if 0 in windows else 0)
+    l1 = max_chunks if 0 in windows else max(windows)
+    require_memory("this run", {
+        "source state": kv, "destinations": kv, "token ids": max_chunks * reg.chunk_tokens * TOKEN_ID_BYTES,
+        "staging": staging + min(32, max_chunks) * c, "tier": _tier_bytes(reg, tier_names, max_chunks, l1)})
+    _require_tier_disk(reg, tier_names, max_chunks, args.root)
 
 
 # -- shared pieces --------------------------------------------------------------------------
@@ -286,6 +412,7 @@ def _sweep_rows(args, reg, tier_names, tokens, windows, progress, repeat=1, max_
     max_chunks = max(tokens) // reg.chunk_tokens
     if max_chunks == 0:
         raise CliError(f"the longest prefix must hold at least one {reg.chunk_tokens}-token chunk")
+    check_sweep_fits(args, reg, tier_names, max_chunks, windows)
     progress.say(f"building the source state of {max_chunks} chunks "
                  f"({human_bytes(max_chunks * reg.chunk_bytes)})")
     src = make_source(reg, max_chunks, seed=0)
@@ -412,9 +539,7 @@ def cmd_sweep(args) -> int:
 def cmd_wlaw(args) -> int:
     progress = Progress(args.quiet)
     reg = load_registration(args.registration, args.scale)
-    windows = [int(w) for w in args.windows.split(",")]
-    if any(w <= 0 for w in windows):
-        raise CliError("--windows must be positive window sizes")
+    windows = args.windows
     print(reg.describe())
     rows = _sweep_rows(args, reg, _tier_names(args), [args.tokens], windows, progress)
     print_table(["tier", "W", "peak staging", "W*c", "peak == W*c", "seconds (descriptive)"],
@@ -446,6 +571,13 @@ def cmd_ladder(args) -> int:
         raise CliError("the ladder through LMCache's L1 is benchmarks/lmcache_ladder.py; "
                        "bsr ladder runs on the fs and mooncake tiers")
     max_chunks = max(args.tokens) // reg.chunk_tokens
+    if max_chunks == 0:
+        raise CliError(f"the longest prefix must hold at least one {reg.chunk_tokens}-token chunk")
+    c, kv = reg.chunk_bytes, kv_bytes(reg, max_chunks)
+    require_memory("this run", {
+        "source state": kv, "destinations": kv, "token ids": max_chunks * reg.chunk_tokens * TOKEN_ID_BYTES,
+        "staging": (max_chunks + args.window + min(32, max_chunks)) * c, "tier": _tier_bytes(reg, tiers, max_chunks)})
+    _require_tier_disk(reg, tiers, max_chunks, args.root)
     src = make_source(reg, max_chunks, seed=0)
     dst = Destinations(reg, max_chunks, seed=1)
     rows = []
@@ -487,6 +619,12 @@ def cmd_faults(args) -> int:
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
         raise CliError(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
+    long = 3 * chunks
+    require_memory("this run", {
+        "source states": 2 * kv_bytes(reg, long) + 2 * kv_bytes(reg, chunks),
+        "token ids": 2 * (long + chunks) * reg.chunk_tokens * TOKEN_ID_BYTES,
+        "staging": (args.window + 4) * reg.chunk_bytes, "tier": (long + chunks) * reg.chunk_bytes})
+    require_disk("this run", None, 2 * (long + chunks) * (reg.chunk_bytes + 4096))
     rows = []
     with progress.bar(len(scenarios), "fault matrix", "scenario") as bar:
         for scenario in scenarios:  # one at a time, so the bar moves
@@ -511,7 +649,11 @@ def cmd_bench(args) -> int:
 
     reg = load_registration(args.registration, args.scale)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    windows = [int(w) for w in args.windows.split(",")]
+    windows = args.windows
+    w_max = max(windows)
+    if device == "cpu":
+        require_memory("this run", {"destinations": kv_bytes(reg, w_max), "staging and copies": 3 * w_max *
+                                     reg.chunk_bytes})
     print(f"{reg.describe()} on {device}")
     rows = bench_install(reg, windows, device=device, rounds=args.rounds)
     print_table(["W", "bytes", "backend", "GB/s", "contiguous GB/s", "ratio"],
@@ -531,9 +673,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (CliError, ValueError, TierError, MooncakeMasterError, OSError, TimeoutError) as e:
-        print(f"bsr {args.command}: error: {e}".splitlines()[0], file=sys.stderr)
-        return 2
+        return _one_line_error(args.command, f"error: {e}", 2)
+    except MemoryError:
+        return _one_line_error(args.command, "error: out of memory (use shorter --tokens or a smaller --scale)", 2)
     except KeyboardInterrupt:
         print(f"bsr {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - still one line, never a traceback (BSR_DEBUG=1 shows it)
+        if os.environ.get("BSR_DEBUG"):
+            raise
+        if isinstance(e, RuntimeError) and "allocate" in str(e):  # torch's allocator gave up
+            return _one_line_error(args.command, f"error: out of memory: {e}", 2)
+        return _one_line_error(args.command, f"internal error: {type(e).__name__}: {e} "
+                                             "(set BSR_DEBUG=1 for the traceback)", 3)
+
+
+def _one_line_error(command: str, message: str, code: int) -> int:
+    lines = f"bsr {command}: {message}".splitlines() or [f"bsr {command}: error"]
+    print(lines[0], file=sys.stderr)
+    return code
 
