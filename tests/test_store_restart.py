@@ -111,3 +111,82 @@ def test_master_restart_between_restores(w, depth):
         print(f"\nW={w} depth={depth}: " + "; ".join(f"{lbl}: ok={ok}" + (f" ({err})" if err else "")
                                                    for lbl, ok, err in outcomes))
     assert not master.running()
+
+
+@pytest.mark.parametrize("w,depth", [(1, 1), (2, 2)])
+def test_master_restart_while_restore_in_flight(w, depth):
+    """The master restarts while a restore has a fetch in flight (the fetch worker is held at its
+    second window until the restart completed). The restore fails closed and leaks nothing: the
+    byte budget and the staging pool are back to zero. A restore right after the restart works
+    (state hash equal) or fails closed; once the prefix is stored again it restores."""
+    import threading
+
+    from conftest import _require_mooncake
+
+    _require_mooncake()
+    from bsr_harness.mooncake_launcher import MooncakeMaster
+    from bsr_runtime.admission import ByteBudget
+    from bsr_runtime.tiers.mooncake import MooncakeTier
+
+    reg = presets.dsv4_flash(scale=1 / 64)
+    n = 6
+    src = make_source(reg, n, seed=91 + w)
+    keys = PrefixKeys(src.keyspace, src.tokens, reg.chunk_tokens)
+    dst = Destinations(reg, n, seed=92)
+    budget = ByteBudget(4 * reg.chunk_bytes)
+    master = MooncakeMaster().start()
+    tier = None
+    restorer = BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
+                                                  fetch_timeout_s=20.0), admission=budget)
+    try:
+        tier = MooncakeTier(reg.chunk_bytes, reg.fingerprint, master.master_address, master.metadata_server,
+                            global_segment_size=64 << 20, rpc_timeout_s=3)
+        expected = store_source(src, tier, window_chunks=4)
+        fetches, held, go = [], threading.Event(), threading.Event()
+
+        def hold_second_fetch(ks) -> None:
+            fetches.append(list(ks))
+            if len(fetches) == 2:
+                held.set()
+                go.wait(60)
+
+        tier.faults.fail_fetch = hold_second_fetch
+        dst.poison()
+        box = {}
+        req = RestoreRequest("in-flight", src.tokens, src.keyspace, dst.kv, dst.tables)
+        t = threading.Thread(target=lambda: box.setdefault("rep", restorer.restore(req, tier, n)))
+        t.start()
+        try:
+            assert held.wait(60), "the second window's fetch never started"
+            master.restart()
+        finally:
+            go.set()
+            t.join(120)
+        tier.faults.fail_fetch = None
+        assert not t.is_alive(), "restore hung after the master restart"
+        rep = box["rep"]
+        assert not rep.ok and rep.committed_tokens == 0, f"committed across a master restart: {rep}"
+        assert rep.error, rep
+        print(f"\nW={w} depth={depth}: restore in flight across the restart: {rep.error}")
+        assert budget.used_bytes == 0, "byte budget leaked"
+        assert restorer.pool.live_bytes == 0, "staging leaked"
+
+        dst.poison()  # right after the restart: works (hash equal) or fails closed
+        rep = restorer.restore(RestoreRequest("after", src.tokens, src.keyspace, dst.kv, dst.tables), tier, n)
+        assert (rep.ok and state_hash(reg, dst.kv, dst.tables, n) == expected) or \
+            (not rep.ok and rep.committed_tokens == 0)
+        assert budget.used_bytes == 0 and restorer.pool.live_bytes == 0
+
+        _retry(lambda: store_source(src, tier, window_chunks=4), "put")
+        assert _retry(lambda: probe_prefix(tier, keys), "probe").prefix_chunks == n
+        dst.poison()
+        rep = restorer.restore(RestoreRequest("re-stored", src.tokens, src.keyspace, dst.kv, dst.tables), tier, n)
+        assert rep.ok, rep.error
+        assert state_hash(reg, dst.kv, dst.tables, n) == expected
+        assert budget.used_bytes == 0 and restorer.pool.live_bytes == 0
+    finally:
+        restorer.close()
+        if tier is not None:
+            tier.close()
+        master.stop()
+    assert not master.running()
