@@ -1,4 +1,4 @@
-"""Store restart (issue 7, item 6): the Mooncake master restarts between restores.
+"""Store restart (issue 7, item 6): the Mooncake master restarts between restores, and during one.
 
 A prefix is stored through a MooncakeTier client with a segment of its own and restored once
 (state hash equal). Then the master is restarted (every object and registration is lost) and:
