@@ -1,13 +1,17 @@
 """Soak (issue 7, item 5): many restore/fail cycles in one process on the filesystem tier.
 
 Each cycle restores one of a few stored prefixes with a fresh BoundedRestorer (random W and
-depth) and, in most cycles, one random fault: a corrupt object, a missing object (deleted,
-put back after), an eviction race (drop_after_probe), an unavailable tier, a failing fetch
-hook or a failing install. Healthy cycles must commit with the stored state hash, faulted
-ones must fail closed (ok=False, committed_tokens == 0). After a warm-up, resident memory,
-open file descriptors, threads (Python and native) and staging live bytes are recorded and must
-return to that baseline at the end (RSS within +64 MiB; Python threads exactly, fds and native
-threads no more than at the start); no warning may be emitted. The figures are printed (run with -s to see them).
+depth) and, in most cycles, one random fault: a corrupt object, a missing object (deleted, put
+back after), an eviction race (drop_after_probe), an unavailable tier, a failing fetch hook, a
+failing install, a slow fetch (every fetch completes DELAY_S late, well within the timeout: must
+still commit) or a fetch timeout (completions DELAY_S late against a fetch timeout of TIMEOUT_S:
+fails closed with FetchTimeoutError; the late completion lands after the restore returned and
+must not leak a slot, a thread or a byte). Healthy cycles must commit with the stored state
+hash, faulted ones must fail closed (ok=False, committed_tokens == 0). After a warm-up, resident
+memory, open file descriptors, threads (Python and native) and staging live bytes are recorded
+and must return to that baseline at the end (RSS within +64 MiB; Python threads exactly, fds and
+native threads no more than at the start); no warning may be emitted. The figures are printed
+(run with -s to see them).
 """
 
 from __future__ import annotations
@@ -37,7 +41,11 @@ psutil = pytest.importorskip("psutil")
 CYCLES = 2000
 WARMUP = 20
 RSS_MARGIN = 64 << 20
-FAULTS = [None, None, "corrupt", "missing", "drop_after_probe", "unavailable", "fail_fetch", "install"]
+FAULTS = [None, None, "corrupt", "missing", "drop_after_probe", "unavailable", "fail_fetch", "install", "delay",
+          "timeout"]
+DELAY_S = 0.02
+TIMEOUT_S = 0.005
+SETTLE_S = 10.0  # late completions (timer threads) of the last cycles finish well within this
 
 
 def _snapshot(proc) -> dict:
@@ -88,26 +96,34 @@ def test_soak_restore_fail_cycles(tmp_path):
                         if victim in ks:
                             raise MissingObjectError(f"injected: {victim}")
                     tier.plan.fail_fetch = fail
+                elif fault in ("delay", "timeout"):
+                    tier.plan.delay_s = DELAY_S
                 elif fault == "install":
                     bad_window = rng.randrange(count_windows(n, w, depth))  # later windows too: no partial commit
 
                     make_installer = InstallFault(bad_window, once=False).make
                 dst.poison()
                 req = RestoreRequest(f"soak-{cycle}", src.tokens, src.keyspace, dst.kv, dst.tables)
+                timeout = TIMEOUT_S if fault == "timeout" else 30.0
                 with BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
-                                                        fetch_timeout_s=30.0),
+                                                        fetch_timeout_s=timeout),
                                      make_installer=make_installer) as restorer:
                     rep = restorer.restore(req, tier, n)
                     assert restorer.pool.live_bytes == 0
                 tier.clear()
                 if fault in ("missing", "drop_after_probe"):
                     store_source(src, tier, window_chunks=4)  # put the evicted object back
-                if fault is None:
-                    assert rep.ok, f"cycle {cycle}: {rep.error}"
+                if fault in (None, "delay"):
+                    assert rep.ok, f"cycle {cycle} ({fault}): {rep.error}"
                     assert state_hash(reg, dst.kv, dst.tables, n) == expected
                 else:
                     assert not rep.ok and rep.committed_tokens == 0, f"cycle {cycle} ({fault}) committed"
+                    if fault == "timeout":
+                        assert "FetchTimeoutError" in rep.error, f"cycle {cycle}: {rep.error}"
             elapsed = time.monotonic() - t0
+            settle = time.monotonic() + SETTLE_S  # the last late completions (timer threads) finish
+            while threading.active_count() > base["py_threads"] and time.monotonic() < settle:
+                time.sleep(0.01)
             end = _snapshot(proc)
         finally:
             tier.close()
