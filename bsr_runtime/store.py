@@ -17,6 +17,7 @@ from .keys import KeySpace, PrefixKeys
 from .plan import Window, plan_windows
 from .state_hash import ChunkHasher
 from .tiers.base import Tier
+from .validation import check_int
 from .window_loop import WindowFailed, WindowLoop
 
 
@@ -77,7 +78,7 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
     if isinstance(window_chunks, bool) or not isinstance(window_chunks, int) or window_chunks <= 0:
         raise ValueError(f"store window must be a positive integer, got {window_chunks!r}")
     keys = PrefixKeys(keyspace, tokens, reg.chunk_tokens)
-    n_total = keys.num_chunks if num_chunks is None else num_chunks
+    n_total = keys.num_chunks if num_chunks is None else check_int("num_chunks", num_chunks, lo=0, hi=keys.num_chunks)
     kv, tables = check_destinations(reg, kv, block_tables, 0, n_total)
     pool = StagingPool(reg.chunk_bytes, max(1, min(window_chunks, n_total)))
     loop = WindowLoop(admission or SerialAdmission(), reg.chunk_bytes, stream)

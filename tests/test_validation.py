@@ -191,3 +191,20 @@ def test_tp_geometry_is_integers(kw):
 def test_unicode_salt_works():
     a, b = KeySpace(REG.fingerprint, salt="tenant-é-😀"), KeySpace(REG.fingerprint, salt="tenant-e")
     assert a.key(b"\0" * 16) != b.key(b"\0" * 16)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(window_chunks=math.nan), "store window"), (dict(window_chunks=2.5), "store window"),
+    (dict(window_chunks=0), "store window"), (dict(window_chunks=True), "store window"),
+    (dict(num_chunks=2.5), "num_chunks"), (dict(num_chunks=-1), "num_chunks"), (dict(num_chunks=4), "num_chunks"),
+])
+def test_store_knobs_validated(kw, match):
+    """store_prefix: W and the chunk count are integers in range, checked before any byte is put."""
+    from bsr_harness.experiments import make_source
+    from bsr_runtime.store import store_prefix
+
+    src = make_source(REG, 3, seed=31)
+    tier = _tier()
+    with pytest.raises(ValueError, match=match):
+        store_prefix(REG, tier, src.keyspace, src.tokens, src.kv, src.block_tables, **kw)
+    assert len(tier) == 0  # nothing was put
