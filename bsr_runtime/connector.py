@@ -206,6 +206,7 @@ class BSRConnector:
         return best
 
     def update_state_after_alloc(self, request, block_ids_per_group, num_external_tokens: int) -> None:
+        check_int("num_external_tokens", num_external_tokens)
         rid = _request_id(request)
         with self._lock:
             entry = self._plans.pop(rid, None)

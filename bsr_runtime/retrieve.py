@@ -198,6 +198,8 @@ class Retriever:
         holding it. Stops at the first tier with every candidate chunk. Never raises on a tier
         failure: a tier that fails its probe counts as a miss."""
         keys = PrefixKeys(keyspace, tokens, self.reg.chunk_tokens)
+        if max_chunks is not None:
+            check_int("max_chunks", max_chunks)
         cand = keys.num_chunks if max_chunks is None else max(0, min(max_chunks, keys.num_chunks))
         best = Plan(0, None, NO_TIER)
         if cand == 0:

@@ -208,3 +208,15 @@ def test_store_knobs_validated(kw, match):
     with pytest.raises(ValueError, match=match):
         store_prefix(REG, tier, src.keyspace, src.tokens, src.kv, src.block_tables, **kw)
     assert len(tier) == 0  # nothing was put
+
+
+@pytest.mark.parametrize("value", [2.5, math.nan, "3", None])
+def test_plan_and_alloc_counts_validated(conn_setup, value):
+    conn, sp = conn_setup
+    req = ConnectorRequest("r", sp.tokens)
+    if value is not None:
+        with pytest.raises(ValueError, match="max_chunks"):
+            conn.retriever.plan(sp.tokens, sp.keyspace, value)
+    tokens, _ = conn.get_num_new_matched_tokens(req, 0)
+    with pytest.raises(ValueError, match="num_external_tokens"):
+        conn.update_state_after_alloc(req, [[0] * 64], value)
