@@ -102,5 +102,10 @@ def _token_bytes(chunk: Sequence[int]) -> bytes:
         import numpy as np
 
         return np.asarray(chunk, dtype=np.int64).tobytes()
+    except OverflowError:
+        raise ValueError("a token id is outside the int64 range") from None
     except (ImportError, TypeError):
-        return b"".join(int(t).to_bytes(8, "little", signed=True) for t in chunk)
+        try:
+            return b"".join(int(t).to_bytes(8, "little", signed=True) for t in chunk)
+        except OverflowError:
+            raise ValueError("a token id is outside the int64 range") from None

@@ -146,7 +146,7 @@ def test_token_ids_must_be_integers(conn_setup, mutate):
     with pytest.raises(ValueError, match="token id"):
         conn.get_num_new_matched_tokens(ConnectorRequest("r", bad), 0)
     with pytest.raises(ValueError, match="token id"):
-        PrefixKeys(sp.keyspace, bad, REG.chunk_tokens)
+        PrefixKeys(sp.keyspace, bad, REG.chunk_tokens).window(0, 1)
 
 
 def test_integer_token_containers_accepted(conn_setup):
