@@ -11,6 +11,7 @@ import time
 import pytest
 from restore_util import fresh_request, store_random_prefix
 
+from bsr_harness.faulty_tier import FaultyTier
 from bsr_kernels import presets
 from bsr_runtime.admission import ByteBudget
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig
@@ -24,7 +25,7 @@ MESSAGE = "not thread-safe: one restore at a time per restorer"
 
 @pytest.fixture
 def stored():
-    tier = MemoryTier(REG.chunk_bytes, REG.fingerprint)
+    tier = FaultyTier(MemoryTier(REG.chunk_bytes, REG.fingerprint))
     return tier, store_random_prefix(REG, tier, N, seed=61)
 
 
@@ -40,7 +41,7 @@ def test_second_concurrent_restore_is_refused(stored):
     result = {}
     with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=2, pipeline_depth=2), admission=budget) as r:
         first_req = fresh_request(sp, seed=62, request_id="first")
-        tier.faults.fail_fetch = hold
+        tier.plan.fail_fetch = hold
         t = threading.Thread(target=lambda: result.setdefault("rep", r.restore(first_req, tier, N)))
         t.start()
         try:
@@ -49,7 +50,7 @@ def test_second_concurrent_restore_is_refused(stored):
             with pytest.raises(RuntimeError, match=MESSAGE):
                 r.restore(second_req, tier, N)
         finally:
-            tier.faults.fail_fetch = None
+            tier.plan.fail_fetch = None
             release.set()
             t.join(30)
         assert not t.is_alive()
@@ -70,7 +71,7 @@ def test_four_threads_on_one_restorer_never_time_out(stored):
     reqs = [fresh_request(sp, seed=70 + i, request_id=f"t{i}") for i in range(4)]
     results: list[list] = [[] for _ in range(4)]
     start = threading.Barrier(4)
-    tier.faults.fail_fetch = lambda keys: time.sleep(0.01)  # slow fetches: the restores overlap
+    tier.plan.fail_fetch = lambda keys: time.sleep(0.01)  # slow fetches: the restores overlap
     with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=2, pipeline_depth=2, fetch_timeout_s=2),
                          admission=budget) as r:
         def work(i: int) -> None:

@@ -124,6 +124,7 @@ def test_master_restart_while_restore_in_flight(w, depth):
     from conftest import _require_mooncake
 
     _require_mooncake()
+    from bsr_harness.faulty_tier import FaultyTier
     from bsr_harness.mooncake_launcher import MooncakeMaster
     from bsr_runtime.admission import ByteBudget
     from bsr_runtime.tiers.mooncake import MooncakeTier
@@ -142,6 +143,7 @@ def test_master_restart_while_restore_in_flight(w, depth):
         tier = MooncakeTier(reg.chunk_bytes, reg.fingerprint, master.master_address, master.metadata_server,
                             global_segment_size=64 << 20, rpc_timeout_s=3)
         expected = store_source(src, tier, window_chunks=4)
+        faulty = FaultyTier(tier, close_inner=False)  # holds the restore at its second window's fetch
         fetches, held, go = [], threading.Event(), threading.Event()
 
         def hold_second_fetch(ks) -> None:
@@ -150,11 +152,11 @@ def test_master_restart_while_restore_in_flight(w, depth):
                 held.set()
                 go.wait(60)
 
-        tier.faults.fail_fetch = hold_second_fetch
+        faulty.plan.fail_fetch = hold_second_fetch
         dst.poison()
         box = {}
         req = RestoreRequest("in-flight", src.tokens, src.keyspace, dst.kv, dst.tables)
-        t = threading.Thread(target=lambda: box.setdefault("rep", restorer.restore(req, tier, n)))
+        t = threading.Thread(target=lambda: box.setdefault("rep", restorer.restore(req, faulty, n)))
         t.start()
         try:
             assert held.wait(60), "the second window's fetch never started"
@@ -162,7 +164,7 @@ def test_master_restart_while_restore_in_flight(w, depth):
         finally:
             go.set()
             t.join(120)
-        tier.faults.fail_fetch = None
+        faulty.plan.fail_fetch = None
         assert not t.is_alive(), "restore hung after the master restart"
         rep = box["rep"]
         assert not rep.ok and rep.committed_tokens == 0, f"committed across a master restart: {rep}"
@@ -172,7 +174,7 @@ def test_master_restart_while_restore_in_flight(w, depth):
         assert restorer.pool.live_bytes == 0, "staging leaked"
 
         dst.poison()  # right after the restart: works (hash equal) or fails closed
-        rep = restorer.restore(RestoreRequest("after", src.tokens, src.keyspace, dst.kv, dst.tables), tier, n)
+        rep = restorer.restore(RestoreRequest("after", src.tokens, src.keyspace, dst.kv, dst.tables), faulty, n)
         assert (rep.ok and state_hash(reg, dst.kv, dst.tables, n) == expected) or \
             (not rep.ok and rep.committed_tokens == 0)
         assert budget.used_bytes == 0 and restorer.pool.live_bytes == 0
@@ -180,7 +182,7 @@ def test_master_restart_while_restore_in_flight(w, depth):
         _retry(lambda: store_source(src, tier, window_chunks=4), "put")
         assert _retry(lambda: probe_prefix(tier, keys), "probe").prefix_chunks == n
         dst.poison()
-        rep = restorer.restore(RestoreRequest("re-stored", src.tokens, src.keyspace, dst.kv, dst.tables), tier, n)
+        rep = restorer.restore(RestoreRequest("re-stored", src.tokens, src.keyspace, dst.kv, dst.tables), faulty, n)
         assert rep.ok, rep.error
         assert state_hash(reg, dst.kv, dst.tables, n) == expected
         assert budget.used_bytes == 0 and restorer.pool.live_bytes == 0
