@@ -36,3 +36,14 @@ def test_bad_specs_are_one_line_errors(spec, needle):
     with pytest.raises(ValueError, match=needle) as ei:
         make_tier(REG, spec)
     assert "\n" not in str(ei.value)
+
+
+@pytest.mark.parametrize("option,value", [
+    ("connect_timeout_s", float("inf")), ("rpc_timeout_s", float("nan")), ("connect_timeout_s", 0),
+    ("fetch_workers", 0), ("verify_threads", 1.5), ("global_segment_size", -1), ("verify", "yes"),
+])
+def test_mooncake_options_are_checked_before_connecting(option, value):
+    # 127.0.0.1:1 is never contacted: the options are refused first
+    with pytest.raises(ValueError, match=option):
+        make_tier(REG, {"type": "mooncake", "master_address": "127.0.0.1:1",
+                        "metadata_server": "http://127.0.0.1:1/metadata", option: value})

@@ -57,15 +57,18 @@ runs its own native threads (heartbeat, transfer engine), which its close() stop
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..validation import check_int, check_text, check_timeout
 from .base import (
     CorruptObjectError,
     FetchHandle,
@@ -95,42 +98,57 @@ def _split(start: int, end: int, ways: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
+@dataclass(frozen=True)
+class MooncakeTierOptions:
+    """How a MooncakeTier's client connects and moves data; every field is checked here."""
+
+    protocol: str = "tcp"  # "rdma" on real clusters
+    local_hostname: str = "127.0.0.1"
+    global_segment_size: int = 512 << 20  # this client's segment of the store (0: a pure client)
+    local_buffer_size: int = 16 << 20
+    device_name: str = ""
+    connect_timeout_s: float = 10.0
+    rpc_timeout_s: float = 5.0
+    tenant_id: str = "default"
+    verify: bool = True  # CRC-32C of every payload on fetch
+    fetch_workers: int = 2
+    verify_batch_bytes: int = 4 << 20  # sub-batch of a fetch verified while the next one lands
+    verify_threads: int = 1
+    put_batch_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("protocol", "local_hostname", "device_name", "tenant_id"):
+            check_text(name, getattr(self, name))
+        for name in ("connect_timeout_s", "rpc_timeout_s"):
+            check_timeout(name, getattr(self, name))
+        for name in ("global_segment_size", "local_buffer_size"):
+            check_int(name, getattr(self, name), lo=0)
+        for name in ("fetch_workers", "verify_threads", "verify_batch_bytes", "put_batch_bytes"):
+            check_int(name, getattr(self, name), lo=1)
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"verify must be a bool, got {self.verify!r}")
+
+
 class MooncakeTier(Tier):
     """A tier backed by a Mooncake store; see the module docstring for the data path."""
 
     name = "mooncake"
 
-    def __init__(
-        self,
-        chunk_bytes: int,
-        fingerprint: str,
-        master_address: str,
-        metadata_server: str,
-        *,
-        protocol: str = "tcp",
-        local_hostname: str = "127.0.0.1",
-        global_segment_size: int = 512 << 20,
-        local_buffer_size: int = 16 << 20,
-        device_name: str = "",
-        connect_timeout_s: float = 10.0,
-        rpc_timeout_s: float = 5.0,
-        tenant_id: str = "default",
-        verify: bool = True,
-        fetch_workers: int = 2,
-        verify_batch_bytes: int = 4 << 20,
-        verify_threads: int = 1,
-        put_batch_bytes: int = 64 << 20,
-    ) -> None:
+    def __init__(self, chunk_bytes: int, fingerprint: str, master_address: str, metadata_server: str,
+                 options: MooncakeTierOptions | None = None, **overrides) -> None:
+        """`options` (or keyword overrides of its fields) configure the client; see MooncakeTierOptions."""
+        o = dataclasses.replace(options or MooncakeTierOptions(), **overrides)
         super().__init__(chunk_bytes, fingerprint)
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.master_address = master_address
         self.metadata_server = metadata_server
-        self.protocol = protocol
-        self.local_hostname = local_hostname
-        self.tenant_id = tenant_id
-        self.verify = verify
-        self.connect_timeout_s = connect_timeout_s
+        self.options = o
+        self.protocol = o.protocol
+        self.local_hostname = o.local_hostname
+        self.tenant_id = o.tenant_id
+        self.verify = o.verify
+        self.connect_timeout_s = o.connect_timeout_s
         self._regions: list[tuple[int, int]] = []  # permanently registered [start, end)
         self._temp_regs: dict[int, tuple[int, int]] = {}  # ptr -> (size, refcount)
         self._reg_lock = threading.Lock()
@@ -140,23 +158,24 @@ class MooncakeTier(Tier):
         self._pending: dict[int, FetchHandle] = {}  # FetchHandle is unhashable (dataclass eq)
         self._pending_lock = threading.Lock()
         self.object_bytes = HEADER_SIZE + chunk_bytes
-        self.codec = ObjectCodec(fingerprint, tenant_id)
-        self._batch_objects = max(1, verify_batch_bytes // self.object_bytes)
-        self._put_objects = max(1, put_batch_bytes // self.object_bytes)
+        self.codec = ObjectCodec(fingerprint, o.tenant_id)
+        self._batch_objects = max(1, o.verify_batch_bytes // self.object_bytes)
+        self._put_objects = max(1, o.put_batch_bytes // self.object_bytes)
         self._sizes = [HEADER_SIZE, chunk_bytes]
         self.stats = {"fetches": 0, "get_calls": 0, "objects_verified": 0, "puts": 0, "temp_registrations": 0}
 
         store, self.rpc_timeout_s = connect_store(
-            master_address, metadata_server, protocol=protocol, local_hostname=local_hostname,
-            global_segment_size=global_segment_size, local_buffer_size=local_buffer_size, device_name=device_name,
-            connect_timeout_s=connect_timeout_s, rpc_timeout_s=rpc_timeout_s, tenant_id=tenant_id,
+            master_address, metadata_server, protocol=o.protocol, local_hostname=o.local_hostname,
+            global_segment_size=o.global_segment_size, local_buffer_size=o.local_buffer_size,
+            device_name=o.device_name, connect_timeout_s=o.connect_timeout_s, rpc_timeout_s=o.rpc_timeout_s,
+            tenant_id=o.tenant_id,
         )
         self._store = store
         self._headers = RegisteredBuffers(self._register_owned, self._unregister_owned)  # fetch header areas
         self._staging = RegisteredBuffers(self._register_owned, self._unregister_owned)  # put staging
-        workers = max(1, fetch_workers)
+        workers = o.fetch_workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bsr-mooncake-fetch")
-        self._verify_ways = max(1, verify_threads)
+        self._verify_ways = o.verify_threads
         self._verifiers = ThreadPoolExecutor(max_workers=workers * self._verify_ways,
                                              thread_name_prefix="bsr-mooncake-verify")
 
