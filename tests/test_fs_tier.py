@@ -106,7 +106,7 @@ def test_file_format(tier, root):
     assert rel == f"{h[:2]}/{h[2:4]}/{h}.bsr"
     raw = open(path, "rb").read()
     assert raw[:4] == b"BSR1"
-    magic, ver, algo, hsize, _, length, crc, _, fp, kd = fsmod._HEADER.unpack(raw[:96])
+    magic, ver, algo, hsize, _, length, crc, _, fp, kd = fsmod.HEADER_STRUCT.unpack(raw[:96])
     assert (ver, hsize, length) == (1, 96, SMALL)
     assert fp == FP.encode() and kd == fsmod.key_digest("k")
     assert crc == fsmod.payload_crc(algo, raw[96:])

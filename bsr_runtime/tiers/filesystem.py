@@ -1,24 +1,6 @@
 """FilesystemTier: one file per object under a root directory (local SSD, NFS, ...).
 
-File names
-    `<root>/ab/cd/<sha256(key) hex>.bsr`, where `ab`, `cd` are the first two byte pairs of the
-    hex digest. A key is never used as a path: whatever it contains ("../", "/", NUL, 10 kB of
-    text), it becomes 64 hex digits under two hex fan-out directories.
-
-File format (little endian), 96-byte header then the payload:
-
-    off  size  field
-      0     4  magic b"BSR1"
-      4     2  header version (1)
-      6     2  payload checksum algorithm: 1 = CRC-32 (zlib), 2 = CRC-32C (Castagnoli)
-      8     4  header size (96)
-     12     4  CRC-32 (zlib) of the 96 header bytes with this field zeroed
-     16     8  payload length (= chunk_bytes)
-     24     4  payload checksum
-     28     4  reserved (0)
-     32    32  registration fingerprint (32 ASCII hex chars; see `_fingerprint_bytes`)
-     64    32  sha256 of the key (detects a misplaced / renamed file)
-     96     -  payload, exactly chunk_bytes bytes
+File names and the file format are in `fs_format.py`.
 
 Writes are atomic: header+payload go to a temp file `.<hash>.<pid>.<tid>.<rand>.tmp` in the
 object's directory (optionally fsync'ed), then `os.replace` onto the final name. A crash leaves
@@ -42,14 +24,11 @@ LMCACHE_FS_LOAD_CONCURRENCY knob): more workers, more reads in flight, same stag
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import secrets
 import stat
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -73,68 +52,22 @@ from .base import (
     TierError,
     TierUnavailableError,
 )
-
-MAGIC = b"BSR1"
-HEADER_VERSION = 1
-_HEADER = struct.Struct("<4sHHIIQII32s32s")
-HEADER_SIZE = _HEADER.size
-assert HEADER_SIZE == 96
-_HEADER_CRC_OFFSET = 12
-SUFFIX = ".bsr"
-ENV_LOAD_CONCURRENCY = "LMCACHE_FS_LOAD_CONCURRENCY"
-
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC  # NONBLOCK: a FIFO must not hang us
-_TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC
-
-
-def key_digest(key: str) -> bytes:
-    """sha256 of the key's UTF-8 bytes (lone surrogates pass through, so any str maps)."""
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
-
-
-def object_relpath(key: str) -> str:
-    """The object's path relative to the root: `ab/cd/<64 hex>.bsr`."""
-    h = key_digest(key).hex()
-    return f"{h[0:2]}/{h[2:4]}/{h}{SUFFIX}"
-
-
-def _fingerprint_bytes(fingerprint: str) -> bytes:
-    """A registration fingerprint is 32 hex chars (Registration.fingerprint). Any other ASCII
-    string of at most 32 chars is stored NUL padded; anything else is replaced by the first 32
-    hex chars of its sha256, so every fingerprint has a fixed 32-byte form."""
-    try:
-        b = fingerprint.encode("ascii")
-    except UnicodeEncodeError:
-        b = None
-    if b is None or len(b) > 32 or b"\0" in b:
-        return hashlib.sha256(fingerprint.encode("utf-8", "surrogatepass")).hexdigest()[:32].encode()
-    return b.ljust(32, b"\0")
-
-
-def pack_header(fingerprint: bytes, digest: bytes, length: int, algo: int, crc: int) -> bytes:
-    h = bytearray(_HEADER.pack(MAGIC, HEADER_VERSION, algo, HEADER_SIZE, 0, length, crc, 0, fingerprint, digest))
-    struct.pack_into("<I", h, _HEADER_CRC_OFFSET, zlib.crc32(h))
-    return bytes(h)
-
-
-def _io_full(fn, fd: int, bufs: list, offset: int) -> int:
-    """preadv/pwritev until every buffer is done or EOF; returns the bytes moved."""
-    views = [memoryview(b).cast("B") for b in bufs]
-    total = 0
-    while views:
-        n = fn(fd, views, offset)
-        if n <= 0:
-            break
-        total += n
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    return total
+from .fs_format import (  # noqa: F401 - HEADER_SIZE, pack_header, key_digest: public here too
+    DIR_FLAGS,
+    ENV_LOAD_CONCURRENCY,
+    FILE_FLAGS,
+    HEADER_SIZE,
+    HEADER_STRUCT,
+    MAGIC,
+    SUFFIX,
+    TMP_FLAGS,
+    check_header,
+    fingerprint_bytes,
+    io_full,
+    key_digest,
+    object_relpath,
+    pack_header,
+)
 
 
 class _FetchState:
@@ -213,8 +146,8 @@ class FilesystemTier(Tier):
         self.load_concurrency = load_concurrency
         self.fsync = bool(fsync)
         self.object_size = HEADER_SIZE + chunk_bytes
-        self._fp = _fingerprint_bytes(fingerprint)
-        self._root_fd = os.open(self.root, _DIR_FLAGS)
+        self._fp = fingerprint_bytes(fingerprint)
+        self._root_fd = os.open(self.root, DIR_FLAGS)
         self._pool = ThreadPoolExecutor(max_workers=load_concurrency, thread_name_prefix="bsr-fs")
         self._lock = threading.Lock()
         self._inflight: set[_FetchState] = set()
@@ -241,7 +174,7 @@ class FilesystemTier(Tier):
                     except FileExistsError:
                         pass
                 try:
-                    fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                    fd = os.open(part, DIR_FLAGS, dir_fd=fd)
                 except OSError as e:
                     if e.errno in (errno.ENOTDIR, errno.ELOOP):
                         raise CorruptObjectError(
@@ -265,7 +198,7 @@ class FilesystemTier(Tier):
         except FileNotFoundError:
             raise MissingObjectError(f"filesystem tier: object {key} is not present") from None
         try:
-            fd = os.open(h + SUFFIX, _FILE_FLAGS, dir_fd=dfd)
+            fd = os.open(h + SUFFIX, FILE_FLAGS, dir_fd=dfd)
         except FileNotFoundError:
             raise MissingObjectError(f"filesystem tier: object {key} is not present") from None
         except OSError as e:
@@ -395,12 +328,12 @@ class FilesystemTier(Tier):
             if st.st_size != self.object_size:
                 self._raise_bad_size(fd, key, st.st_size)
             header = bytearray(HEADER_SIZE)
-            n = _io_full(os.preadv, fd, [header, arr], 0)
+            n = io_full(os.preadv, fd, [header, arr], 0)
         finally:
             os.close(fd)
         if n != self.object_size:
             raise CorruptObjectError(f"filesystem tier: object {key} is truncated ({n:,} of {self.object_size:,} B)")
-        algo, crc = self._check_header(key, bytes(header), digest)
+        algo, crc = check_header(key, bytes(header), digest, self._fp, self.fingerprint, self.chunk_bytes)
         if payload_crc(algo, arr) != crc:
             raise CorruptObjectError(f"filesystem tier: checksum mismatch for {key}")
         return self.chunk_bytes
@@ -408,7 +341,7 @@ class FilesystemTier(Tier):
     def _raise_bad_size(self, fd: int, key: str, size: int) -> None:
         head = os.pread(fd, HEADER_SIZE, 0) if size >= HEADER_SIZE else b""
         if len(head) == HEADER_SIZE and head[:4] == MAGIC:
-            fp = _HEADER.unpack(head)[8]
+            fp = HEADER_STRUCT.unpack(head)[8]
             if fp != self._fp:
                 raise CorruptObjectError(
                     f"filesystem tier: registration mismatch for {key}: written under "
@@ -418,31 +351,6 @@ class FilesystemTier(Tier):
             f"filesystem tier: object {key} has {size:,} B, expected {self.object_size:,} "
             f"({'truncated' if size < self.object_size else 'trailing bytes'})"
         )
-
-    def _check_header(self, key: str, header: bytes, digest: bytes) -> tuple[int, int]:
-        magic, version, algo, hsize, hcrc, length, crc, _, fp, kd = _HEADER.unpack(header)
-        if magic != MAGIC:
-            raise CorruptObjectError(f"filesystem tier: object {key} has bad magic {magic!r}")
-        zeroed = header[:_HEADER_CRC_OFFSET] + bytes(4) + header[_HEADER_CRC_OFFSET + 4 :]
-        if zlib.crc32(zeroed) != hcrc:
-            raise CorruptObjectError(f"filesystem tier: header checksum mismatch for {key}")
-        if version != HEADER_VERSION or hsize != HEADER_SIZE:
-            raise CorruptObjectError(
-                f"filesystem tier: object {key} has header version {version} size {hsize}, "
-                f"expected {HEADER_VERSION}/{HEADER_SIZE}"
-            )
-        if fp != self._fp:
-            raise CorruptObjectError(
-                f"filesystem tier: registration mismatch for {key}: written under "
-                f"{fp.rstrip(bytes(1)).decode('ascii', 'replace')}, this tier is {self.fingerprint}"
-            )
-        if length != self.chunk_bytes:
-            raise CorruptObjectError(
-                f"filesystem tier: object {key} declares {length:,} B, expected {self.chunk_bytes:,}"
-            )
-        if kd != digest:
-            raise CorruptObjectError(f"filesystem tier: object file for {key} holds another key (misplaced file)")
-        return algo, crc
 
     # -- put / delete ----------------------------------------------------------------------
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
@@ -473,10 +381,10 @@ class FilesystemTier(Tier):
         dfd = self._open_dir(h, create=True)
         try:
             tmp = f".{h}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp"
-            fd = os.open(tmp, _TMP_FLAGS, 0o644, dir_fd=dfd)
+            fd = os.open(tmp, TMP_FLAGS, 0o644, dir_fd=dfd)
             try:
                 try:
-                    n = _io_full(os.pwritev, fd, [header, arr], 0)
+                    n = io_full(os.pwritev, fd, [header, arr], 0)
                     if n != self.object_size:
                         raise TierError(f"filesystem tier: short write of {key} ({n} B)")
                     if self.fsync:

@@ -39,7 +39,7 @@ import torch
 
 from ._common import CRC32, CRC32C, DEFAULT_CHECKSUM, crc_at
 from .base import CorruptObjectError
-from .filesystem import _fingerprint_bytes
+from .fs_format import fingerprint_bytes as _fingerprint_bytes
 
 MAGIC = b"BSRO"
 VERSION = 1
