@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import queue
 import shutil
 import signal
 import socket
@@ -39,6 +38,8 @@ import urllib.error
 import urllib.request
 import weakref
 from pathlib import Path
+
+from bsr_harness.process_spawner import Spawner, kill_quietly
 
 HOST = "127.0.0.1"
 
@@ -98,56 +99,6 @@ def supports_multi_tenants(binary: str | None = None) -> bool:
     return "enable_multi_tenants" in _binary_help(binary or find_master_binary())
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the parent (thread: the spawner)
-    except Exception:  # pragma: no cover - non-Linux
-        pass
-
-
-class _Spawner:
-    """One daemon thread per process that forks every child, so that PR_SET_PDEATHSIG (tied to
-    the forking thread) fires only when the process itself goes. Restarted after os.fork()."""
-
-    _lock = threading.Lock()
-    _queue: queue.SimpleQueue | None = None
-    _pid: int | None = None
-
-    @classmethod
-    def popen(cls, args: list[str], **kw) -> subprocess.Popen:
-        if not sys.platform.startswith("linux"):  # pragma: no cover - no death signal elsewhere
-            return subprocess.Popen(args, **kw)
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        cls._started().put((args, kw, done))
-        ok, value = done.get()
-        if not ok:
-            raise value
-        return value
-
-    @classmethod
-    def _started(cls) -> queue.SimpleQueue:
-        with cls._lock:
-            if cls._queue is None or cls._pid != os.getpid():
-                cls._queue, cls._pid = queue.SimpleQueue(), os.getpid()
-                threading.Thread(target=cls._serve, args=(cls._queue,), name="bsr-mooncake-spawner",
-                                 daemon=True).start()
-            return cls._queue
-
-    @staticmethod
-    def _serve(requests: queue.SimpleQueue) -> None:
-        while True:
-            args, kw, done = requests.get()
-            try:
-                proc = subprocess.Popen(args, preexec_fn=_set_pdeathsig, **kw)  # noqa: PLW1509
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                done.put((False, e))
-            else:
-                done.put((True, proc))
-
-
 def _check_seconds(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or not 0 < value <= threading.TIMEOUT_MAX:
@@ -159,14 +110,6 @@ def _check_port(name: str, value: int | None) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536):
         raise ValueError(f"{name} must be a TCP port number in 1..65535, got {value!r}")
     return value
-
-
-def _kill_quietly(proc: subprocess.Popen | None) -> None:
-    if proc is not None and proc.poll() is None:
-        with contextlib.suppress(OSError):
-            proc.kill()
-        with contextlib.suppress(Exception):
-            proc.wait(timeout=5)
 
 
 class MooncakeMaster:
@@ -297,11 +240,11 @@ class MooncakeMaster:
         self._log.write(f"==== start {' '.join(args)}\n".encode())
         self._log.flush()
         t0 = time.monotonic()
-        self._proc = _Spawner.popen(args, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=self._log,
+        self._proc = Spawner.popen(args, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=self._log,
                                     stderr=subprocess.STDOUT)
         if self._finalizer is not None:
             self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _kill_quietly, self._proc)
+        self._finalizer = weakref.finalize(self, kill_quietly, self._proc)
         try:
             self._wait_ready(t0 + self.start_timeout_s)
         except BaseException:
@@ -440,10 +383,10 @@ class MooncakeStoreHost:
             "--logtostderr=true",
         ]
         log = open(self._workdir / "mooncake_client.log", "ab")  # noqa: SIM115 - owned by the child
-        self._proc = _Spawner.popen(args, cwd=self._workdir, stdin=subprocess.DEVNULL, stdout=log,
+        self._proc = Spawner.popen(args, cwd=self._workdir, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT)
         log.close()
-        self._finalizer = weakref.finalize(self, _kill_quietly, self._proc)
+        self._finalizer = weakref.finalize(self, kill_quietly, self._proc)
         deadline = time.monotonic() + self.start_timeout_s
         while not port_answers(self.port):
             if self._proc.poll() is not None or time.monotonic() > deadline:
