@@ -18,7 +18,7 @@ import torch
 
 from bsr_kernels import StagingPool
 from bsr_runtime.tiers import FilesystemTier
-from bsr_runtime.tiers import filesystem as fsmod
+from bsr_runtime.tiers import _common as checksums
 
 
 def gbps(nbytes: int, s: float) -> float:
@@ -29,8 +29,8 @@ def crc_rates(buf: torch.Tensor, reps: int = 64) -> dict[str, float]:
     arr = buf.numpy()
     out = {}
     fns = {"crc32 (zlib)": zlib.crc32}
-    if fsmod._crc32c is not None:
-        fns["crc32c (google_crc32c)"] = fsmod._crc32c.value
+    if checksums._crc32c is not None:
+        fns["crc32c (google_crc32c)"] = checksums._crc32c.value
     for name, fn in fns.items():
         fn(arr)
         t = time.perf_counter()
