@@ -29,8 +29,10 @@ class StoreReport:
 
 def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequence[int],
                  kv: Sequence[torch.Tensor], block_tables: Sequence[torch.Tensor], num_chunks: int | None = None,
-                 window_chunks: int = 32, backend: str = "auto", progress=None) -> StoreReport:
-    """Write chunks 0..num_chunks-1 (default: every whole chunk of `tokens`) to `tier`.
+                 window_chunks: int = 32, backend: str = "auto", progress=None,
+                 first_chunk: int = 0) -> StoreReport:
+    """Write chunks first_chunk..num_chunks-1 (default: every whole chunk of `tokens`) to `tier`
+    (first_chunk > 0: the tier already holds the chunks before it).
 
     Returns the canonical state hash of what was written (see state_hash.py)."""
     if keyspace.fingerprint != reg.fingerprint:
@@ -38,7 +40,9 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
     if window_chunks <= 0:
         raise ValueError(f"store window must be positive, got {window_chunks}")
     keys = PrefixKeys(keyspace, tokens, reg.chunk_tokens)
-    n_total = keys.num_chunks if num_chunks is None else num_chunks
+    n_total = (keys.num_chunks if num_chunks is None else num_chunks) - first_chunk
+    if n_total < 0:
+        raise ValueError(f"first_chunk {first_chunk} is past the {n_total + first_chunk} chunks to store")
     pool = StagingPool(reg.chunk_bytes, max(1, min(window_chunks, n_total)))
     tier.register_staging(pool.buffer)
     hasher = ChunkHasher()
@@ -46,10 +50,11 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
     try:
         for win in plan_windows(n_total, pool.capacity_chunks):
             lease = pool.acquire(win.num_chunks)
+            first = first_chunk + win.first_chunk
             try:
-                gather_window(lease.view, reg, kv, block_tables, win.first_chunk, win.num_chunks, backend=backend)
+                gather_window(lease.view, reg, kv, block_tables, first, win.num_chunks, backend=backend)
                 hasher.update(lease.view)
-                tier.put(keys.window(win.first_chunk, win.num_chunks),
+                tier.put(keys.window(first, win.num_chunks),
                          [lease.chunk(i) for i in range(win.num_chunks)])
             finally:
                 pool.release(lease)
