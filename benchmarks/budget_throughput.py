@@ -24,9 +24,9 @@ import time
 
 import torch
 
+from bsr_harness.experiments import Destinations, make_source, store_source
 from bsr_kernels import presets
 from bsr_runtime.admission import ByteBudget, SerialAdmission
-from bsr_runtime.experiments import Destinations, make_source, store_source
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig, RestoreRequest
 from bsr_runtime.state_hash import state_hash
 from bsr_runtime.tiers import FilesystemTier

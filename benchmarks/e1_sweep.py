@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from bsr_harness.experiments import Destinations, make_source, source_hashes, store_source, sweep
 from bsr_kernels import presets
-from bsr_runtime.experiments import Destinations, make_source, source_hashes, store_source, sweep
 from bsr_runtime.keys import PrefixKeys
 from bsr_runtime.tiers import FilesystemTier
 
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
             if not args.skip_ab:
                 extra += fs_concurrency_ab(src, Path(tmp), args.window, args.depth, expected)
         if "mooncake" in args.tiers.split(","):
-            from bsr_runtime.mooncake_master import MooncakeMaster, MooncakeStoreHost
+            from bsr_harness.mooncake_launcher import MooncakeMaster, MooncakeStoreHost
             from bsr_runtime.tiers.mooncake import MooncakeTier
 
             seg = int(max_chunks * reg.chunk_bytes * 1.25) + (256 << 20)

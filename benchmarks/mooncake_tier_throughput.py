@@ -16,8 +16,8 @@ import time
 
 import torch
 
+from bsr_harness.mooncake_launcher import MooncakeMaster, free_port
 from bsr_kernels.staging_pool import StagingPool
-from bsr_runtime.mooncake_master import MooncakeMaster, free_port
 from bsr_runtime.tiers.base import TierError
 from bsr_runtime.tiers.mooncake import MooncakeTier
 

@@ -24,7 +24,7 @@ def _require_mooncake() -> None:
 def mooncake_master():
     """One mooncake_master per test module, stopped (and reaped) at teardown."""
     _require_mooncake()
-    from bsr_runtime.mooncake_master import MooncakeMaster
+    from bsr_harness.mooncake_launcher import MooncakeMaster
 
     master = MooncakeMaster()
     master.start()

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from bsr_harness.mooncake_launcher import free_port
 from bsr_kernels import presets
 from bsr_runtime.cli import main
-from bsr_runtime.mooncake_master import free_port
 
 SWEEP_FIELDS = {"tokens", "chunks", "window_chunks", "windows", "chunk_bytes", "peak_staging_bytes", "bytes_moved",
                 "seconds", "committed_tokens", "state_hash_ok", "tier"}

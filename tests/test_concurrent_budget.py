@@ -21,9 +21,9 @@ import time
 
 import pytest
 
+from bsr_harness.experiments import Destinations, make_source, store_source
 from bsr_kernels import presets
 from bsr_runtime.admission import ByteBudget
-from bsr_runtime.experiments import Destinations, make_source, store_source
 from bsr_runtime.keys import PrefixKeys
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig, RestoreRequest
 from bsr_runtime.state_hash import state_hash

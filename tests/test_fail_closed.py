@@ -19,10 +19,7 @@ import psutil
 import pytest
 import torch
 
-from bsr_kernels import presets
-from bsr_runtime import commit
-from bsr_runtime.connector import BSRConnector, ConnectorRequest, FinishedIds
-from bsr_runtime.faults import (
+from bsr_harness.fault_matrix import (
     DAMAGE_SCENARIOS,
     EXPECTED,
     SCENARIOS,
@@ -33,6 +30,9 @@ from bsr_runtime.faults import (
     run_fault_matrix,
     store,
 )
+from bsr_kernels import presets
+from bsr_runtime import commit
+from bsr_runtime.connector import BSRConnector, ConnectorRequest, FinishedIds
 from bsr_runtime.markers import ForceLocalMarkers
 from bsr_runtime.plan import plan_windows
 from bsr_runtime.restore import RestoreConfig

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from kernel_util import registrations
 
+from bsr_harness.fault_matrix import FETCH, INSTALL, FaultSpec, make_source, make_tables, store
 from bsr_runtime import commit
-from bsr_runtime.faults import FETCH, INSTALL, FaultSpec, make_source, make_tables, store
 from bsr_runtime.plan import count_windows
 from bsr_runtime.restore import RestoreConfig, RestoreRequest
 from bsr_runtime.retrieve import LOCAL, Retriever, request_block_ids

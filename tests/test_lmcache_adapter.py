@@ -23,14 +23,14 @@ from restore_util import random_tables  # noqa: E402
 
 from bsr_kernels import gather_window, presets  # noqa: E402
 from bsr_runtime.admission import ByteBudget  # noqa: E402
-from bsr_runtime.keys import KeySpace  # noqa: E402
-from bsr_runtime.lmcache_adapter import (  # noqa: E402
+from bsr_runtime.integrations.lmcache.adapter import (  # noqa: E402
     LMCacheAdapter,
     LMCacheKeys,
     fs_l2,
     load_adapter_config,
     mooncake_l2,
 )
+from bsr_runtime.keys import KeySpace  # noqa: E402
 from bsr_runtime.restore import RestoreRequest  # noqa: E402
 from bsr_runtime.state_hash import state_hash  # noqa: E402
 
@@ -423,7 +423,7 @@ def test_mooncake_plugin_round_trip(stored, mooncake_master):
 
 @pytest.mark.mooncake
 def test_mooncake_master_stopped_fails_closed(stored):
-    from bsr_runtime.mooncake_master import MooncakeMaster
+    from bsr_harness.mooncake_launcher import MooncakeMaster
 
     n = 6
     with MooncakeMaster() as master:

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 
 mc = pytest.importorskip("mooncake.store", reason="mooncake.store cannot be imported (no Mooncake wheel)")
 
-from bsr_runtime.mooncake_master import MooncakeMaster, free_port, supports_multi_tenants  # noqa: E402
+from bsr_harness.mooncake_launcher import MooncakeMaster, free_port, supports_multi_tenants  # noqa: E402
 from bsr_runtime.tiers.mooncake import MooncakeTier, encode_meta, meta_key  # noqa: E402
 
 FP = "f00dfeed" * 8

@@ -20,8 +20,8 @@ import warnings
 
 import pytest
 
+from bsr_harness.experiments import Destinations, make_source, store_source
 from bsr_kernels import presets
-from bsr_runtime.experiments import Destinations, make_source, store_source
 from bsr_runtime.keys import PrefixKeys
 from bsr_runtime.plan import count_windows
 from bsr_runtime.probe import probe_prefix

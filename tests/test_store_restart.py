@@ -18,8 +18,8 @@ import time
 import pytest
 import torch
 
+from bsr_harness.experiments import POISON, Destinations, make_source, store_source
 from bsr_kernels import presets
-from bsr_runtime.experiments import POISON, Destinations, make_source, store_source
 from bsr_runtime.keys import PrefixKeys
 from bsr_runtime.probe import probe_prefix
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig, RestoreRequest
@@ -52,7 +52,7 @@ def test_master_restart_between_restores(w, depth):
     from conftest import _require_mooncake
 
     _require_mooncake()
-    from bsr_runtime.mooncake_master import MooncakeMaster
+    from bsr_harness.mooncake_launcher import MooncakeMaster
     from bsr_runtime.tiers.mooncake import MooncakeTier
 
     reg = presets.dsv4_flash(scale=1 / 64)

@@ -18,7 +18,7 @@ import pytest
 import torch.multiprocessing as mp
 import tp_worker
 
-from bsr_runtime.mooncake_master import free_port
+from bsr_harness.mooncake_launcher import free_port
 
 AGREE_TIMEOUT_S = 2.0
 JOIN_S = 120
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.mooncake
 @pytest.fixture(scope="module")
 def store_host(mooncake_master):
     """The external store host holding every rank's objects (ranks mount no segment)."""
-    from bsr_runtime.mooncake_master import MooncakeStoreHost
+    from bsr_harness.mooncake_launcher import MooncakeStoreHost
 
     with MooncakeStoreHost(mooncake_master, 64 << 20) as host:
         yield host

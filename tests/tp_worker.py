@@ -68,10 +68,19 @@ def rank_main(rank: int, world: int, port: int, mode: str, master_address: str, 
 def _run(rank, world, mode, master_address, metadata_server, outdir, agree_timeout_s) -> dict:
     import torch
 
+    from bsr_harness.fault_matrix import (
+        FETCH,
+        INSTALL,
+        FaultSpec,
+        FetchCallHook,
+        disarm,
+        make_source,
+        make_tables,
+        store,
+    )
     from bsr_kernels import presets
     from bsr_runtime import commit
     from bsr_runtime.connector import BSRConnector, ConnectorRequest
-    from bsr_runtime.faults import FETCH, INSTALL, FaultSpec, FetchCallHook, disarm, make_source, make_tables, store
     from bsr_runtime.restore import RestoreConfig
     from bsr_runtime.tiers import FilesystemTier
     from bsr_runtime.tiers.mooncake import MooncakeTier

@@ -4,7 +4,7 @@ LMCache 0.5.6's own `mooncake_store` L2 adapter needs `lmcache.lmcache_mooncake`
 the wheel does not ship. This one is a Python client on `mooncake.store.MooncakeDistributedStore`
 (the `mooncake-transfer-engine[-non-cuda]` wheel), plugged in through LMCache's `plugin` L2 type:
 
-    {"type": "plugin", "module_path": "bsr_runtime.lmcache_mooncake_l2",
+    {"type": "plugin", "module_path": "bsr_runtime.integrations.lmcache.mooncake_l2",
      "class_name": "BSRMooncakeL2Adapter",
      "adapter_params": {"master_address": "127.0.0.1:50051",
                         "metadata_server": "http://127.0.0.1:8080/metadata",
@@ -46,7 +46,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from .tiers.mooncake import MooncakeTier
+from bsr_runtime.tiers.mooncake import MooncakeTier
 
 logger = init_logger(__name__)
 

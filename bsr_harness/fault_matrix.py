@@ -29,15 +29,14 @@ from pathlib import Path
 import torch
 
 from bsr_kernels import Registration, presets
-
-from .connector import BSRConnector, ConnectorRequest
-from .keys import KeySpace, PrefixKeys
-from .restore import RestoreConfig
-from .retrieve import LOCAL, RetrieveOutcome, Retriever
-from .state_hash import state_hash
-from .store import store_prefix
-from .tiers.base import Tier, TierError
-from .tiers.filesystem import HEADER_SIZE, FilesystemTier, pack_header
+from bsr_runtime.connector import BSRConnector, ConnectorRequest
+from bsr_runtime.keys import KeySpace, PrefixKeys
+from bsr_runtime.restore import RestoreConfig
+from bsr_runtime.retrieve import LOCAL, RetrieveOutcome, Retriever
+from bsr_runtime.state_hash import state_hash
+from bsr_runtime.store import store_prefix
+from bsr_runtime.tiers.base import Tier, TierError
+from bsr_runtime.tiers.filesystem import HEADER_SIZE, FilesystemTier, pack_header
 
 FETCH, INSTALL = "fetch", "install"
 
@@ -379,7 +378,7 @@ class FaultMatrix:
 
     # -- tiers -----------------------------------------------------------------------------
     def _mooncake(self, master, **kw):
-        from .tiers.mooncake import MooncakeTier
+        from bsr_runtime.tiers.mooncake import MooncakeTier
 
         kw.setdefault("global_segment_size", self.segment_bytes)
         return MooncakeTier(self.reg.chunk_bytes, self.reg.fingerprint, master.master_address,
@@ -395,7 +394,7 @@ class FaultMatrix:
     def run(self, scenario: str) -> ScenarioResult:
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
-        from .mooncake_master import MooncakeMaster, MooncakeStoreHost
+        from bsr_harness.mooncake_launcher import MooncakeMaster, MooncakeStoreHost
 
         self._runs += 1
         t0 = time.monotonic()
@@ -540,7 +539,7 @@ def run_fault_matrix(reg: Registration | None = None, *, scenarios: Sequence[str
                      workdir: str | Path | None = None, master=None, **kw) -> list[FaultRow]:
     """Run the scenarios (default: all) and return one row each. Starts a local mooncake_master
     on 127.0.0.1 unless `master` is given; files go to a temporary directory unless `workdir`."""
-    from .mooncake_master import MooncakeMaster
+    from bsr_harness.mooncake_launcher import MooncakeMaster
 
     reg = reg or presets.dsv4_flash(scale=1 / 64)
     own_dir = workdir is None

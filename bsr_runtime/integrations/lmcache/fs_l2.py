@@ -6,7 +6,7 @@ aiofiles read runs on the loop's thread pool), with the same semantics: the same
 key in the result bitmap (set iff the whole object was read), reads straight into the preallocated
 L1 memory objects the prefetch controller passed in. Stores, lookups and deletes are LMCache's.
 
-    {"type": "plugin", "module_path": "bsr_runtime.lmcache_fs_l2",
+    {"type": "plugin", "module_path": "bsr_runtime.integrations.lmcache.fs_l2",
      "class_name": "ConcurrentFSL2Adapter",
      "adapter_params": {"base_path": "/data/lmcache", "load_concurrency": 4}}
 
@@ -55,7 +55,7 @@ class ConcurrentFSL2AdapterConfig(FSL2AdapterConfig):
 
 
 def _env_load_concurrency() -> int:
-    from .lmcache_adapter import BSRLMCacheConfig
+    from bsr_runtime.integrations.lmcache.adapter import BSRLMCacheConfig
 
     cfg = BSRLMCacheConfig.from_env()
     cfg.validate()

@@ -14,13 +14,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bsr_kernels import Registration
-
-from .keys import KeySpace, PrefixKeys
-from .probe import probe_prefix
-from .restore import BoundedRestorer, RestoreConfig, RestoreRequest
-from .state_hash import state_hash
-from .store import store_prefix
-from .tiers.base import Tier
+from bsr_runtime.keys import KeySpace, PrefixKeys
+from bsr_runtime.probe import probe_prefix
+from bsr_runtime.restore import BoundedRestorer, RestoreConfig, RestoreRequest
+from bsr_runtime.state_hash import state_hash
+from bsr_runtime.store import store_prefix
+from bsr_runtime.tiers.base import Tier
 
 POISON = 0xA5
 
@@ -145,7 +144,7 @@ class TierTarget:
 
 
 class AdapterTarget:
-    """What a sweep restores from: an LMCache adapter (bsr_runtime.lmcache_adapter.LMCacheAdapter);
+    """What a sweep restores from: an LMCache adapter (bsr_runtime.integrations.lmcache.adapter.LMCacheAdapter);
     peak staging is LMCache's peak L1 use during the retrieve."""
 
     def __init__(self, adapter, name: str) -> None:

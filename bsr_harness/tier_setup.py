@@ -5,7 +5,7 @@
   mooncake_master and a standalone store host (mooncake_client) are started on 127.0.0.1 and
   stopped afterwards, so restored bytes cross TCP as from an external store host.
 - lmcache-fs / lmcache-mooncake: LMCache's own storage stack (StorageManager with a DRAM L1 and
-  the filesystem or Mooncake L2 adapter) driven by bsr_runtime.lmcache_adapter.
+  the filesystem or Mooncake L2 adapter) driven by bsr_runtime.integrations.lmcache.adapter.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bsr_kernels import Registration
-
-from .tiers.base import Tier, TierUnavailableError
+from bsr_runtime.tiers.base import Tier, TierUnavailableError
 
 TIER_NAMES = ("fs", "mooncake", "lmcache-fs", "lmcache-mooncake")
 
@@ -51,7 +50,7 @@ def _check_reachable(address: str, timeout: float = 3.0) -> None:
 def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0) -> Iterator[Tier]:
     """Yield a ready tier; everything started or written here is stopped/removed on exit."""
     if opts.name == "fs":
-        from .tiers.filesystem import FilesystemTier
+        from bsr_runtime.tiers.filesystem import FilesystemTier
 
         tmp = None
         root = opts.root
@@ -67,7 +66,7 @@ def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0) 
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
     elif opts.name == "mooncake":
-        from .tiers.mooncake import MooncakeTier
+        from bsr_runtime.tiers.mooncake import MooncakeTier
 
         with _mooncake_endpoints(opts, capacity_bytes) as (master_address, metadata, segment):
             tier = MooncakeTier(reg.chunk_bytes, reg.fingerprint, master_address, metadata,
@@ -84,7 +83,7 @@ def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0) 
 def _mooncake_endpoints(opts: TierOptions, capacity_bytes: int) -> Iterator[tuple[str, str, int]]:
     """(master address, metadata server, client segment bytes): an existing master, or one we
     start with a store host."""
-    from .mooncake_master import MooncakeMaster, MooncakeStoreHost
+    from bsr_harness.mooncake_launcher import MooncakeMaster, MooncakeStoreHost
 
     if opts.mooncake_master:
         _check_reachable(opts.mooncake_master)
@@ -101,7 +100,7 @@ def _mooncake_endpoints(opts: TierOptions, capacity_bytes: int) -> Iterator[tupl
 def open_lmcache(opts: TierOptions, reg: Registration, *, l1_bytes: int, capacity_bytes: int = 0):
     """Yield an LMCacheAdapter over LMCache's StorageManager with an L1 of `l1_bytes` and the
     filesystem ("lmcache-fs") or Mooncake ("lmcache-mooncake") L2 adapter."""
-    from .lmcache_adapter import LMCacheAdapter, fs_l2, mooncake_l2
+    from bsr_runtime.integrations.lmcache.adapter import LMCacheAdapter, fs_l2, mooncake_l2
 
     with contextlib.ExitStack() as stack:
         if opts.name == "lmcache-fs":

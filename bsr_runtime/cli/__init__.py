@@ -258,7 +258,7 @@ def _tier_names(args) -> list[str]:
             import mooncake.store  # noqa: F401
 
             names.append("mooncake")
-    from .tier_setup import TIER_NAMES
+    from bsr_harness.tier_setup import TIER_NAMES
 
     for n in names:
         if n not in TIER_NAMES:
@@ -267,21 +267,21 @@ def _tier_names(args) -> list[str]:
 
 
 def _tier_options(args, name: str):
-    from .tier_setup import TierOptions
+    from bsr_harness.tier_setup import TierOptions
 
     return TierOptions(name=name, root=args.root, load_concurrency=args.load_concurrency,
                        mooncake_master=args.mooncake_master, metadata_server=args.metadata_server)
 
 
 def _store(progress: Progress, src, tier) -> None:
-    from .experiments import store_source
+    from bsr_harness.experiments import store_source
 
     with progress.bar(src.num_chunks, f"store -> {tier.name}", "chunk") as bar:
         store_source(src, tier, progress=bar.update)
 
 
 def _sweep_rows(args, reg, tier_names, tokens, windows, progress, repeat=1, max_staging=None):
-    from .experiments import Destinations, make_source, source_hashes, sweep
+    from bsr_harness.experiments import Destinations, make_source, source_hashes, sweep
 
     max_chunks = max(tokens) // reg.chunk_tokens
     if max_chunks == 0:
@@ -307,8 +307,8 @@ def _sweep_rows(args, reg, tier_names, tokens, windows, progress, repeat=1, max_
 def _open_target(args, name: str, reg, src, windows, progress: Progress):
     """A sweep target holding `src`: a BSR tier, or LMCache's storage stack (lmcache-*), whose L1
     holds the largest window (or the whole plan when W = 0 is swept)."""
-    from .experiments import AdapterTarget, TierTarget
-    from .tier_setup import open_lmcache, open_tier
+    from bsr_harness.experiments import AdapterTarget, TierTarget
+    from bsr_harness.tier_setup import open_lmcache, open_tier
 
     capacity = src.num_chunks * reg.chunk_bytes
     if name.startswith("lmcache-"):
@@ -433,8 +433,8 @@ def cmd_wlaw(args) -> int:
 
 
 def cmd_ladder(args) -> int:
-    from .experiments import Destinations, ladder, make_source
-    from .tier_setup import open_tier
+    from bsr_harness.experiments import Destinations, ladder, make_source
+    from bsr_harness.tier_setup import open_tier
 
     progress = Progress(args.quiet)
     reg = load_registration(args.registration, args.scale)
@@ -475,7 +475,7 @@ def cmd_ladder(args) -> int:
 def cmd_faults(args) -> int:
     from dataclasses import asdict
 
-    from .faults import EXPECTED, SCENARIOS, run_fault_matrix
+    from bsr_harness.fault_matrix import EXPECTED, SCENARIOS, run_fault_matrix
 
     progress = Progress(args.quiet)
     reg = load_registration(args.registration, args.scale)
@@ -525,8 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")  # LMCache logs every prefetch at INFO
     parser = build_parser()
     args = parser.parse_args(argv)
-    from .mooncake_master import MooncakeMasterError
-    from .tiers.base import TierError
+    from bsr_harness.mooncake_launcher import MooncakeMasterError
+    from bsr_runtime.tiers.base import TierError
 
     try:
         return args.func(args)
@@ -537,6 +537,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bsr {args.command}: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

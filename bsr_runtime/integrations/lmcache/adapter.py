@@ -89,13 +89,12 @@ from lmcache.v1.distributed.storage_manager import StorageManager
 
 from bsr_kernels import Registration, gather_window, install_window
 from bsr_kernels.validate import check_destinations
-
-from .admission import ByteBudget, SerialAdmission
-from .keys import KeySpace, PrefixKeys
-from .plan import count_windows, plan_windows
-from .restore import MAX_WINDOW_CHUNKS, RestoreReport, RestoreRequest
-from .state_hash import ChunkHasher
-from .store import StoreReport
+from bsr_runtime.admission import ByteBudget, SerialAdmission
+from bsr_runtime.keys import KeySpace, PrefixKeys
+from bsr_runtime.plan import count_windows, plan_windows
+from bsr_runtime.restore import MAX_WINDOW_CHUNKS, RestoreReport, RestoreRequest
+from bsr_runtime.state_hash import ChunkHasher
+from bsr_runtime.store import StoreReport
 
 PROBE_BATCH_CHUNKS = 256
 _POLL_S = (0.0005, 0.01)  # first and longest sleep between polls of an L2 adapter result
@@ -158,7 +157,8 @@ def fs_l2(base_path: str, load_concurrency: int | None = None, **kw) -> PluginL2
     if load_concurrency is not None:
         params["load_concurrency"] = int(load_concurrency)
     return PluginL2AdapterConfig.from_dict({
-        "module_path": "bsr_runtime.lmcache_fs_l2", "class_name": "ConcurrentFSL2Adapter", "adapter_params": params,
+        "module_path": "bsr_runtime.integrations.lmcache.fs_l2", "class_name": "ConcurrentFSL2Adapter",
+        "adapter_params": params,
     })
 
 
@@ -166,7 +166,7 @@ def mooncake_l2(master_address: str, metadata_server: str, **kw) -> PluginL2Adap
     """The Mooncake L2 adapter of lmcache_mooncake_l2 (pip wheels only), as a plugin."""
     params = {"master_address": master_address, "metadata_server": metadata_server, **kw}
     return PluginL2AdapterConfig.from_dict({
-        "module_path": "bsr_runtime.lmcache_mooncake_l2", "class_name": "BSRMooncakeL2Adapter",
+        "module_path": "bsr_runtime.integrations.lmcache.mooncake_l2", "class_name": "BSRMooncakeL2Adapter",
         "adapter_params": params,
     })
 
