@@ -15,12 +15,13 @@ falls back to a default.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from bsr_harness.tier_setup import TierOptions, open_tier
 from bsr_kernels import Registration
 
-from ...tier_setup import TierOptions, open_tier
 from ...tiers.base import Tier
 
 TIER_TYPES = ("fs", "mooncake", "lmcache-fs", "lmcache-mooncake")
@@ -58,6 +59,8 @@ class TierSpec:
         return cls(**{**d, "type": kind})
 
     def options(self) -> TierOptions:
+        if self.root:
+            os.makedirs(self.root, exist_ok=True)
         return TierOptions(name=self.type, root=self.root, load_concurrency=self.load_concurrency,
                            mooncake_master=self.master, metadata_server=self.metadata_server,
                            segment_bytes=self.segment_bytes, protocol=self.protocol)
