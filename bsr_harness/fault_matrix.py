@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from bsr_kernels import Registration, presets
+from bsr_harness.faulty_installer import InjectedInstallError, InstallFault
+from bsr_kernels import Registration, WindowInstaller, presets
 from bsr_runtime.connector import BSRConnector, ConnectorRequest
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.restore import RestoreConfig
@@ -43,10 +44,6 @@ FETCH, INSTALL = "fetch", "install"
 
 class InjectedFault(TierError):
     """A fault raised on purpose by a fault hook (a TierError: the restore fails closed)."""
-
-
-class InjectedInstallError(RuntimeError):
-    """An exception raised on purpose during an install."""
 
 
 # -- hooks -------------------------------------------------------------------------------------
@@ -79,14 +76,7 @@ def arm_install_fault(retriever: Retriever, window: int, once: bool = True) -> N
     """Make the install of window `window` raise InjectedInstallError: in the next restore that
     reaches it only (`once`, a transient fault: a fallback restore then installs cleanly), or
     in every restore."""
-    fired = []
-
-    def hook(index: int) -> None:
-        if index == window and not (once and fired):
-            fired.append(index)
-            raise InjectedInstallError(f"injected exception during the install of window {index}")
-
-    retriever.restorer.install_fault = hook
+    retriever.restorer.make_installer = InstallFault(window, once).make
 
 
 @dataclass(frozen=True)
@@ -117,7 +107,7 @@ class FaultSpec:
 
 
 def disarm(retriever: Retriever, tiers: Sequence[Tier]) -> None:
-    retriever.restorer.install_fault = None
+    retriever.restorer.make_installer = WindowInstaller
     for t in tiers:
         t.faults.clear()
 

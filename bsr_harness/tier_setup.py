@@ -20,6 +20,7 @@ from pathlib import Path
 
 from bsr_kernels import Registration
 from bsr_runtime.tiers.base import Tier, TierUnavailableError
+from bsr_runtime.tiers.factory import make_tier
 
 TIER_NAMES = ("fs", "mooncake", "lmcache-fs", "lmcache-mooncake")
 
@@ -50,8 +51,6 @@ def _check_reachable(address: str, timeout: float = 3.0) -> None:
 def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0) -> Iterator[Tier]:
     """Yield a ready tier; everything started or written here is stopped/removed on exit."""
     if opts.name == "fs":
-        from bsr_runtime.tiers.filesystem import FilesystemTier
-
         tmp = None
         root = opts.root
         if root is None:
@@ -60,17 +59,15 @@ def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0) 
         elif not Path(root).is_dir():
             raise ValueError(f"filesystem tier root {root} does not exist or is not a directory")
         try:
-            with FilesystemTier(root, reg.chunk_bytes, reg.fingerprint, load_concurrency=opts.load_concurrency) as t:
+            with make_tier(reg, {"type": "filesystem", "root": root, "load_concurrency": opts.load_concurrency}) as t:
                 yield t
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
     elif opts.name == "mooncake":
-        from bsr_runtime.tiers.mooncake import MooncakeTier
-
         with _mooncake_endpoints(opts, capacity_bytes) as (master_address, metadata, segment):
-            tier = MooncakeTier(reg.chunk_bytes, reg.fingerprint, master_address, metadata,
-                                protocol=opts.protocol, global_segment_size=segment)
+            tier = make_tier(reg, {"type": "mooncake", "master_address": master_address, "metadata_server": metadata,
+                                   "protocol": opts.protocol, "global_segment_size": segment})
             try:
                 yield tier
             finally:

@@ -16,23 +16,36 @@ import torch
 
 
 class CompletionEvent:
-    """A CUDA event on GPU; on CPU installs are synchronous, so recording marks completion."""
+    """Completion of the work that reads or writes a slot.
+
+    On a GPU a CUDA event recorded on the install stream. On CPU the kernels are synchronous,
+    so recording marks completion, unless the work ran on a host stream: any object with a
+    `synchronize()` that returns once the work submitted to it is done (a CPU worker thread).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = torch.cuda.Event() if device.type == "cuda" else None
+        self._host_stream = None
         self._recorded = False
 
-    def record(self, stream: torch.cuda.Stream | None = None) -> None:
+    def record(self, stream=None) -> None:
         if self._cuda is not None:
             self._cuda.record(stream if stream is not None else torch.cuda.current_stream())
+        else:
+            self._host_stream = stream if hasattr(stream, "synchronize") else None
         self._recorded = True
 
     def query(self) -> bool:
-        return self._cuda.query() if (self._cuda is not None and self._recorded) else True
+        if self._cuda is not None and self._recorded:
+            return self._cuda.query()
+        return self._host_stream is None
 
     def synchronize(self) -> None:
         if self._cuda is not None and self._recorded:
             self._cuda.synchronize()
+        elif self._host_stream is not None:
+            self._host_stream.synchronize()
+            self._host_stream = None
 
 
 @dataclass
@@ -48,16 +61,39 @@ class Slot:
 
 @dataclass
 class SlotLease:
-    """A leased slot: `view` is the window's staging bytes (num_chunks * chunk_bytes)."""
+    """A leased slot: `view` is the window's staging bytes (num_chunks * chunk_bytes).
+
+    The lease owns the completion of the work on its bytes: `record(stream)` after launching
+    the install (or gather) that uses them, `synchronize()` before anything else reads or
+    reuses them, then `release()`. Releasing recorded work that was never synchronized is an
+    error (it would hand out a slot a kernel may still read)."""
 
     pool: StagingPool
     slot: Slot
     num_chunks: int
     view: torch.Tensor = field(repr=False)
+    recorded: bool = False
+    synchronized: bool = False
 
     def chunk(self, i: int) -> torch.Tensor:
         c = self.pool.chunk_bytes
         return self.view[i * c : (i + 1) * c]
+
+    def chunks(self) -> list[torch.Tensor]:
+        return [self.chunk(i) for i in range(self.num_chunks)]
+
+    def record(self, stream=None) -> None:
+        """Record the completion of the work just launched on this lease's bytes."""
+        self.slot.event.record(stream)
+        self.recorded, self.synchronized = True, False
+
+    def synchronize(self) -> None:
+        """Wait until the recorded work completed."""
+        self.slot.event.synchronize()
+        self.synchronized = True
+
+    def release(self) -> None:
+        self.pool.release(self)
 
 
 class StagingPool:
@@ -182,21 +218,18 @@ class StagingPool:
             if slot.pending and slot.event.query():
                 self._finish(slot)
 
-    def record_install(self, lease: SlotLease, stream: torch.cuda.Stream | None = None) -> None:
-        """Record the completion event of the install that reads this lease."""
-        lease.slot.event.record(stream)
-
-    def release(self, lease: SlotLease, *, wait: bool = True) -> None:
-        """Give the slot back. With wait=True (default) block until its install completed;
-        otherwise its bytes stay live until the event fires or the slot is next acquired."""
+    def release(self, lease: SlotLease, *, deferred: bool = False) -> None:
+        """Give the slot back. Its recorded work must have been synchronized, unless `deferred`:
+        then its bytes stay live until the event fires or the slot is next acquired."""
         with self._cond:
             slot = lease.slot
             if not slot.leased:
                 raise RuntimeError(f"slot {slot.index} released twice")
+            if lease.recorded and not lease.synchronized and not deferred:
+                raise RuntimeError(f"slot {slot.index} released before the work recorded on it was synchronized")
             slot.leased = False
             slot.pending = True
-            if wait:
-                slot.event.synchronize()
+            if not deferred:
                 self._finish(slot)
             else:
                 self._reap()

@@ -16,7 +16,44 @@ from collections import deque
 from contextlib import contextmanager
 
 
-class SerialAdmission:
+class WindowReservation:
+    """The bytes one window holds from an admission; `release()` is idempotent, so every path
+    out of the window loop can call it."""
+
+    def __init__(self, admission: Admission, nbytes: int) -> None:
+        self._admission = admission
+        self.nbytes = nbytes
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._admission.release(self.nbytes)
+
+
+class Admission:
+    """What the window loop needs of an admission: reservations per window."""
+
+    def reserve(self, nbytes: int, timeout: float | None = None) -> None:
+        raise NotImplementedError
+
+    def try_reserve(self, nbytes: int) -> bool:
+        raise NotImplementedError
+
+    def release(self, nbytes: int) -> None:
+        raise NotImplementedError
+
+    def window(self, nbytes: int, timeout: float | None = None) -> WindowReservation:
+        """Reserve a window's bytes, waiting up to `timeout`."""
+        self.reserve(nbytes, timeout)
+        return WindowReservation(self, nbytes)
+
+    def try_window(self, nbytes: int) -> WindowReservation | None:
+        """Reserve a window's bytes only if that needs no waiting."""
+        return WindowReservation(self, nbytes) if self.try_reserve(nbytes) else None
+
+
+class SerialAdmission(Admission):
     """One bounded restore at a time in this process."""
 
     _process_lock = threading.Lock()
@@ -47,7 +84,7 @@ class SerialAdmission:
         return None
 
 
-class ByteBudget:
+class ByteBudget(Admission):
     """A global byte budget B shared by concurrent restores (FIFO, no deadlock)."""
 
     def __init__(self, budget_bytes: int) -> None:

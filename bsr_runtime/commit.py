@@ -1,4 +1,4 @@
-"""The commit rule (DESIGN.md, contract 4): a restored prefix is exposed only if q[r][g] holds
+"""The commit rule (ARCHITECTURE.md, contract 4): a restored prefix is exposed only if q[r][g] holds
 for every TP rank r and every HMA group g.
 
 Each rank computes its validity vector q[r][.] (one entry per group) and `agree` reduces it

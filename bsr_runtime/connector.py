@@ -1,7 +1,7 @@
 """A scheduler-facing KV connector with vLLM's method names and semantics, without vLLM.
 
 One `BSRConnector` per TP rank (scheduler and worker roles in one object; the optional
-`vllm_connector` module splits them for vLLM). The request lifecycle:
+`bsr_runtime.integrations.vllm` package splits them for vLLM). The request lifecycle:
 
     get_num_new_matched_tokens(request, num_computed_tokens) -> (tokens, load_async)
         probe-only lookup over the ordered tiers, chunk aligned, leaving at least one prompt
@@ -130,14 +130,13 @@ class BSRConnector:
                  *, config: RestoreConfig | None = None, tp_rank: int = 0, tp_world: int = 1, salt: str = "",
                  model: str = "", markers: ForceLocalMarkers | None = None, agree: AgreeFn | None = None,
                  agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S, agree_plan: bool | None = None,
-                 probe_all_ranks: bool = False, unavailable_cooldown_s: float = 30.0,
-                 install_fault=None) -> None:
+                 probe_all_ranks: bool = False, unavailable_cooldown_s: float = 30.0) -> None:
         self.reg = reg
         self.tp_rank, self.tp_world = tp_rank, tp_world
         self.keyspace = KeySpace(reg.fingerprint, tp_rank, tp_world, salt, model)
         self.markers = markers if markers is not None else ForceLocalMarkers()
         self.retriever = Retriever(reg, tiers, config, agree=agree, agree_timeout_s=agree_timeout_s,
-                                   unavailable_cooldown_s=unavailable_cooldown_s, install_fault=install_fault)
+                                   unavailable_cooldown_s=unavailable_cooldown_s)
         self.agree_timeout_s = agree_timeout_s
         # per-rank mode with TP: the ranks agree on N (MIN all-reduce); a single scheduler
         # process instead probes every rank's keys itself (probe_all_ranks)

@@ -20,7 +20,8 @@ from bsr_kernels import Registration, StagingPool, WindowInstaller
 from .admission import ByteBudget, SerialAdmission
 from .keys import KeySpace, PrefixKeys
 from .plan import Window, count_windows, plan_windows, slot_sizes
-from .tiers.base import FetchHandle, Tier, TierError
+from .tiers.base import Tier
+from .window_loop import LoopStats, WindowFailed, WindowLoop
 
 MAX_WINDOW_CHUNKS = 1 << 16  # an absurd W is a configuration error, not a huge allocation
 
@@ -85,19 +86,47 @@ class RestoreReport:
         return asdict(self)
 
 
-class RestoreFailed(RuntimeError):
-    def __init__(self, window: int | None, cause: BaseException) -> None:
-        super().__init__(f"window {window}: {cause}")
-        self.window = window
-        self.cause = cause
+class TierStage:
+    """A restore window fetched from a tier into a StagingPool slot (the loop's RestoreStage)."""
 
+    def __init__(self, pool: StagingPool, tier: Tier, keys: PrefixKeys, win: Window, timeout_s: float,
+                 on_unsettled: Callable[[], None] | None = None) -> None:
+        self.lease = pool.acquire(win.num_chunks, timeout=timeout_s)
+        self.timeout_s = timeout_s
+        self.on_unsettled = on_unsettled
+        self._released = False
+        try:
+            window_keys = keys.window(win.first_chunk, win.num_chunks)
+            self.handle = tier.fetch(window_keys, self.lease.chunks(), time.monotonic() + timeout_s)
+        except BaseException:
+            self.release()
+            raise
 
-@dataclass
-class _InFlight:
-    window: Window
-    lease: object
-    handle: FetchHandle
-    reserved: int
+    def wait(self) -> list[tuple[int, int, torch.Tensor]]:
+        self.handle.wait()
+        return [(0, self.lease.num_chunks, self.lease.view)]
+
+    def record(self, stream) -> None:
+        self.lease.record(stream)
+
+    def synchronize(self) -> None:
+        self.lease.synchronize()
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.lease.release()
+
+    def abandon(self, stream) -> None:
+        """Release the slot once nothing can still write into it. A fetch that does not settle
+        within another timeout keeps writing: the owner retires the pool (`on_unsettled`)."""
+        if self._released:
+            return
+        if not self.handle.quiesce(self.timeout_s) and self.on_unsettled is not None:
+            self.on_unsettled()
+        self.lease.record(stream)  # an install may have been launched on the slot
+        self.lease.synchronize()
+        self.release()
 
 
 class BoundedRestorer:
@@ -110,11 +139,10 @@ class BoundedRestorer:
     def __init__(self, reg: Registration, config: RestoreConfig | None = None, *,
                  admission: SerialAdmission | ByteBudget | None = None,
                  stream: torch.cuda.Stream | None = None, staging_device: str = "cpu",
-                 install_fault: Callable[[int], None] | None = None) -> None:
+                 make_installer: Callable[..., WindowInstaller] = WindowInstaller) -> None:
         self.reg = reg
-        # fault injection (tests, `bsr faults`): called with the window index right before each
-        # install; raising a RuntimeError (or another failure type caught below) fails that window
-        self.install_fault = install_fault
+        # how installers are made (WindowInstaller's signature); the fault harness wraps it
+        self.make_installer = make_installer
         self.config = config or RestoreConfig()
         self.admission = admission or SerialAdmission()
         self.stream = stream
@@ -159,20 +187,9 @@ class BoundedRestorer:
         reservation is released; the caller fails the request closed.
         """
         reg, cfg = self.reg, self.config
-        if num_chunks < 0 or num_chunks * reg.chunk_tokens > len(req.tokens):
-            raise ValueError(f"confirmed prefix of {num_chunks} chunks exceeds the request's "
-                             f"{len(req.tokens)} tokens")
-        if req.keyspace.fingerprint != reg.fingerprint:
-            raise ValueError("request keyspace was built for another registration "
-                             f"({req.keyspace.fingerprint} != {reg.fingerprint})")
-        if tier.chunk_bytes != reg.chunk_bytes:
-            raise ValueError(f"tier {tier.name} holds objects of {tier.chunk_bytes:,} B, registration {reg.name} "
-                             f"stages chunks of {reg.chunk_bytes:,} B")
-        if tier.fingerprint != reg.fingerprint:
-            raise ValueError(f"tier {tier.name} was opened for registration {tier.fingerprint}, the engine's is "
-                             f"{reg.name} ({reg.fingerprint})")
-        installer = WindowInstaller(reg, req.kv, req.block_tables, num_chunks, backend=cfg.backend,
-                                    stream=self.stream, fingerprint=reg.fingerprint)
+        self._check(req, tier, num_chunks)
+        installer = self.make_installer(reg, req.kv, req.block_tables, num_chunks, backend=cfg.backend,
+                                        stream=self.stream, fingerprint=reg.fingerprint)
         w = cfg.prefetch_window_chunks
         report = RestoreReport(
             request_id=req.request_id, tier=tier.name, ok=False, num_chunks=num_chunks, committed_tokens=0,
@@ -189,108 +206,61 @@ class BoundedRestorer:
                             f"the staging capacity {cap:,} B")
             report.failed_window = 0
             return report
+        return self._run(req, tier, num_chunks, installer, report)
+
+    def _check(self, req: RestoreRequest, tier: Tier, num_chunks: int) -> None:
+        reg = self.reg
+        if num_chunks < 0 or num_chunks * reg.chunk_tokens > len(req.tokens):
+            raise ValueError(f"confirmed prefix of {num_chunks} chunks exceeds the request's "
+                             f"{len(req.tokens)} tokens")
+        if req.keyspace.fingerprint != reg.fingerprint:
+            raise ValueError("request keyspace was built for another registration "
+                             f"({req.keyspace.fingerprint} != {reg.fingerprint})")
+        if tier.chunk_bytes != reg.chunk_bytes:
+            raise ValueError(f"tier {tier.name} holds objects of {tier.chunk_bytes:,} B, registration {reg.name} "
+                             f"stages chunks of {reg.chunk_bytes:,} B")
+        if tier.fingerprint != reg.fingerprint:
+            raise ValueError(f"tier {tier.name} was opened for registration {tier.fingerprint}, the engine's is "
+                             f"{reg.name} ({reg.fingerprint})")
+
+    def _run(self, req: RestoreRequest, tier: Tier, num_chunks: int, installer: WindowInstaller,
+             report: RestoreReport) -> RestoreReport:
+        """The windows through the loop; every failure becomes a fail-closed report."""
+        reg, cfg = self.reg, self.config
+        w = cfg.prefetch_window_chunks
         t0 = time.perf_counter()
         keys = PrefixKeys(req.keyspace, req.tokens, reg.chunk_tokens)
         pool = self.pool or StagingPool(reg.chunk_bytes, num_chunks, device=self.staging_device)
         pool.reset_peak()
+        loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=len(pool.slots),
+                          admission_timeout_s=cfg.admission_timeout_s)
         try:
             with self.admission.restore(cfg.admission_timeout_s):
                 try:
-                    try:
-                        self._register(tier, pool)
-                    except TierError as e:
-                        raise RestoreFailed(None, e) from e
-                    self._run_windows(pool, keys, installer, tier, num_chunks, report)
+                    self._register(tier, pool)
+                    loop.restore(plan_windows(num_chunks, w, cfg.pipeline_depth),
+                                 lambda win: TierStage(pool, tier, keys, win, cfg.fetch_timeout_s,
+                                                       on_unsettled=lambda: self._retire(pool)),
+                                 installer.install)
                     report.ok = True
                     report.committed_tokens = num_chunks * reg.chunk_tokens
-                except RestoreFailed as e:
-                    report.error = f"{type(e.cause).__name__}: {e.cause}"
-                    report.failed_window = e.window
+                except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
+                    cause = e.cause if isinstance(e, WindowFailed) else e
+                    report.error = f"{type(cause).__name__}: {cause}"
+                    report.failed_window = loop.stats.failed_window
                 finally:
                     if pool is not self.pool:
                         self._unregister(tier, pool.buffer)
         finally:
             pool.drain()
+            _copy_stats(report, loop.stats, reg.chunk_bytes)
             report.peak_staging_bytes = pool.peak_bytes
             report.total_s = time.perf_counter() - t0
         return report
 
-    # -- the loop --------------------------------------------------------------------------
-    def _run_windows(self, pool, keys, installer, tier, num_chunks, report) -> None:
-        cfg = self.config
-        pipelined = len(pool.slots) == 2  # depth 2 with W >= 2; otherwise one window at a time
-        outstanding: list[_InFlight] = []  # submitted, not yet installed (oldest first)
-        try:
-            for win in plan_windows(num_chunks, cfg.prefetch_window_chunks, cfg.pipeline_depth):
-                nbytes = win.num_chunks * self.reg.chunk_bytes
-                if outstanding and not self.admission.try_reserve(nbytes):
-                    # never block on the budget while holding a window: finish it first
-                    self._finish(pool, outstanding[0], installer, report)
-                    outstanding.pop(0)
-                if not outstanding:
-                    self.admission.reserve(nbytes, cfg.admission_timeout_s)
-                outstanding.append(self._submit(pool, keys, tier, win, nbytes, cfg.fetch_timeout_s))
-                while len(outstanding) > (1 if pipelined else 0):
-                    self._finish(pool, outstanding[0], installer, report)
-                    outstanding.pop(0)
-            while outstanding:
-                self._finish(pool, outstanding[0], installer, report)
-                outstanding.pop(0)
-        except RestoreFailed:
-            for f in outstanding:
-                self._abandon(pool, f)
-            raise
-
-    def _submit(self, pool, keys, tier, win: Window, nbytes: int, timeout_s: float) -> _InFlight:
-        try:
-            lease = pool.acquire(win.num_chunks, timeout=timeout_s)
-        except BaseException as e:
-            self.admission.release(nbytes)
-            raise RestoreFailed(win.index, e) from e
-        try:
-            window_keys = keys.window(win.first_chunk, win.num_chunks)
-            views = [lease.chunk(i) for i in range(win.num_chunks)]
-            handle = tier.fetch(window_keys, views, time.monotonic() + timeout_s)
-        except BaseException as e:
-            pool.release(lease)
-            self.admission.release(nbytes)
-            raise RestoreFailed(win.index, e) from e
-        return _InFlight(win, lease, handle, nbytes)
-
-    def _finish(self, pool, f: _InFlight, installer: WindowInstaller, report: RestoreReport) -> None:
-        """Wait for the window's objects, install them, then synchronize and release."""
-        win = f.window
-        try:
-            t = time.perf_counter()
-            try:
-                f.handle.wait()
-            finally:
-                report.fetch_s += time.perf_counter() - t
-            t = time.perf_counter()
-            if self.install_fault is not None:
-                self.install_fault(win.index)
-            report.backend = installer.install(f.lease.view, win.first_chunk, win.num_chunks)
-            pool.record_install(f.lease, self.stream)
-            report.install_s += time.perf_counter() - t
-        except (TierError, RuntimeError, ValueError, TimeoutError, OSError) as e:
-            raise RestoreFailed(win.index, e) from e  # the caller abandons the window
-        t = time.perf_counter()
-        pool.release(f.lease)  # synchronize-then-release
-        self.admission.release(f.reserved)
-        report.sync_s += time.perf_counter() - t
-        report.windows_installed += 1
-        report.bytes_moved += win.num_chunks * self.reg.chunk_bytes
-
-    def _abandon(self, pool, f: _InFlight) -> None:
-        """Release a window's slot after a failure, once nothing can still write into it.
-
-        A fetch that does not settle within another timeout keeps its slot: the pool is
-        retired (the late read may still land in it) and a fresh one takes its place."""
-        settled = f.handle.quiesce(self.config.fetch_timeout_s)
-        pool.record_install(f.lease, self.stream)
-        pool.release(f.lease)
-        self.admission.release(f.reserved)
-        if not settled and pool is self.pool:
+    def _retire(self, pool: StagingPool) -> None:
+        """A late read may still land in `pool`: never hand it out again."""
+        if pool is self.pool:
             self.pool = StagingPool(self.reg.chunk_bytes, pool.capacity_chunks, num_slots=len(pool.slots),
                                     device=self.staging_device)
 
@@ -304,3 +274,10 @@ class BoundedRestorer:
     def _unregister(self, tier: Tier, buffer: torch.Tensor) -> None:
         if self._registered.pop((id(tier), buffer.data_ptr()), None) is not None:
             tier.unregister_staging(buffer)
+
+
+def _copy_stats(report: RestoreReport, stats: LoopStats, chunk_bytes: int) -> None:
+    report.fetch_s, report.install_s, report.sync_s = stats.fetch_s, stats.install_s, stats.sync_s
+    report.windows_installed = stats.windows_done
+    report.bytes_moved = stats.chunks_done * chunk_bytes
+    report.backend = stats.backend or report.backend

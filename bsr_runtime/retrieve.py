@@ -150,8 +150,7 @@ class Retriever:
 
     def __init__(self, reg: Registration, tiers: Sequence[Tier], config: RestoreConfig | None = None, *,
                  restorer: BoundedRestorer | None = None, agree: AgreeFn | None = None,
-                 agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S, unavailable_cooldown_s: float = 30.0,
-                 install_fault: Callable[[int], None] | None = None) -> None:
+                 agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S, unavailable_cooldown_s: float = 30.0) -> None:
         if not tiers:
             raise ValueError("a retriever needs at least one tier")
         for t in tiers:
@@ -161,9 +160,7 @@ class Retriever:
         self.reg = reg
         self.tiers = list(tiers)
         self._own_restorer = restorer is None
-        self.restorer = restorer or BoundedRestorer(reg, config, install_fault=install_fault)
-        if restorer is not None and install_fault is not None:
-            restorer.install_fault = install_fault
+        self.restorer = restorer or BoundedRestorer(reg, config)
         self.agree_fn: AgreeFn = agree or commit.agree
         self.agree_timeout_s = agree_timeout_s
         self.unavailable_cooldown_s = unavailable_cooldown_s

@@ -1,20 +1,24 @@
 """The store path: gather a request's prefix from destination blocks and put it, window by
-window, with the same staging bound as the restore."""
+window, through the same window loop and staging bound as the restore."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from bsr_kernels import Registration, StagingPool, gather_window
+from bsr_kernels.validate import check_destinations
 
+from .admission import Admission, SerialAdmission
 from .keys import KeySpace, PrefixKeys
-from .plan import plan_windows
+from .plan import Window, plan_windows
 from .state_hash import ChunkHasher
 from .tiers.base import Tier
+from .window_loop import WindowLoop
 
 
 @dataclass
@@ -27,40 +31,78 @@ class StoreReport:
     state_hash: str
 
 
+class TierStoreStage:
+    """A store window: a StagingPool slot the window is gathered into, then put to a tier."""
+
+    def __init__(self, pool: StagingPool, tier: Tier, keys: PrefixKeys, win: Window, hasher: ChunkHasher) -> None:
+        self.lease = pool.acquire(win.num_chunks)
+        self.tier, self.hasher = tier, hasher
+        self.keys = keys.window(win.first_chunk, win.num_chunks)
+        self._released = False
+
+    def runs(self) -> list[tuple[int, int, torch.Tensor]]:
+        return [(0, self.lease.num_chunks, self.lease.view)]
+
+    def record(self, stream) -> None:
+        self.lease.record(stream)
+
+    def synchronize(self) -> None:
+        self.lease.synchronize()
+
+    def commit(self) -> None:
+        self.hasher.update(self.lease.view)
+        self.tier.put(self.keys, self.lease.chunks())
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.lease.release()
+
+    def abandon(self, stream) -> None:
+        if not self._released:
+            self.lease.record(stream)
+            self.lease.synchronize()
+            self.release()
+
+
 def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequence[int],
                  kv: Sequence[torch.Tensor], block_tables: Sequence[torch.Tensor], num_chunks: int | None = None,
-                 window_chunks: int = 32, backend: str = "auto", progress=None,
-                 first_chunk: int = 0) -> StoreReport:
+                 window_chunks: int = 32, backend: str = "auto", progress: Callable[[int], None] | None = None,
+                 *, stream=None, admission: Admission | None = None, first_chunk: int = 0) -> StoreReport:
     """Write chunks first_chunk..num_chunks-1 (default: every whole chunk of `tokens`) to `tier`
     (first_chunk > 0: the tier already holds the chunks before it).
 
-    Returns the canonical state hash of what was written (see state_hash.py)."""
+    Staging holds at most `window_chunks` chunks. Returns the canonical state hash of what
+    was written (see state_hash.py)."""
     if keyspace.fingerprint != reg.fingerprint:
         raise ValueError("keyspace was built for another registration")
-    if window_chunks <= 0:
-        raise ValueError(f"store window must be positive, got {window_chunks}")
+    if isinstance(window_chunks, bool) or not isinstance(window_chunks, int) or window_chunks <= 0:
+        raise ValueError(f"store window must be a positive integer, got {window_chunks!r}")
     keys = PrefixKeys(keyspace, tokens, reg.chunk_tokens)
-    n_total = (keys.num_chunks if num_chunks is None else num_chunks) - first_chunk
-    if n_total < 0:
-        raise ValueError(f"first_chunk {first_chunk} is past the {n_total + first_chunk} chunks to store")
-    pool = StagingPool(reg.chunk_bytes, max(1, min(window_chunks, n_total)))
-    tier.register_staging(pool.buffer)
+    n_total = keys.num_chunks if num_chunks is None else num_chunks
+    kv, tables = check_destinations(reg, kv, block_tables, 0, n_total)
+    if not 0 <= first_chunk <= n_total:
+        raise ValueError(f"first_chunk {first_chunk} outside 0..{n_total}")
+    pool = StagingPool(reg.chunk_bytes, max(1, min(window_chunks, n_total - first_chunk)))
+    loop = WindowLoop(admission or SerialAdmission(), reg.chunk_bytes, stream)
     hasher = ChunkHasher()
+
+    def gather(view: torch.Tensor, first: int, n: int) -> str:
+        backend_used = gather_window(view, reg, kv, tables, first, n, backend=backend, stream=stream)
+        if progress is not None:
+            progress(n)
+        return backend_used
+
     t0 = time.perf_counter()
+    tier.register_staging(pool.buffer)
     try:
-        for win in plan_windows(n_total, pool.capacity_chunks):
-            lease = pool.acquire(win.num_chunks)
-            first = first_chunk + win.first_chunk
-            try:
-                gather_window(lease.view, reg, kv, block_tables, first, win.num_chunks, backend=backend)
-                hasher.update(lease.view)
-                tier.put(keys.window(first, win.num_chunks),
-                         [lease.chunk(i) for i in range(win.num_chunks)])
-            finally:
-                pool.release(lease)
-            if progress is not None:
-                progress(win.num_chunks)
+        windows = (dataclasses.replace(w, first_chunk=first_chunk + w.first_chunk)
+                   for w in plan_windows(n_total - first_chunk, pool.capacity_chunks))
+        loop.store(windows,
+                   lambda win: TierStoreStage(pool, tier, keys, win, hasher), gather)
     finally:
         tier.unregister_staging(pool.buffer)
-    return StoreReport(tier.name, n_total, n_total * reg.chunk_bytes, time.perf_counter() - t0,
+    stored = n_total - first_chunk
+    return StoreReport(tier.name, stored, stored * reg.chunk_bytes, time.perf_counter() - t0,
                        pool.peak_bytes, hasher.hexdigest())
+

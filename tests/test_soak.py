@@ -21,7 +21,8 @@ import warnings
 import pytest
 
 from bsr_harness.experiments import Destinations, make_source, store_source
-from bsr_kernels import presets
+from bsr_harness.faulty_installer import InstallFault
+from bsr_kernels import WindowInstaller, presets
 from bsr_runtime.keys import PrefixKeys
 from bsr_runtime.plan import count_windows
 from bsr_runtime.probe import probe_prefix
@@ -71,7 +72,7 @@ def test_soak_restore_fail_cycles(tmp_path):
                 fault = rng.choice(FAULTS)
                 w, depth = rng.choice([1, 2, 3, 4]), rng.choice([1, 2])
                 counts[fault] += 1
-                install_fault = None
+                make_installer = WindowInstaller
                 if fault == "corrupt":
                     tier.faults.corrupt_keys = {victim}
                 elif fault == "missing":
@@ -89,14 +90,12 @@ def test_soak_restore_fail_cycles(tmp_path):
                 elif fault == "install":
                     bad_window = rng.randrange(count_windows(n, w, depth))  # later windows too: no partial commit
 
-                    def install_fault(idx, bad_window=bad_window):
-                        if idx == bad_window:
-                            raise RuntimeError(f"injected install failure at window {idx}")
+                    make_installer = InstallFault(bad_window, once=False).make
                 dst.poison()
                 req = RestoreRequest(f"soak-{cycle}", src.tokens, src.keyspace, dst.kv, dst.tables)
                 with BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
                                                         fetch_timeout_s=30.0),
-                                     install_fault=install_fault) as restorer:
+                                     make_installer=make_installer) as restorer:
                     rep = restorer.restore(req, tier, n)
                     assert restorer.pool.live_bytes == 0
                 tier.faults.clear()

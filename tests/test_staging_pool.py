@@ -27,8 +27,9 @@ def test_meters_track_live_and_peak():
     assert pool.live_bytes == 3 * C and pool.peak_bytes == 3 * C
     assert a.view.numel() == 2 * C and b.view.numel() == C
     assert a.view.data_ptr() != b.view.data_ptr()
-    pool.record_install(a)
-    pool.release(a)
+    a.record()
+    a.synchronize()
+    a.release()
     pool.release(b)
     assert pool.live_bytes == 0 and pool.peak_bytes == 3 * C and pool.free_bytes == 4 * C
     pool.reset_peak()
@@ -77,12 +78,48 @@ def test_double_release_is_an_error():
 def test_deferred_release_keeps_bytes_live_until_reaped():
     pool = StagingPool(C, 2, num_slots=2)
     lease = pool.acquire(1)
-    pool.record_install(lease)
-    pool.release(lease, wait=False)
+    lease.record()
+    pool.release(lease, deferred=True)
     # on CPU the install event completed at record time, so the meter returns the bytes
     assert pool.live_bytes == 0
     pool.drain()
     assert pool.free_bytes == pool.capacity_bytes
+
+
+class _DelayedHostStream:
+    """A host stream whose work completes only when synchronize() is called."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_release_before_synchronize_is_an_error():
+    pool = StagingPool(C, 2)
+    lease = pool.acquire(1)
+    stream = _DelayedHostStream()
+    lease.record(stream)
+    with pytest.raises(RuntimeError, match="before the work recorded on it was synchronized"):
+        lease.release()
+    assert not stream.done and pool.live_bytes == C
+    lease.synchronize()
+    assert stream.done
+    lease.release()
+    assert pool.live_bytes == 0
+
+
+def test_deferred_release_waits_for_a_host_stream_before_reuse():
+    pool = StagingPool(C, 1)
+    lease = pool.acquire(1)
+    stream = _DelayedHostStream()
+    lease.record(stream)
+    pool.release(lease, deferred=True)
+    assert pool.live_bytes == C  # the host stream has not completed: the bytes stay live
+    again = pool.acquire(1, timeout=1)  # synchronize-then-reuse
+    assert stream.done
+    pool.release(again)
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -1,11 +1,13 @@
 """The connector's configuration: `kv_connector_extra_config` of vLLM's KVTransferConfig.
 
-    {"tiers": [{"type": "fs", "root": "/ssd/bsr"},
-               {"type": "mooncake", "master": "H:50051", "metadata_server": "http://H:8080/metadata"},
+    {"tiers": [{"type": "filesystem", "root": "/ssd/bsr"},
+               {"type": "mooncake", "master_address": "H:50051", "metadata_server": "http://H:8080/metadata"},
                {"type": "lmcache-fs", "root": "/ssd/lmcache"}],
      "window_chunks": 32, "pipeline_depth": 1, "fetch_timeout_s": 30, "salt": "", "model_id": null,
      "save": true, "report_path": null}
 
+Tier options are those of the tier factory (bsr_runtime/tiers/factory.py); a Mooncake tier
+mounts no segment unless `global_segment_size` says so (the objects live on the store hosts).
 Tiers are tried in the listed order (plan on the first tier holding the longest prefix, fallback
 to the next one holding the same prefix on a failure). Saves go to the tiers whose spec has
 `"save": true` (default: the first tier only). Unknown keys are errors, so a typo never silently
@@ -19,51 +21,37 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from bsr_harness.tier_setup import TierOptions, open_tier
 from bsr_kernels import Registration
 
 from ...tiers.base import Tier
+from ...tiers.factory import make_tier
 
-TIER_TYPES = ("fs", "mooncake", "lmcache-fs", "lmcache-mooncake")
-_TIER_KEYS = {"type", "root", "master", "metadata_server", "protocol", "segment_bytes", "load_concurrency", "save",
-              "l1_bytes", "config_file"}
+TIER_TYPES = ("filesystem", "mooncake", "lmcache-fs", "lmcache-mooncake")
+_ALIASES = {"fs": "filesystem"}
+_CONNECTOR_KEYS = {"type", "save"}  # the rest of a spec goes to the tier factory (or to LMCache)
 
 
 @dataclass(frozen=True)
 class TierSpec:
+    """One tier of the connector: `type`, whether saves go to it, and the options of the tier
+    factory (bsr_runtime.tiers.factory.make_tier) or of the LMCache tier."""
+
     type: str
-    root: str | None = None  # fs, lmcache-fs
-    master: str | None = None  # mooncake, lmcache-mooncake: HOST:PORT of the master
-    metadata_server: str | None = None  # default http://HOST:8080/metadata
-    protocol: str = "tcp"
-    segment_bytes: int = 0  # segment this client mounts; 0: objects live on the store hosts only
-    load_concurrency: int | None = None
     save: bool | None = None  # None: the first tier saves, the others do not
-    l1_bytes: int = 256 << 20  # lmcache-*: LMCache's L1 (the staging of its windows)
-    config_file: str | None = None  # lmcache-*: LMCache config file (LMCACHE_* variables apply too)
+    options: dict = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TierSpec:
         if not isinstance(d, dict) or "type" not in d:
             raise ValueError(f"a tier spec is a dict with a 'type', got {d!r}")
-        unknown = set(d) - _TIER_KEYS
-        if unknown:
-            raise ValueError(f"tier spec {d['type']!r}: unknown keys {sorted(unknown)}")
-        kind = {"filesystem": "fs"}.get(d["type"], d["type"])
+        kind = _ALIASES.get(d["type"], d["type"])
         if kind not in TIER_TYPES:
             raise ValueError(f"unknown tier type {d['type']!r}; choose one of {', '.join(TIER_TYPES)}")
-        if kind in ("fs", "lmcache-fs") and not d.get("root"):
-            raise ValueError(f"tier {kind!r} needs a 'root' directory")
-        if kind in ("mooncake", "lmcache-mooncake") and not d.get("master"):
-            raise ValueError(f"tier {kind!r} needs 'master' (HOST:PORT of a running mooncake_master)")
-        return cls(**{**d, "type": kind})
-
-    def options(self) -> TierOptions:
-        if self.root:
-            os.makedirs(self.root, exist_ok=True)
-        return TierOptions(name=self.type, root=self.root, load_concurrency=self.load_concurrency,
-                           mooncake_master=self.master, metadata_server=self.metadata_server,
-                           segment_bytes=self.segment_bytes, protocol=self.protocol)
+        options = {k: v for k, v in d.items() if k not in _CONNECTOR_KEYS}
+        if kind == "mooncake":
+            # an engine mounts no segment by default: objects live on the store hosts and outlive the engine
+            options.setdefault("global_segment_size", 0)
+        return cls(kind, d.get("save"), options)
 
 
 _KEYS = {"tiers", "window_chunks", "pipeline_depth", "fetch_timeout_s", "backend", "salt", "model_id", "save",
@@ -109,15 +97,21 @@ class ConnectorConfig:
 
 
 def open_tiers(cfg: ConnectorConfig, reg: Registration, stack: contextlib.ExitStack) -> list[Tier]:
-    """Open every configured tier through the CLI's tier factory (tier_setup); `stack` closes them."""
+    """Open every configured tier (the one tier factory; LMCache through its integration);
+    `stack` closes them."""
     tiers: list[Tier] = []
     for spec in cfg.tiers:
         if spec.type.startswith("lmcache-"):
-            from .lmcache_tier import open_lmcache_tier
+            from ..lmcache.tier import open_lmcache_tier
 
-            tiers.append(stack.enter_context(open_lmcache_tier(spec, reg)))
-        else:
-            tiers.append(stack.enter_context(open_tier(spec.options(), reg)))
+            tiers.append(stack.enter_context(open_lmcache_tier(reg, spec.type, spec.options)))
+            continue
+        options = dict(spec.options)
+        if spec.type == "filesystem" and options.get("root"):
+            os.makedirs(options["root"], exist_ok=True)
+        tier = make_tier(reg, {"type": spec.type, **options})
+        stack.callback(tier.close)
+        tiers.append(tier)
     return tiers
 
 

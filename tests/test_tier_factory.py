@@ -1,0 +1,38 @@
+"""The one tier factory: specs in, ready tiers out; bad specs are one-line ValueErrors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from bsr_kernels import presets
+from bsr_runtime.tiers.factory import make_tier
+from bsr_runtime.tiers.filesystem import FilesystemTier
+
+REG = presets.llama_like(layers=1, kv_heads=1, head_dim=16, block_size=16)
+
+
+def test_filesystem_spec_opens_a_working_tier(tmp_path):
+    with make_tier(REG, {"type": "filesystem", "root": str(tmp_path), "load_concurrency": 2}) as tier:
+        assert isinstance(tier, FilesystemTier)
+        data = torch.randint(0, 256, (REG.chunk_bytes,), dtype=torch.uint8)
+        tier.put(["k0"], [data])
+        out = torch.zeros_like(data)
+        tier.fetch(["k0"], [out], deadline=time.monotonic() + 10).wait()
+        assert torch.equal(out, data)
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ({"type": "s3"}, "unknown tier type 's3'"),
+    ({}, "unknown tier type None"),
+    ("filesystem", "must be a mapping"),
+    ({"type": "filesystem"}, "filesystem tier spec needs root"),
+    ({"type": "mooncake", "master_address": "127.0.0.1:1"}, "needs metadata_server"),
+    ({"type": "filesystem", "root": "/tmp", "colour": "red"}, "colour"),
+])
+def test_bad_specs_are_one_line_errors(spec, needle):
+    with pytest.raises(ValueError, match=needle) as ei:
+        make_tier(REG, spec)
+    assert "\n" not in str(ei.value)

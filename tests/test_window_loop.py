@@ -1,0 +1,183 @@
+"""The one window loop: store and restore ordering, and clean-up on every path out.
+
+- The store path records the gather's completion and synchronizes before the slot is hashed
+  and put: with a gather whose copy lands only when its host stream is synchronized, the
+  stored state equals the source (a loop that skipped the synchronize would store poison).
+- A failure of any exception type in any step of a restore (stage, wait, install) returns
+  every staging byte and every budget byte, and fails closed; a BaseException that is not an
+  Exception is re-raised after the clean-up.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from kernel_util import POISON, random_kv
+from restore_util import fresh_request, random_tables, store_random_prefix
+
+from bsr_kernels import WindowInstaller, gather_window, presets
+from bsr_runtime import store as store_mod
+from bsr_runtime.admission import ByteBudget
+from bsr_runtime.keys import KeySpace
+from bsr_runtime.plan import Window
+from bsr_runtime.restore import BoundedRestorer, RestoreConfig
+from bsr_runtime.state_hash import state_hash
+from bsr_runtime.tiers import MemoryTier
+from bsr_runtime.window_loop import LoopStats, WindowFailed, WindowLoop
+
+REG = presets.llama_like(layers=2, kv_heads=1, head_dim=16, block_size=16)
+
+
+class DelayedHostStream:
+    """A host stream: submitted copies run on a worker thread, late, and are complete only
+    once synchronize() returned."""
+
+    def __init__(self, delay_s: float = 0.05) -> None:
+        self.delay_s = delay_s
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, fn) -> None:
+        t = threading.Thread(target=lambda: (threading.Event().wait(self.delay_s), fn()))
+        t.start()
+        self._threads.append(t)
+
+    def synchronize(self) -> None:
+        for t in self._threads:
+            t.join()
+        self._threads.clear()
+
+
+def test_store_synchronizes_an_asynchronous_gather_before_the_put(monkeypatch):
+    num_chunks = 6
+    blocks, tables = random_tables(REG, num_chunks, seed=1)
+    kv = random_kv(REG, blocks, seed=2)
+    tokens = list(range(num_chunks * REG.chunk_tokens))
+    space = KeySpace(REG.fingerprint, 0, 1, "")
+    stream = DelayedHostStream()
+
+    def delayed_gather(out, reg, kv_, tables_, first, n, *, backend="auto", stream=None):
+        out.fill_(POISON)  # what a put would see if it ran before the copy landed
+        stream.submit(lambda: gather_window(out, reg, kv_, tables_, first, n, backend="torch"))
+        return "delayed"
+
+    monkeypatch.setattr(store_mod, "gather_window", delayed_gather)
+    tier = MemoryTier(REG.chunk_bytes, REG.fingerprint)
+    rep = store_mod.store_prefix(REG, tier, space, tokens, kv, tables, window_chunks=2, stream=stream)
+    assert rep.state_hash == state_hash(REG, kv, tables, num_chunks)
+
+
+def _stored(num_chunks: int = 8):
+    tier = MemoryTier(REG.chunk_bytes, REG.fingerprint)
+    return tier, store_random_prefix(REG, tier, num_chunks, seed=3, window_chunks=4)
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("exc", [KeyError("k"), TypeError("t"), AssertionError("a"), OverflowError("o"), _Boom()])
+@pytest.mark.parametrize("where", ["install", "fetch"])
+def test_any_exception_fails_closed_and_leaks_nothing(exc, where):
+    tier, stored = _stored()
+    budget = ByteBudget(8 * REG.chunk_bytes)
+
+    def make_installer(*a, **kw):
+        inner = WindowInstaller(*a, **kw)
+
+        class Raising:
+            def install(self, staging, first, n):
+                if first >= 2:
+                    raise exc
+                return inner.install(staging, first, n)
+        return Raising()
+
+    if where == "fetch":
+        inner_fetch = tier.fetch
+        calls = []
+
+        def fetch(keys, views, deadline):
+            calls.append(1)
+            if len(calls) == 2:
+                raise exc
+            return inner_fetch(keys, views, deadline)
+        tier.fetch = fetch
+        make = WindowInstaller
+    else:
+        make = make_installer
+    cfg = RestoreConfig(prefetch_window_chunks=4, pipeline_depth=2)
+    for _ in range(5):  # a leak would exhaust the budget and block (the timeout turns that into a failure)
+        restorer = BoundedRestorer(REG, cfg, admission=budget, make_installer=make)
+        rep = restorer.restore(fresh_request(stored, seed=5), tier, stored.num_chunks)
+        assert not rep.ok and rep.committed_tokens == 0
+        assert type(exc).__name__ in rep.error
+        assert budget.used_bytes == 0 and restorer.pool.live_bytes == 0
+        if where == "fetch":
+            calls.clear()
+
+
+def test_keyboard_interrupt_is_reraised_after_cleanup():
+    tier, stored = _stored()
+    budget = ByteBudget(8 * REG.chunk_bytes)
+
+    class Interrupting:
+        def __init__(self, *a, **kw):
+            pass
+
+        def install(self, staging, first, n):
+            raise KeyboardInterrupt
+
+    restorer = BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=4, pipeline_depth=2), admission=budget,
+                               make_installer=Interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        restorer.restore(fresh_request(stored, seed=6), tier, stored.num_chunks)
+    assert budget.used_bytes == 0 and restorer.pool.live_bytes == 0
+    # the restorer still works afterwards
+    ok = BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=4), admission=budget)
+    assert ok.restore(fresh_request(stored, seed=7), tier, stored.num_chunks).ok
+
+
+class _Stage:
+    def __init__(self, log, win, fail_at=None):
+        self.log, self.win, self.fail_at = log, win, fail_at
+
+    def wait(self):
+        self.log.append(("wait", self.win.index))
+        if self.fail_at == "wait":
+            raise ValueError("missing")
+        return [(0, self.win.num_chunks, torch.empty(0))]
+
+    def record(self, stream):
+        self.log.append(("record", self.win.index))
+
+    def synchronize(self):
+        self.log.append(("sync", self.win.index))
+
+    def release(self):
+        self.log.append(("release", self.win.index))
+
+    def abandon(self, stream):
+        self.log.append(("abandon", self.win.index))
+
+
+def _windows(n):
+    return [Window(i, 2 * i, 2, i % 2) for i in range(n)]
+
+
+def test_loop_order_at_depth_two_and_abandon_on_failure():
+    log: list = []
+    budget = ByteBudget(4)
+    loop = WindowLoop(budget, chunk_bytes=1, depth=2)
+    loop.restore(_windows(3), lambda w: _Stage(log, w), lambda v, first, n: log.append(("install", first)) or "x")
+    assert [e for e in log if e[1] == 0] == [("wait", 0), ("install", 0), ("record", 0), ("sync", 0),
+                                             ("release", 0)]
+    assert loop.stats.windows_done == 3 and loop.stats.chunks_done == 6 and budget.used_bytes == 0
+
+    log.clear()
+    loop = WindowLoop(budget, chunk_bytes=1, depth=2, stats=LoopStats())
+    with pytest.raises(WindowFailed) as ei:
+        loop.restore(_windows(3), lambda w: _Stage(log, w, "wait" if w.index == 1 else None),
+                     lambda v, first, n: "x")
+    assert ei.value.window == 1 and loop.stats.failed_window == 1
+    assert ("abandon", 1) in log and ("release", 1) not in log and budget.used_bytes == 0
