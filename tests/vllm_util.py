@@ -55,10 +55,29 @@ def kv_transfer(tiers: list[dict], *, policy: str = "recompute", **extra) -> dic
             "kv_connector_extra_config": {"tiers": tiers, **extra}}
 
 
+def _tolerate_llvmlite_in_kernel_scan() -> None:
+    """vLLM 0.32 rescans every module attribute when a worker starts (triton_utils.dispatcher:
+    `vars(value).get("kernel")`); `llvmlite.binding.ffi.lib`, imported by LMCache (through numba),
+    answers `__dict__` with a function wrapper, so once LMCache was imported the next engine started
+    in the same process fails. Tests start many engines per process: give the scan a `vars` that
+    reads such objects as empty. (A deployment starts one engine per process and is not affected.)"""
+    import builtins
+
+    from vllm.triton_utils import dispatcher
+
+    def safe_vars(obj):
+        d = builtins.vars(obj)
+        return d if isinstance(d, dict) else {}
+
+    dispatcher.vars = safe_vars
+
+
 def make_llm(model: str, kv: dict | None = None, *, max_num_batched_tokens: int = 256, max_model_len: int = 8192,
              multiprocess: bool = False, **kw):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     from vllm import LLM
+
+    _tolerate_llvmlite_in_kernel_scan()
 
     args = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, block_size=BLOCK_SIZE,
                 kv_cache_memory_bytes=1 << 30, max_model_len=max_model_len, max_num_seqs=4,
