@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bsr_harness.experiments import Destinations, make_source
 from bsr_kernels import presets
-from bsr_runtime.integrations.lmcache.adapter import LMCacheAdapter, fs_l2
+from bsr_runtime.integrations.lmcache import LMCacheAdapter, fs_l2
 from bsr_runtime.restore import RestoreRequest
 from bsr_runtime.state_hash import state_hash
 

@@ -32,7 +32,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # read by LMCache's loggers
 
 from bsr_harness.experiments import Destinations, make_source  # noqa: E402
 from bsr_kernels import presets  # noqa: E402
-from bsr_runtime.integrations.lmcache.adapter import LMCacheAdapter, align_up, fs_l2, load_adapter_config  # noqa: E402
+from bsr_runtime.integrations.lmcache import LMCacheAdapter, align_up, fs_l2, load_adapter_config  # noqa: E402
 from bsr_runtime.restore import RestoreRequest  # noqa: E402
 from bsr_runtime.state_hash import state_hash  # noqa: E402
 

@@ -144,7 +144,7 @@ class TierTarget:
 
 
 class AdapterTarget:
-    """What a sweep restores from: an LMCache adapter (bsr_runtime.integrations.lmcache.adapter.LMCacheAdapter);
+    """What a sweep restores from: an LMCache adapter (bsr_runtime.integrations.lmcache.LMCacheAdapter);
     peak staging is LMCache's peak L1 use during the retrieve."""
 
     def __init__(self, adapter, name: str) -> None:

@@ -5,7 +5,7 @@
   mooncake_master and a standalone store host (mooncake_client) are started on 127.0.0.1 and
   stopped afterwards, so restored bytes cross TCP as from an external store host.
 - lmcache-fs / lmcache-mooncake: LMCache's own storage stack (StorageManager with a DRAM L1 and
-  the filesystem or Mooncake L2 adapter) driven by bsr_runtime.integrations.lmcache.adapter.
+  the filesystem or Mooncake L2 adapter) driven by bsr_runtime.integrations.lmcache (LMCacheAdapter).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _mooncake_endpoints(opts: TierOptions, capacity_bytes: int) -> Iterator[tupl
 def open_lmcache(opts: TierOptions, reg: Registration, *, l1_bytes: int, capacity_bytes: int = 0):
     """Yield an LMCacheAdapter over LMCache's StorageManager with an L1 of `l1_bytes` and the
     filesystem ("lmcache-fs") or Mooncake ("lmcache-mooncake") L2 adapter."""
-    from bsr_runtime.integrations.lmcache.adapter import LMCacheAdapter, fs_l2, mooncake_l2
+    from bsr_runtime.integrations.lmcache import LMCacheAdapter, fs_l2, mooncake_l2
 
     with contextlib.ExitStack() as stack:
         if opts.name == "lmcache-fs":

@@ -18,7 +18,7 @@ from .keys import KeySpace, PrefixKeys
 from .plan import Window, plan_windows
 from .state_hash import ChunkHasher
 from .tiers.base import Tier
-from .window_loop import WindowLoop
+from .window_loop import WindowFailed, WindowLoop
 
 
 @dataclass
@@ -100,6 +100,8 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
                    for w in plan_windows(n_total - first_chunk, pool.capacity_chunks))
         loop.store(windows,
                    lambda win: TierStoreStage(pool, tier, keys, win, hasher), gather)
+    except WindowFailed as e:
+        raise e.cause from e  # a store raises what failed it (the loop's clean-up already ran)
     finally:
         tier.unregister_staging(pool.buffer)
     stored = n_total - first_chunk

@@ -23,7 +23,7 @@ from restore_util import random_tables  # noqa: E402
 
 from bsr_kernels import gather_window, presets  # noqa: E402
 from bsr_runtime.admission import ByteBudget  # noqa: E402
-from bsr_runtime.integrations.lmcache.adapter import (  # noqa: E402
+from bsr_runtime.integrations.lmcache import (  # noqa: E402
     LMCacheAdapter,
     LMCacheKeys,
     fs_l2,
@@ -277,6 +277,60 @@ def test_prefetch_timeout_fails_closed_and_late_objects_are_released(stored, sma
     assert settled()
     impatient.close()  # joins the thread that released the late prefetch
     assert small.retrieve(stored.request(seed=66), N, window_chunks=8).ok
+
+
+def test_unexpected_install_error_fails_closed_and_releases_everything(stored, small, monkeypatch):
+    """A failure of no usual kind (a KeyError inside the install of window 1, from a patched install
+    function) fails the request closed, returns L1 usage to its baseline and every budget byte."""
+    import bsr_runtime.integrations.lmcache.retrieve as lm_retrieve
+
+    real = lm_retrieve.install_window
+
+    def flaky(view, reg, kv, tables, first, count, **kw):
+        if first >= 8:
+            raise KeyError("no such tensor")
+        return real(view, reg, kv, tables, first, count, **kw)
+
+    monkeypatch.setattr(lm_retrieve, "install_window", flaky)
+    budget = ByteBudget(8 * C)
+    ad = LMCacheAdapter(REG, small.sm, config(), admission=budget)
+    base = small.sm.get_l1_usage()[0]
+    req = stored.request(seed=67, rid="keyerror")
+    with Sampler(small.sm) as s:
+        rep = ad.retrieve(req, N, window_chunks=8)
+    assert not rep.ok and rep.committed_tokens == 0 and rep.force_local and "keyerror" in ad.force_local
+    assert rep.failed_window == 1 and rep.windows_installed == 1
+    assert rep.error.startswith("window 1 (chunks 8..15): install failed: KeyError")
+    assert rep.invalid_block_ids == all_block_ids(req)  # window 0's blocks too
+    assert small.sm.get_l1_usage()[0] == base == rep.l1_after_bytes and s.peak - base <= 8 * OBJ_4K
+    assert budget.used_bytes == 0 and budget.peak_bytes == 8 * C
+    monkeypatch.undo()
+    ok = ad.retrieve(stored.request(seed=68, rid="after"), N, window_chunks=8)
+    assert ok.ok and budget.used_bytes == 0 and small.sm.get_l1_usage()[0] == base
+
+
+def test_store_gather_error_aborts_the_batch_and_releases_everything(stored, tmp_path, monkeypatch):
+    """A gather failing in batch 1 of a store raises what failed; the batch's L1 reservations are
+    aborted (L1 usage back to 0) and the budget is whole again."""
+    import bsr_runtime.integrations.lmcache.store as lm_store
+
+    real = lm_store.gather_window
+
+    def flaky(view, reg, kv, tables, first, count, **kw):
+        if first >= 4:
+            raise KeyError("gather")
+        return real(view, reg, kv, tables, first, count, **kw)
+
+    monkeypatch.setattr(lm_store, "gather_window", flaky)
+    budget = ByteBudget(4 * C)
+    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(str(tmp_path))], config(), admission=budget) as ad:
+        with pytest.raises(KeyError, match="gather"):
+            ad.store(stored.space, stored.tokens, stored.kv, stored.tables, 12)
+        assert ad.l1_usage()[0] == 0 and budget.used_bytes == 0
+        assert ad.probe(stored.space, stored.tokens, 12).prefix_chunks == 4  # batch 0 was stored
+        monkeypatch.undo()
+        assert ad.store(stored.space, stored.tokens, stored.kv, stored.tables, 12).state_hash == stored.hash[12]
+        assert ad.l1_usage()[0] == 0 and budget.used_bytes == 0
 
 
 def test_config_from_lmcache_env(stored, monkeypatch):

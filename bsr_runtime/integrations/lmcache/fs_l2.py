@@ -10,7 +10,7 @@ L1 memory objects the prefetch controller passed in. Stores, lookups and deletes
      "class_name": "ConcurrentFSL2Adapter",
      "adapter_params": {"base_path": "/data/lmcache", "load_concurrency": 4}}
 
-`load_concurrency` absent: $LMCACHE_FS_LOAD_CONCURRENCY (lmcache_adapter's config), default 1,
+`load_concurrency` absent: $LMCACHE_FS_LOAD_CONCURRENCY (the adapter's config, config.py), default 1,
 which runs LMCache's own sequential load unchanged.
 """
 
@@ -27,6 +27,8 @@ from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import (
     FSL2AdapterConfig,
     _async_readinto_full,
 )
+
+from .config import BSRLMCacheConfig
 
 logger = init_logger(__name__)
 
@@ -55,8 +57,6 @@ class ConcurrentFSL2AdapterConfig(FSL2AdapterConfig):
 
 
 def _env_load_concurrency() -> int:
-    from bsr_runtime.integrations.lmcache.adapter import BSRLMCacheConfig
-
     cfg = BSRLMCacheConfig.from_env()
     cfg.validate()
     return cfg.fs_load_concurrency
