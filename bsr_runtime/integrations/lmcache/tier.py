@@ -44,7 +44,12 @@ from ...tiers.base import (
     TierError,
     TierUnavailableError,
 )
-from .adapter import LMCacheAdapter, _owners, fs_l2, load_adapter_config, mooncake_l2
+from .adapter import LMCacheAdapter
+from .config import fs_l2, load_adapter_config, mooncake_l2
+from .objects import _owners
+from .probe import _probe_l1
+from .retrieve import evict_l2_loaded, release_result
+from .store import abort_writes, flush_l1, wait_in_l2
 
 _RANK = re.compile(r"-r(\d+)of(\d+)-")
 
@@ -56,7 +61,7 @@ class LMCacheTier(Tier):
         super().__init__(adapter.reg.chunk_bytes, adapter.reg.fingerprint)
         self.adapter = adapter
         self.sm = adapter.sm
-        self.name = adapter._tier_name()
+        self.name = adapter.tier_name()
         self.put_timeout_s = put_timeout_s
         self._model = f"bsr-{adapter.reg.fingerprint[:16]}"
 
@@ -80,17 +85,9 @@ class LMCacheTier(Tier):
         self._check()
         okeys = self._object_keys(keys)
         hit = [False] * len(keys)
-        handle = self.sm.submit_prefetch_task(self._spec(okeys, fetching_policy="full"),
-                                              external_request_id="bsr-probe", skip_l2=True)
-        result = self.sm.query_prefetch_status(handle)
-        if result is not None and result.hit_cells:
-            idx = result.hit_cells[0].get_indices_list()
-            if idx:
-                held = [okeys[i] for i in idx]
-                self.sm.finish_read_prefetched(held, read_locks=1, l1_owners=_owners(result, held))
-            for i in idx:
-                hit[i] = True
-        found, _errors = self.adapter._l2_lookup(okeys)
+        for i in _probe_l1(self.sm, self.adapter.layout, okeys):  # read locks returned at once
+            hit[i] = True
+        found, _errors = self.adapter.l2.lookup(okeys)  # lookup locks returned at once
         for row in found.values():
             for i, h in enumerate(row):
                 hit[i] = hit[i] or h
@@ -112,12 +109,12 @@ class LMCacheTier(Tier):
         okeys = self._object_keys(keys)
         h = self.sm.submit_prefetch_task(self._spec(okeys, num_kv_readers=1, fetching_policy="prefix"),
                                          external_request_id="bsr-fetch")
-        result = self.adapter._wait_result(h, okeys, max(0.001, deadline - time.monotonic()))
+        result = self.adapter.late.wait(h, okeys, max(0.001, deadline - time.monotonic()))
         if result is None:
             raise FetchTimeoutError(f"LMCache prefetch of {len(keys)} objects missed its deadline")
         hit = result.hit_cells[0].get_indices_list()
         if len(hit) != len(keys):
-            self.adapter._release_result(result, okeys, evict_loaded=True)
+            release_result(self.sm, result, okeys, evict_loaded=True)
             missing = next(i for i in range(len(keys)) if i >= len(hit) or hit[i] != i)
             raise MissingObjectError(f"LMCache holds {len(hit)}/{len(keys)} objects; {keys[missing]} is missing")
         owners = _owners(result, okeys)
@@ -134,12 +131,12 @@ class LMCacheTier(Tier):
                     view.copy_(raw.view(torch.uint8).reshape(-1)[:c])
         except BaseException:
             if entered:
-                self.adapter._evict_loaded(result, okeys, True)
+                evict_l2_loaded(self.sm, result, okeys)
             else:
-                self.adapter._release_result(result, okeys, evict_loaded=True)
+                release_result(self.sm, result, okeys, evict_loaded=True)
             raise
         self.sm.finish_read_prefetched(okeys, read_locks=1, l1_owners=owners)
-        self.adapter._evict_loaded(result, okeys, True)
+        evict_l2_loaded(self.sm, result, okeys)
         return len(keys) * c
 
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
@@ -153,15 +150,15 @@ class LMCacheTier(Tier):
                 if obj is not None:
                     obj.raw_tensor.view(torch.uint8).reshape(-1)[:c].copy_(view.reshape(-1)[:c])
         except BaseException:
-            self.adapter._abort_writes(list(reserved))
+            abort_writes(self.sm, list(reserved))
             raise
         if reserved:
             self.sm.finish_write([k for k in okeys if k in reserved])
         deadline = time.monotonic() + self.put_timeout_s
         try:
             if self.sm.l2_adapters():
-                self.adapter._wait_in_l2(okeys, deadline)
-                self.adapter._flush_l1(okeys, deadline)
+                wait_in_l2(self.adapter.l2, okeys, deadline)
+                flush_l1(self.sm, okeys, deadline)
             elif len(reserved) < len(okeys):
                 raise TierError(f"LMCache L1 had no room for {len(okeys) - len(reserved)} objects")
         except TimeoutError as e:
