@@ -68,6 +68,16 @@ def worker_connector():
     return get_kv_transfer_group()
 
 
+def prefix_keys(sched, tokens, n: int, salt: str | None = None) -> list[str]:
+    """The keys of chunks 0..n-1 of `tokens` in the engine's key space (scheduler side)."""
+    import dataclasses
+
+    from bsr_runtime.keys import PrefixKeys
+
+    space = sched.core.keyspace if salt is None else dataclasses.replace(sched.core.keyspace, salt=salt)
+    return PrefixKeys(space, tokens, CHUNK).window(0, n)
+
+
 def read_report(path: str | Path) -> list[dict]:
     p = Path(path)
     return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []

@@ -54,13 +54,18 @@ class TierSpec:
         return cls(kind, d.get("save"), options)
 
 
-_KEYS = {"tiers", "window_chunks", "pipeline_depth", "fetch_timeout_s", "backend", "salt", "model_id", "save",
-         "save_window_chunks", "report_path", "chunk_tokens", "agree_timeout_s"}
+_KEYS = {"tiers", "load_mode", "window_chunks", "pipeline_depth", "fetch_timeout_s", "backend", "salt", "model_id",
+         "save", "save_window_chunks", "report_path", "chunk_tokens", "agree_timeout_s"}
 
 
 @dataclass(frozen=True)
 class ConnectorConfig:
     tiers: tuple[TierSpec, ...]
+    # "sync": loads before the step's forward, failures reported by block id; "async": the request
+    # waits for the load (WAITING_FOR_REMOTE_KVS), failures reported per request (failed_recving);
+    # "auto": sync with one KV-cache group, async with several (vLLM maps block ids to requests only
+    # with one group)
+    load_mode: str = "auto"
     window_chunks: int = 32  # W
     pipeline_depth: int = 1
     fetch_timeout_s: float = 30.0
@@ -86,9 +91,14 @@ class ConnectorConfig:
             raise ValueError("BSR connector: kv_connector_extra_config needs 'tiers' (a non-empty list)")
         specs = tuple(TierSpec.from_dict(t) for t in tiers)
         cfg = cls(tiers=specs, **extra)
+        if cfg.load_mode not in ("auto", "sync", "async"):
+            raise ValueError(f"load_mode must be auto, sync or async, got {cfg.load_mode!r}")
         if isinstance(cfg.window_chunks, bool) or not isinstance(cfg.window_chunks, int) or cfg.window_chunks < 0:
             raise ValueError(f"window_chunks must be an integer >= 0, got {cfg.window_chunks!r}")
         return cfg
+
+    def load_async(self, num_groups: int) -> bool:
+        return self.load_mode == "async" or (self.load_mode == "auto" and num_groups > 1)
 
     @property
     def save_tiers(self) -> list[int]:

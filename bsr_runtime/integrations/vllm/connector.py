@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -46,7 +47,7 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler: SchedulerSide | None = None
             self.worker: WorkerSide | None = None
             if role == KVConnectorRole.SCHEDULER:
-                self.scheduler = SchedulerSide(cfg, reg, tiers, self.model_id, world)
+                self.scheduler = SchedulerSide(cfg, reg, tiers, self.model_id, world, self._block_ids_of)
             else:
                 rank, agree = 0, None
                 if world > 1:
@@ -60,6 +61,10 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
             raise
 
     # -- scheduler side --------------------------------------------------------------------
+    def _block_ids_of(self, request_id: str):
+        assert self._kv_cache_manager is not None, "vLLM bound no KV cache manager to the connector"
+        return self._kv_cache_manager.get_block_ids(request_id)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -101,6 +106,10 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self.worker.transfer_results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def shutdown(self) -> None:
         for side in (self.scheduler, self.worker):

@@ -12,14 +12,17 @@ from ...connector import LoadSpec
 
 @dataclass
 class SaveSpec:
-    """Store the complete prompt chunks 0..num_chunks-1 of a request after its prefill."""
+    """Store prompt chunks first_chunk..num_chunks-1 of a request: the complete chunks whose prefill
+    ran in this step (saved while every group's blocks of those tokens are resident, also the
+    sliding-window groups' blocks that vLLM frees once they fall out of the window)."""
 
     request_id: str
-    tokens: list[int]  # the tokens of those chunks
+    tokens: list[int]  # the tokens of chunks 0..num_chunks-1 (the key chain starts at chunk 0)
     num_chunks: int
     block_ids: list[list[int]]  # per group, from token 0 (-1: not resident)
     salt: str
-    overwrite: bool = False  # the request's load failed: rewrite every chunk (repairs damaged objects)
+    overwrite: bool = False  # the request's load failed: rewrite the chunks (repairs damaged objects)
+    first_chunk: int = 0
 
 
 @dataclass

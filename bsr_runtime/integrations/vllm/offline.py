@@ -109,12 +109,12 @@ def cold_save_restore(model: str, tokens: Sequence[int], tiers: list[dict], *, w
     llm = make_llm(model, kv, **common)
     try:
         generate(llm, tokens, max_tokens=1)
-        save = worker_side().saves[-1]
+        saves = [r for r in worker_side().saves if r.get("ok")]  # one record per step that completed chunks
     finally:
         shutdown(llm)
-    out.update(save_chunks=save.get("stored"), save_s=save["seconds"], save_peak_staging_bytes=save.get(
-        "peak_staging_bytes"))
-    log(f"engine A saved {save.get('stored')} chunks in {save['seconds']:.3f} s")
+    out.update(save_chunks=sum(r["stored"] for r in saves), save_s=sum(r["seconds"] for r in saves),
+               save_peak_staging_bytes=max((r["peak_staging_bytes"] for r in saves), default=0))
+    log(f"engine A saved {out['save_chunks']} chunks in {out['save_s']:.3f} s")
     llm = make_llm(model, kv, **common)
     try:
         out["restored_ttft_s"] = timed_first_token(llm, tokens)

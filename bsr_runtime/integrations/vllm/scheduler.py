@@ -9,16 +9,18 @@ force-local marker; while it holds, get_num_new_matched_tokens answers 0 without
 marker is cleared when the request is next scheduled (admitted RUNNING: it prefills locally)
 or torn down.
 
-Saves: every request is tracked from admission; when its scheduled tokens reach the end of its
-last complete prompt chunk (the prefill of those tokens runs in this step), a SaveSpec goes out
-and the worker stores the chunks after the forward pass. A request whose load failed is saved
-again after its recompute, rewriting every chunk.
+Saves: every request is tracked from admission; in each step whose scheduled tokens complete
+prompt chunks, a SaveSpec for those chunks goes out and the worker stores them after the forward
+pass (while every group's blocks of those tokens are resident: vLLM frees sliding-window blocks
+once they leave the window). A request whose load failed is saved again as it is recomputed,
+rewriting every chunk.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ...connector import BSRConnector as CoreConnector
 from ...connector import request_salt
@@ -36,16 +38,18 @@ class _Tracked:
     tokens: list[int]
     num_chunks: int  # complete prompt chunks
     salt: str
-    blocks: list[list[int]] = field(default_factory=list)
     computed: int = 0
-    saved: bool = False
+    saved_chunks: int = 0  # chunks 0..saved_chunks-1 went out in SaveSpecs
     overwrite: bool = False
 
 
 class SchedulerSide:
-    def __init__(self, cfg: ConnectorConfig, reg, tiers: list[Tier], model: str, tp_world: int) -> None:
+    def __init__(self, cfg: ConnectorConfig, reg, tiers: list[Tier], model: str, tp_world: int,
+                 block_ids_of: Callable[[str], object]) -> None:
         self.cfg = cfg
         self.reg = reg
+        self.block_ids_of = block_ids_of  # request id -> its current block ids per group (vLLM's)
+        self.load_async = cfg.load_async(reg.num_groups)
         restore = RestoreConfig(prefetch_window_chunks=cfg.window_chunks, pipeline_depth=cfg.pipeline_depth,
                                 fetch_timeout_s=cfg.fetch_timeout_s, backend=cfg.backend)
         # the scheduler never restores: W = 0 keeps the restorer from allocating a staging pool
@@ -62,7 +66,7 @@ class SchedulerSide:
         n, load_async = self.core.get_num_new_matched_tokens(request, num_computed_tokens)
         rid = request.request_id
         self.events.append(("skip" if self.core.stats.skipped_by_marker > skipped else "probe", rid))
-        return n, load_async
+        return n, bool(n) and (load_async or self.load_async)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self.core.update_state_after_alloc(request, block_lists(blocks), num_external_tokens)
@@ -86,29 +90,28 @@ class SchedulerSide:
                 self._running(new.req_id)
             t = self._tracked.get(new.req_id)
             if t is not None:
-                t.blocks = block_lists(new.block_ids)
                 t.computed = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             self._running(rid)  # scheduled again (e.g. recomputing after a failed load)
             t = self._tracked.get(rid)
-            if t is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
-                if new_ids is not None:
-                    t.blocks = block_lists(new_ids)
-            elif new_ids is not None:
-                for g, ids in enumerate(block_lists(new_ids)):
-                    t.blocks[g].extend(ids)
-            t.computed = cached.num_computed_tokens[i]
+            if t is not None:
+                t.computed = cached.num_computed_tokens[i]
         saves = []
         for rid, t in self._tracked.items():
             sched = so.num_scheduled_tokens.get(rid)
-            if t.saved or sched is None or t.computed + sched < t.num_chunks * self.reg.chunk_tokens:
+            if sched is None:
                 continue
-            t.saved = True
-            saves.append(SaveSpec(rid, t.tokens, t.num_chunks, [list(b) for b in t.blocks], t.salt, t.overwrite))
+            done = min(t.num_chunks, (t.computed + sched) // self.reg.chunk_tokens)
+            if done <= t.saved_chunks:
+                continue
+            # the chunks completed by this step's forward (or before it: a load, a local hit), saved
+            # after the forward; the worker skips what the tier holds and chunks with blocks not resident
+            # the block table as the KV cache manager holds it now (blocks freed from a sliding window
+            # are vLLM's null block: -1 here, never gathered)
+            saves.append(SaveSpec(rid, t.tokens[: done * self.reg.chunk_tokens], done,
+                                  block_lists(self.block_ids_of(rid)), t.salt, t.overwrite, t.saved_chunks))
+            t.saved_chunks = done
         return BSRConnectorMetadata(loads, saves)
 
     def _running(self, rid: str) -> None:
@@ -127,8 +130,8 @@ class SchedulerSide:
                 write_report(self.cfg.report_path, {"role": "scheduler", "event": "marker_set", "request_id": rid})
                 del self.inflight[rid]
                 t = self._tracked.get(rid)
-                if t is not None:  # saved again after the recompute, every chunk rewritten
-                    t.saved, t.overwrite = False, True
+                if t is not None:  # saved again as the recompute goes, every chunk rewritten
+                    t.saved_chunks, t.overwrite = 0, True
 
     def request_finished(self, request, block_ids) -> tuple[bool, None]:
         rid = request.request_id

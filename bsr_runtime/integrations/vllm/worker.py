@@ -22,7 +22,6 @@ import torch
 
 from ...connector import BSRConnector as CoreConnector
 from ...keys import PrefixKeys
-from ...probe import probe_prefix
 from ...restore import RestoreConfig
 from ...store import store_prefix
 from ...tiers.base import Tier, TierError
@@ -45,7 +44,10 @@ class WorkerSide:
         self.core = CoreConnector(reg, tiers, config=config, tp_rank=tp_rank, tp_world=tp_world, salt=cfg.salt,
                                   model=model, agree=agree, agree_plan=False, agree_timeout_s=cfg.agree_timeout_s)
         self.kv: list[torch.Tensor] | None = None
+        self.load_async = cfg.load_async(reg.num_groups)
         self._failed_this_step: set[str] = set()
+        self._recv_done: set[str] = set()  # async mode: loads finished (committed or failed) since last asked
+        self._recv_failed: set[str] = set()
         self.loads: list[dict] = []  # one record per load (tests, demo)
         self.saves: list[dict] = []
 
@@ -69,13 +71,26 @@ class WorkerSide:
                    "error": outcome.error}
             self.loads.append(rec)
             write_report(self.cfg.report_path, rec)
+            if self.load_async:
+                self._recv_done.add(outcome.request_id)
+                if not outcome.committed:
+                    self._recv_failed.add(outcome.request_id)
             if not outcome.committed:
                 self._failed_this_step.add(outcome.request_id)
                 log.warning("BSR: load of %s failed closed (%d blocks invalid): %s", outcome.request_id,
                             outcome.invalid_blocks, outcome.error)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.core.get_block_ids_with_load_errors()
+        """Sync mode: every block of every failed request. Async mode: none (vLLM maps block ids to
+        requests only with one KV-cache group; failures go out as failed_recving)."""
+        errors = self.core.get_block_ids_with_load_errors()
+        return set() if self.load_async else errors
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """Async mode: (finished receiving, failed among them) since the last call."""
+        done, failed = self._recv_done, self._recv_failed
+        self._recv_done, self._recv_failed = set(), set()
+        return done, failed
 
     # -- save ------------------------------------------------------------------------------
     def save(self, meta: BSRConnectorMetadata) -> None:
@@ -88,19 +103,22 @@ class WorkerSide:
     def _save_one(self, spec: SaveSpec, tier: Tier) -> None:
         assert self.kv is not None, "save before register_kv_caches"
         keyspace = dataclasses.replace(self.core.keyspace, salt=spec.salt)
+        end = self._resident_end(spec)
         rec = {"role": "worker", "rank": self.tp_rank, "event": "save", "request_id": spec.request_id,
-               "tier": tier.name, "num_chunks": spec.num_chunks, "overwrite": spec.overwrite}
+               "tier": tier.name, "first_chunk": spec.first_chunk, "num_chunks": spec.num_chunks,
+               "resident_chunks": end, "overwrite": spec.overwrite}
         t0 = time.perf_counter()
         try:
-            first = 0
-            if not spec.overwrite:
-                first = probe_prefix(tier, PrefixKeys(keyspace, spec.tokens, self.reg.chunk_tokens),
-                                     spec.num_chunks).prefix_chunks
-            rec["already_held"] = first
-            if first < spec.num_chunks:
+            first = spec.first_chunk
+            if not spec.overwrite and first < end:
+                keys = PrefixKeys(keyspace, spec.tokens, self.reg.chunk_tokens).window(first, end - first)
+                held = tier.probe(keys)
+                first += held.index(False) if False in held else len(held)
+            rec["already_held"] = first - spec.first_chunk
+            if first < end:
                 tables = [torch.tensor(b, dtype=torch.int64) for b in spec.block_ids]
                 w = self.cfg.save_window_chunks or self.cfg.window_chunks or 32
-                rep = store_prefix(self.reg, tier, keyspace, spec.tokens, self.kv, tables, spec.num_chunks,
+                rep = store_prefix(self.reg, tier, keyspace, spec.tokens, self.kv, tables, end,
                                    window_chunks=w, backend=self.cfg.backend, first_chunk=first)
                 rec.update(stored=rep.num_chunks, peak_staging_bytes=rep.peak_staging_bytes)
             else:
@@ -112,6 +130,18 @@ class WorkerSide:
         rec["seconds"] = time.perf_counter() - t0
         self.saves.append(rec)
         write_report(self.cfg.report_path, rec)
+
+    def _resident_end(self, spec: SaveSpec) -> int:
+        """The end of the run of chunks from first_chunk whose blocks are resident in every group
+        (a sliding-window group's blocks that left the window are -1: such a chunk is not stored)."""
+        reg = self.reg
+        for k in range(spec.first_chunk, spec.num_chunks):
+            for g, ids in enumerate(spec.block_ids):
+                tpb = reg.group_tokens_per_block(g)
+                lo, hi = k * reg.chunk_tokens // tpb, -(-(k + 1) * reg.chunk_tokens // tpb)
+                if len(ids) < hi or any(b < 0 for b in ids[lo:hi]):
+                    return k
+        return spec.num_chunks
 
     def close(self) -> None:
         self.core.close()
