@@ -85,7 +85,11 @@ def install_window(
     into the destination blocks. Returns the backend that ran.
 
     Entry e of tensor t lands in block `block_tables[group][e // block_size]`, slot
-    `e % block_size`; block id -1 is skipped. `fingerprint`, when given, is the registration
+    `e % block_size`; block id -1 is skipped (legal only in groups with a sliding window). Each
+    destination may be any strided view of shape (num_blocks, block_size, *entry_shape) whose
+    innermost dim has stride 1 (vLLM CPU, FlashAttention, FlashInfer HND, MLA row slices); no two
+    destinations may share a byte. The staged layout stays canonical whatever the destination
+    layout. `fingerprint`, when given, is the registration
     fingerprint the staged objects were written under. Everything is validated before any byte
     moves. With the CUDA backend and pinned host staging, `zero_copy` reads host memory
     directly; otherwise the staging must be (or is copied) on the destination device.
