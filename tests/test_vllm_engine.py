@@ -69,9 +69,12 @@ def test_save_after_prefill(store, cold):
     for k in PROMPTS:
         _same(store["outs"][k], cold[k])  # saving does not change the output
         assert store["outs"][k][2] == 0
-    saves = store["saves"]
-    assert len(saves) == 4 and all(s["ok"] for s in saves)
-    assert [s["stored"] for s in saves] == [12, 12, 12, 12]
+    saves = store["saves"]  # one record per step that completed chunks (256-token steps: one chunk each)
+    assert all(s["ok"] for s in saves)
+    per_request: dict[str, int] = {}
+    for s in saves:
+        per_request[s["request_id"]] = per_request.get(s["request_id"], 0) + s["stored"]
+    assert sorted(per_request.values()) == [12, 12, 12, 12]
     assert all(0 < s["peak_staging_bytes"] <= W * store["c"] for s in saves)
     assert sum(1 for _ in os.scandir(store["root"])) > 0
 
@@ -87,7 +90,7 @@ def test_restore_fs_windowed(model, store, cold, prompts):
         _same(got, cold["p1"])
         assert load["committed"] and load["num_chunks"] == 12 and load["windows"] == 6
         assert load["peak_staging_bytes"] == W * store["c"]
-        assert worker.saves[-1]["already_held"] == 12 and worker.saves[-1]["stored"] == 0  # nothing re-stored
+        assert worker.saves and all(s["stored"] == 0 for s in worker.saves)  # the tier holds it all
         # (e) tenants: bob never hits alice's objects, alice does
         n_loads = len(worker.loads)
         bob = U.generate(llm, prompts["p1"], cache_salt="bob")
@@ -149,8 +152,8 @@ def test_fail_closed_flipped_and_dropped(model, store, cold, prompts, tmp_path):
             # nothing external exposed (vLLM's num_cached_tokens keeps its admission-time count, 3072)
             assert load["exposed_tokens"] == 0
             _same(out, cold[name])  # kv_load_failure_policy="recompute"
-            save = worker.saves[-1]
-            assert save["overwrite"] and save["stored"] == 12  # repaired after the recompute
+            rewrites = [s for s in worker.saves if s["request_id"].startswith(name) and s["overwrite"]]
+            assert sum(s["stored"] for s in rewrites) == 12  # repaired as it was recomputed
         tier.faults.clear()
         again = U.generate(llm, prompts["flip"], cache_salt="again")  # salt: past vLLM's local prefix cache
         assert again[2] == 0  # another tenant
