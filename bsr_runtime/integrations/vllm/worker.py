@@ -68,7 +68,8 @@ class WorkerSide:
                    "peak_staging_bytes": max((a.peak_staging_bytes for a in outcome.attempts), default=0),
                    "window_chunks": self.cfg.window_chunks, "chunk_bytes": self.reg.chunk_bytes,
                    "seconds": sum(a.seconds for a in outcome.attempts), "windows": att.windows if att else 0,
-                   "error": outcome.error}
+                   "valid_per_group": outcome.valid_per_group, "agreed": outcome.agreed,
+                   "fingerprint": self.reg.fingerprint, "model": self.core.keyspace.model, "error": outcome.error}
             self.loads.append(rec)
             write_report(self.cfg.report_path, rec)
             if self.load_async:
