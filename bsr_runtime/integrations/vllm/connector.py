@@ -39,7 +39,7 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("the BSR connector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         self.config = cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.registration = reg = registration_from_kv_cache_config(kv_cache_config, cfg.chunk_tokens)
-        self.model_id = model_identity(vllm_config, cfg.model_id)
+        self.model_id = model_identity(vllm_config, kv_cache_config, cfg.model_id)
         world = vllm_config.parallel_config.tensor_parallel_size
         self._stack = contextlib.ExitStack()
         try:

@@ -6,9 +6,17 @@ layer's K and V caches, entry shape (num_kv_heads, head_size), the group's block
 sliding window. From the registered `kv_caches` (workers): the destinations themselves, as the
 engine lays them out. The CPU attention backend keeps one tensor per layer,
 `[num_blocks, num_kv_heads, block_size, 2 * head_size]`, read as
-`[num_blocks, H, 2 * block_size, D]`: per block and head, K for all slots, then V. K and V are
-therefore strided views of logical shape (num_blocks, block_size, H, D) with a contiguous
-innermost dimension, which the install kernels accept as destinations.
+`[num_blocks, H, 2 * block_size, D]`: per block and head, a K region of block_size*D elements,
+then V. K and V are registered as strided views of logical shape (num_blocks, block_size, H, D)
+with a contiguous innermost dimension, which the install kernels accept as destinations.
+
+V is token-major (row s = slot s). K is not, on every ISA: with the "vec" ISA (x86 without AMX,
+fp32/fp16) vLLM's reshape_and_cache writes K transposed within the block (element (d, s) at
+d*block_size + s), so "row s" of the K view is a block-internal row, not token s. Restores are
+still exact: a chunk (256 tokens) always covers whole blocks, so every K region is moved whole,
+byte for byte. But the objects hold the engine's K layout, which depends on the attention ISA
+the machine picks (AMX, vec, vec16, NEON, ...): the ISA is part of the model identity in the key
+space (`kv_layout_tag`), so a machine with another K layout never reads these objects.
 
 Model identity (name and revision, or the configured `model_id`) goes into the key space, so two
 models of one geometry never share objects.
@@ -81,13 +89,28 @@ def destinations(reg: Registration, kv_caches: Mapping[str, torch.Tensor]) -> li
     return out
 
 
-def model_identity(vllm_config, override: str | None = None) -> str:
-    """What binds objects to one model: `override` (kv_connector_extra_config model_id) or the
-    model's name and revision."""
-    if override:
-        return override
+def kv_layout_tag(kv_cache_config) -> str:
+    """The engine's in-block KV layout: on the CPU, the attention ISA of each group (vLLM's choice
+    from dtype, block size, head size and the machine), e.g. "cpu-attn:vec"."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return current_platform.device_name if hasattr(current_platform, "device_name") else "device"
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isas = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        isas.append(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size))
+    return "cpu-attn:" + ",".join(isas)
+
+
+def model_identity(vllm_config, kv_cache_config, override: str | None = None) -> str:
+    """What binds objects to one model and KV layout: `override` (kv_connector_extra_config
+    model_id) or the model's name and revision, plus the engine's in-block KV layout."""
     mc = vllm_config.model_config
-    return f"{mc.model}@{mc.revision or ''}"
+    name = override or f"{mc.model}@{mc.revision or ''}"
+    return f"{name}#{kv_layout_tag(kv_cache_config)}"
 
 
 def block_lists(blocks) -> list[list[int]]:
