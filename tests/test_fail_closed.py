@@ -30,7 +30,8 @@ from bsr_harness.fault_matrix import (
     run_fault_matrix,
     store,
 )
-from bsr_kernels import presets
+from bsr_harness.faulty_installer import InstallFault
+from bsr_kernels import WindowInstaller, presets
 from bsr_runtime import commit
 from bsr_runtime.connector import BSRConnector, ConnectorRequest, FinishedIds
 from bsr_runtime.markers import ForceLocalMarkers
@@ -295,9 +296,9 @@ def test_marker_cleared_on_teardown(fs_setup):
     req = ConnectorRequest("r2", src.tokens)
     tokens, _ = conn.get_num_new_matched_tokens(req, 0)
     conn.update_state_after_alloc(req, [t.tolist() for t in tables], tokens)
-    conn.retriever.restorer.install_fault = lambda w: (_ for _ in ()).throw(RuntimeError("boom"))
+    conn.retriever.restorer.make_installer = InstallFault(0).make
     (out,) = conn.start_load()
-    conn.retriever.restorer.install_fault = None
+    conn.retriever.restorer.make_installer = WindowInstaller
     assert not out.committed and conn.markers.is_set("r2")
     conn.request_finished_all_groups(req, tuple(t.tolist() for t in tables))
     assert not conn.markers.is_set("r2") and conn.markers.cleared_teardown == 1

@@ -51,8 +51,9 @@ def _save_then_restore(model, tokens, cold, tiers, *, salt: str):
     a = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, salt=salt))
     try:
         out = U.generate(a, tokens)
-        saves = U.worker_connector().worker.saves
-        assert saves and all(s["ok"] and s["stored"] == N for s in saves), saves
+        saves = U.worker_connector().worker.saves  # one record per step that completed chunks
+        assert saves and all(s["ok"] for s in saves), [s.get("error") for s in saves]
+        assert sum(s["stored"] for s in saves) == N
         assert out[0] == cold[0] and out[1] == cold[1]
     finally:
         U.shutdown(a)
@@ -83,7 +84,9 @@ def test_fallback_mooncake_fails_filesystem_serves(model, tokens, cold, mooncake
     a = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, salt="fallback"))
     try:
         U.generate(a, tokens)
-        assert [s["tier"] for s in U.worker_connector().worker.saves] == ["mooncake", "filesystem"]
+        saves = U.worker_connector().worker.saves
+        for name in ("mooncake", "filesystem"):  # both tiers save
+            assert sum(s["stored"] for s in saves if s["tier"] == name and s["ok"]) == N
     finally:
         U.shutdown(a)
     b = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, salt="fallback"))

@@ -19,6 +19,7 @@ rewriting every chunk.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,7 +59,8 @@ class SchedulerSide:
         self.restore_config = restore
         self.inflight: dict[str, set[int]] = {}  # request -> blocks of its load (until it finishes)
         self._tracked: dict[str, _Tracked] = {}
-        self.events: list[tuple[str, str]] = []  # (event, request id): probe, skip, load, marker_set, marker_cleared
+        # the latest (event, request id): probe, skip, load, marker_set, marker_cleared (tests, logs)
+        self.events: deque[tuple[str, str]] = deque(maxlen=4096)
 
     # -- admission -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 
 import torch
 
@@ -30,6 +31,7 @@ from .metadata import BSRConnectorMetadata, SaveSpec
 from .registration import destinations
 
 log = logging.getLogger(__name__)
+RECORDS = 4096
 
 
 class WorkerSide:
@@ -48,8 +50,8 @@ class WorkerSide:
         self._failed_this_step: set[str] = set()
         self._recv_done: set[str] = set()  # async mode: loads finished (committed or failed) since last asked
         self._recv_failed: set[str] = set()
-        self.loads: list[dict] = []  # one record per load (tests, demo)
-        self.saves: list[dict] = []
+        self.loads: deque[dict] = deque(maxlen=RECORDS)  # the latest load records (tests, demo)
+        self.saves: deque[dict] = deque(maxlen=RECORDS)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv = destinations(self.reg, kv_caches)
@@ -76,10 +78,13 @@ class WorkerSide:
                 self._recv_done.add(outcome.request_id)
                 if not outcome.committed:
                     self._recv_failed.add(outcome.request_id)
+            self.core.request_finished(outcome.request_id)  # the worker keeps no per-request state
             if not outcome.committed:
                 self._failed_this_step.add(outcome.request_id)
                 log.warning("BSR: load of %s failed closed (%d blocks invalid): %s", outcome.request_id,
                             outcome.invalid_blocks, outcome.error)
+
+        self.core.get_finished()  # drained: what vLLM hears comes from transfer_results / load errors
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Sync mode: every block of every failed request. Async mode: none (vLLM maps block ids to
