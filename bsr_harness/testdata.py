@@ -91,7 +91,8 @@ def window_tables(reg: Registration, first: int, num: int, gen: torch.Generator 
                   tail_id: int = -9) -> tuple[list[torch.Tensor], list[int]]:
     """Per group, a table for the window of chunks first..first+num-1: a shuffled subset of the
     destination's blocks with a `hole_frac` share of -1, after one `before` id per block before the
-    window and `tail` `tail_id`s after it (ids no kernel may read). Returns (tables, blocks per
+    window and `tail` `tail_id`s after it (ids no kernel may read). Holes only in groups with a
+    sliding window (elsewhere -1 is refused). Returns (tables, blocks per
     group). `spare` and `tail` may be callables, drawn per group (before and after the shuffle)."""
     gen = _generator(gen)
     tables, nblocks = [], []
@@ -101,7 +102,9 @@ def window_tables(reg: Registration, first: int, num: int, gen: torch.Generator 
         lo = first_tok // reg.group_tokens_per_block(g)
         nb = need - lo + (spare() if callable(spare) else spare)
         ids = torch.randperm(nb, generator=gen)[: need - lo]
-        ids[torch.rand(need - lo, generator=gen) < hole_frac] = -1
+        holes = torch.rand(need - lo, generator=gen) < hole_frac
+        if any(s.sliding_window for s in reg.specs if s.group == g):  # -1 is legal only there
+            ids[holes] = -1
         n_tail = tail() if callable(tail) else tail
         tables.append(torch.cat([torch.full((lo,), before), ids, torch.full((n_tail,), tail_id)]).to(torch.int64))
         nblocks.append(nb)

@@ -31,7 +31,7 @@ from .descriptors import block_table_pointers, descriptor_table
 from .registration import Registration
 from .validate import WindowArgs
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 LIB_NAME = "libbsr_cuda.so"
 MAX_ENTRY_BYTES = 1 << 30  # BSR_MAX_ENTRY_BYTES in csrc/bsr_layout.h
 NVCC_FLAGS = ("-O3", "-Xcompiler", "-fPIC", "-shared")

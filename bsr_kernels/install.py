@@ -1,7 +1,12 @@
-"""install_window / gather_window: one contract, backends "torch" | "triton" | "cuda" | "auto"."""
+"""install_window / gather_window: one contract, backends "torch" | "triton" | "cuda" | "cpu" | "auto".
+
+"auto": CUDA destinations get cuda, else triton, else torch; CPU destinations get the native cpu
+library, else torch (with a one-line notice once per process saying why).
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -10,7 +15,8 @@ from .install_torch import DestinationRows, gather_torch, install_torch
 from .registration import Registration
 from .validate import WindowArgs, check_destinations, check_fingerprint, check_staging, check_window
 
-BACKENDS = ("torch", "triton", "cuda")
+BACKENDS = ("torch", "triton", "cuda", "cpu")
+_NOTICED: set[str] = set()
 
 
 def available_backends(device: str | torch.device = "cpu") -> list[str]:
@@ -26,6 +32,11 @@ def available_backends(device: str | torch.device = "cpu") -> list[str]:
 
         if cuda_backend.available():
             out.append("cuda")
+    if device.type == "cpu":
+        from . import cpu_backend
+
+        if cpu_backend.available():
+            out.append("cpu")
     return out
 
 
@@ -36,17 +47,28 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if backend != "torch" and backend not in available_backends(device):
             raise ValueError(f"backend {backend!r} is not available for {device} on this machine")
         return backend
-    if device.type != "cuda":
-        return "torch"  # Triton on CPU is an interpreter: correct, but far slower than torch
     avail = available_backends(device)
-    return "cuda" if "cuda" in avail else ("triton" if "triton" in avail else "torch")
+    if device.type == "cuda":
+        return "cuda" if "cuda" in avail else ("triton" if "triton" in avail else "torch")
+    if "cpu" in avail:  # Triton on CPU is an interpreter: correct, but far slower
+        return "cpu"
+    if device.type == "cpu" and "cpu" not in _NOTICED:
+        from . import cpu_backend
+
+        _NOTICED.add("cpu")
+        print(f"bsr: native cpu backend unavailable ({cpu_backend.load_error()}); using torch", file=sys.stderr)
+    return "torch"
 
 
 def _run(kind: str, backend: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool,
-         dest: DestinationRows | None = None) -> None:
+         dest: DestinationRows | None = None, cpu_threads: int = 0) -> None:
     if a.num_chunks == 0:
         return
-    if backend == "torch":
+    if backend == "cpu":
+        from . import cpu_backend
+
+        (cpu_backend.install if kind == "install" else cpu_backend.gather)(reg, a, cpu_threads)
+    elif backend == "torch":
         ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
         with ctx:
             (install_torch if kind == "install" else gather_torch)(reg, a, dest)
@@ -80,19 +102,25 @@ def install_window(
     stream: torch.cuda.Stream | None = None,
     fingerprint: str | None = None,
     zero_copy: bool = True,
+    cpu_threads: int = 0,
 ) -> str:
     """Scatter `num_chunks` staged chunks (chunk-major, starting at request chunk `first_chunk`)
     into the destination blocks. Returns the backend that ran.
 
     Entry e of tensor t lands in block `block_tables[group][e // block_size]`, slot
-    `e % block_size`; block id -1 is skipped. `fingerprint`, when given, is the registration
+    `e % block_size`; block id -1 is skipped (legal only in groups with a sliding window). Each
+    destination may be any strided view of shape (num_blocks, block_size, *entry_shape) whose
+    innermost dim has stride 1 (vLLM CPU, FlashAttention, FlashInfer HND, MLA row slices); no two
+    destinations may share a byte. The staged layout stays canonical whatever the destination
+    layout. `fingerprint`, when given, is the registration
     fingerprint the staged objects were written under. Everything is validated before any byte
     moves. With the CUDA backend and pinned host staging, `zero_copy` reads host memory
-    directly; otherwise the staging must be (or is copied) on the destination device.
+    directly; otherwise the staging must be (or is copied) on the destination device. With the
+    cpu backend, `cpu_threads` forces a thread count (0: one, two above the library's size threshold).
     """
     a = check_window(staging, reg, kv, block_tables, first_chunk, num_chunks, fingerprint=fingerprint)
     chosen = resolve_backend(backend, a.kv[0].device)
-    _run("install", chosen, reg, a, stream, zero_copy)
+    _run("install", chosen, reg, a, stream, zero_copy, cpu_threads=_threads(cpu_threads))
     return chosen
 
 
@@ -107,26 +135,35 @@ def gather_window(
     backend: str = "auto",
     stream: torch.cuda.Stream | None = None,
     zero_copy: bool = True,
+    cpu_threads: int = 0,
 ) -> str:
     """Exact inverse of install_window: copy the window's entries from the destination blocks
     into `out` (chunk-major staging layout). Padding and entries of -1 blocks read as zero."""
     a = check_window(out, reg, kv, block_tables, first_chunk, num_chunks, staging_name="out")
     chosen = resolve_backend(backend, a.kv[0].device)
-    _run("gather", chosen, reg, a, stream, zero_copy)
+    _run("gather", chosen, reg, a, stream, zero_copy, cpu_threads=_threads(cpu_threads))
     return chosen
 
 
+def _threads(n: int) -> int:
+    if isinstance(n, bool) or int(n) != n or n < 0:
+        raise ValueError(f"cpu_threads must be a non-negative integer (0 = auto), got {n!r}")
+    return int(n)
+
+
 class WindowInstaller:
-    """install_window for the windows of one request, validated once.
+    """install_window for the windows of one request, validated and prepared once.
 
     The destinations and block tables are checked for chunks 0..num_chunks-1 when the installer
-    is made (block tables are copied, so the request cannot change them underneath); each
-    window then checks only its staging and its chunk range. Same results as install_window.
+    is made (block tables are copied, so the request cannot change them underneath), and the
+    per-restore state is built then (torch: destination views; cpu: descriptor table and
+    block-table pointers); each window then checks only its staging and its chunk range and
+    passes just those. Same results as install_window / gather_window.
     """
 
     def __init__(self, reg: Registration, kv: Sequence[torch.Tensor], block_tables: Sequence[torch.Tensor],
                  num_chunks: int, *, backend: str = "auto", stream: torch.cuda.Stream | None = None,
-                 fingerprint: str | None = None, zero_copy: bool = True) -> None:
+                 fingerprint: str | None = None, zero_copy: bool = True, cpu_threads: int = 0) -> None:
         check_fingerprint(reg, fingerprint)
         kv, tables = check_destinations(reg, kv, block_tables, 0, num_chunks)
         self.reg = reg
@@ -136,13 +173,30 @@ class WindowInstaller:
         self.backend = resolve_backend(backend, kv[0].device)
         self.stream = stream
         self.zero_copy = zero_copy
+        self.cpu_threads = _threads(cpu_threads)
         self._dest = DestinationRows(reg, kv) if self.backend == "torch" else None
+        self._cpu = None
+        if self.backend == "cpu":
+            from . import cpu_backend
 
-    def install(self, staging: torch.Tensor, first_chunk: int, num_chunks: int) -> str:
+            self._cpu = cpu_backend.Prepared(reg, kv, self.block_tables, self.cpu_threads)
+
+    def _window(self, kind: str, staging: torch.Tensor, first_chunk: int, num_chunks: int, name: str) -> str:
         if first_chunk < 0 or num_chunks < 0 or first_chunk + num_chunks > self.num_chunks:
             raise ValueError(f"chunks {first_chunk}..{first_chunk + num_chunks - 1} are outside the "
                              f"{self.num_chunks} chunks this installer was validated for")
-        check_staging(staging, self.reg, num_chunks, "staging")
-        a = WindowArgs(staging, self.kv, self.block_tables, first_chunk, num_chunks)
-        _run("install", self.backend, self.reg, a, self.stream, self.zero_copy, self._dest)
+        check_staging(staging, self.reg, num_chunks, name)
+        if self._cpu is not None:
+            self._cpu.run(kind, staging, first_chunk, num_chunks)
+        else:
+            a = WindowArgs(staging, self.kv, self.block_tables, first_chunk, num_chunks)
+            _run(kind, self.backend, self.reg, a, self.stream, self.zero_copy, self._dest, self.cpu_threads)
         return self.backend
+
+    def install(self, staging: torch.Tensor, first_chunk: int, num_chunks: int) -> str:
+        """Scatter `num_chunks` staged chunks starting at request chunk `first_chunk`."""
+        return self._window("install", staging, first_chunk, num_chunks, "staging")
+
+    def gather(self, out: torch.Tensor, first_chunk: int, num_chunks: int) -> str:
+        """The inverse: the window's entries into `out` (padding and -1 entries as zero)."""
+        return self._window("gather", out, first_chunk, num_chunks, "out")

@@ -2,9 +2,10 @@
 
 Entry e of a tensor lands in block `table[e // block_size]`, slot `e % block_size`; block -1 is
 skipped. Entries move in pieces of p = gcd(entries_per_chunk, block_size) consecutive entries:
-a piece never straddles a chunk or a block, so it is one contiguous row on both sides, and one
-`index_copy_` per tensor moves all of its pieces. The piece map depends only on the group and the
-geometry, so tensors that share both share it. Works on CPU and GPU tensors alike.
+a piece never straddles a chunk or a block, so it is one contiguous row of the staging and one
+(block, slot range) of the destination, and one `index_copy_` (contiguous destinations) or
+`index_put_` (any other strided view) per tensor moves all of its pieces. The piece map depends
+only on the group and the geometry, so tensors that share both share it. Works on CPU and GPU tensors alike.
 """
 
 from __future__ import annotations
@@ -47,33 +48,50 @@ def _piece_maps(reg: Registration, a: WindowArgs, device: torch.device) -> list[
 
 
 class DestinationRows:
-    """Per tensor: piece size p, copy unit and the destination viewed as rows of p entries.
+    """Per tensor: piece size p, copy unit and the destination viewed in pieces of p entries.
 
-    Depends only on the destination tensors (staging is 16-byte aligned, validate.py), so it is
-    made once per set of destinations and reused by every window of a restore."""
+    A destination whose pieces are contiguous rows in a flat view (contiguous tensors) is kept as
+    rows for one `index_copy_`; any other strided view as (num_blocks, block_size // p, p,
+    *entry dims) for an `index_put_` by (block, piece). Depends only on the destination tensors
+    (staging is 16-byte aligned, validate.py), so it is made once per set of destinations and
+    reused by every window of a restore."""
 
     def __init__(self, reg: Registration, kv: tuple[torch.Tensor, ...]) -> None:
         self.rows = []
         for i, (spec, t) in enumerate(zip(reg.specs, kv)):
             p = math.gcd(reg.entries_per_chunk(i), spec.block_size)
             row = p * spec.entry_bytes
-            unit = _UNITS[math.gcd(8, row, t.data_ptr(), t.storage_offset() * t.element_size())]
-            kv_rows = t.view(-1).view(unit).view(-1, row // unit.itemsize)
-            self.rows.append((kv_rows, unit, row, reg.segment_offsets[i], reg.segment_bytes(i)))
+            size = t.element_size()
+            unit = _UNITS[math.gcd(8, t.data_ptr(), t.storage_offset() * size, t.shape[-1] * size,
+                                  *(s * size for s in t.stride()[:-1]))]
+            # bytes, then units: the innermost dim is contiguous (validate.py), the rest keeps its strides
+            pieces = t.view(torch.uint8).view(unit).unflatten(1, (spec.block_size // p, p))
+            try:
+                flat = pieces.view(-1, row // unit.itemsize)  # (num_blocks * block_size // p, row)
+            except RuntimeError:
+                flat = None
+            self.rows.append((flat, pieces, unit, row, reg.segment_offsets[i], reg.segment_bytes(i)))
 
 
 def _views(chunks: torch.Tensor, dest: DestinationRows, i: int):
-    """(destination rows, staged pieces (num_chunks, pieces per chunk, row)) in one unit dtype.
+    """(flat destination rows or None, destination pieces, staged pieces (num_chunks, pieces per
+    chunk, row)) in one unit dtype.
 
     `chunks` is the staged window viewed as (num_chunks, chunk_bytes); segment offsets and chunk
     bytes are 16-byte aligned, so the row size and the destination address decide the unit."""
-    kv_rows, unit, row, off, nbytes = dest.rows[i]
-    pieces = chunks.narrow(1, off, nbytes).view(chunks.shape[0], -1, row)
-    return kv_rows, pieces.view(unit)
+    flat, pieces, unit, row, off, nbytes = dest.rows[i]
+    staged = chunks.narrow(1, off, nbytes).view(chunks.shape[0], -1, row)
+    return flat, pieces, staged.view(unit)
 
 
 def _staged_chunks(staging: torch.Tensor, reg: Registration, num_chunks: int) -> torch.Tensor:
     return staging[: num_chunks * reg.chunk_bytes].view(num_chunks, reg.chunk_bytes)
+
+
+def _split(rows: torch.Tensor, pieces: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat piece rows -> (block, piece in block) indices of the (num_blocks, block_size // p, ...) view."""
+    per_block = pieces.shape[1]
+    return rows // per_block, rows % per_block
 
 
 def install_torch(reg: Registration, a: WindowArgs, dest: DestinationRows | None = None) -> None:
@@ -81,8 +99,12 @@ def install_torch(reg: Registration, a: WindowArgs, dest: DestinationRows | None
     chunks = _staged_chunks(a.staging, reg, a.num_chunks).to(device, non_blocking=True)  # one bulk copy if needed
     dest = dest or DestinationRows(reg, a.kv)
     for i, (_, rows, keep) in enumerate(_piece_maps(reg, a, device)):
-        kv_rows, pieces = _views(chunks, dest, i)
-        kv_rows.index_copy_(0, rows, pieces.flatten(0, 1) if keep is None else pieces[keep])
+        flat, pieces, staged = _views(chunks, dest, i)
+        src = staged.flatten(0, 1) if keep is None else staged[keep]
+        if flat is not None:
+            flat.index_copy_(0, rows, src)
+        else:
+            pieces.index_put_(_split(rows, pieces), src.view(-1, *pieces.shape[2:]))
 
 
 def gather_torch(reg: Registration, a: WindowArgs, dest: DestinationRows | None = None) -> None:
@@ -93,10 +115,12 @@ def gather_torch(reg: Registration, a: WindowArgs, dest: DestinationRows | None 
     chunks.zero_()
     dest = dest or DestinationRows(reg, a.kv)
     for i, (_, rows, keep) in enumerate(_piece_maps(reg, a, device)):
-        kv_rows, pieces = _views(chunks, dest, i)
+        flat, pieces, staged = _views(chunks, dest, i)
+        got = flat.index_select(0, rows) if flat is not None else pieces[_split(rows, pieces)]
+        got = got.reshape(-1, staged.shape[-1])
         if keep is None:
-            pieces.copy_(kv_rows.index_select(0, rows).view(pieces.shape))
+            staged.copy_(got.view(staged.shape))
         else:
-            pieces[keep] = kv_rows.index_select(0, rows)
+            staged[keep] = got
     if chunks is not out:
         out.copy_(chunks, non_blocking=True)  # one bulk copy back to the host

@@ -5,8 +5,11 @@ as one run of entries (entry w of the run is entry `first_chunk * entries_per_ch
 tensor, in chunk w // entries_per_chunk). Destination base addresses and block-table bases come
 from the int64 tables of `descriptors`, cast to pointers in the kernel, so one launch serves any
 number of tensors and groups. Each tensor is copied in the widest unit (8, 4, 2 or 1 bytes)
-that its base address, entry width and block stride allow; segment offsets, chunk bytes and
-the staging address are 16-byte aligned by construction (registration.py, validate.py).
+that its base address, row width and strides allow; segment offsets, chunk bytes and the
+staging address are 16-byte aligned by construction (registration.py, validate.py). A unit's
+destination address is block * block_stride + slot * slot_stride + the offset of its row in the
+entry (row-major over up to three outer entry dims, descriptors.geometry) + its place in the row,
+so any strided destination with a contiguous innermost dim is served by the same launch.
 
 Staging on the host with destinations on a GPU: the window is first copied to the device in
 one bulk copy (install), or gathered on the device and copied back in one (gather). Both are
@@ -49,8 +52,11 @@ def available(device: torch.device) -> bool:
 if triton is not None:
     # descriptor columns (descriptors.DESC_FIELDS), as compile-time constants of the kernels
     _COLS = tl.constexpr(len(DESC_FIELDS))
-    _BASE, _EB, _BSTRIDE, _SEG, _EPC, _BSIZE, _GROUP = (tl.constexpr(DESC_FIELDS.index(f)) for f in (
-        "dst_base", "entry_bytes", "block_stride", "seg_offset", "entries_per_chunk", "block_size", "group"))
+    (_BASE, _EB, _BSTRIDE, _SEG, _EPC, _BSIZE, _GROUP, _SSTRIDE, _ROW, _N0, _S0, _N1, _S1, _N2, _S2) = (
+        tl.constexpr(DESC_FIELDS.index(f)) for f in (
+            "dst_base", "entry_bytes", "block_stride", "seg_offset", "entries_per_chunk", "block_size", "group",
+            "slot_stride", "row_bytes", "dim0_count", "dim0_stride", "dim1_count", "dim1_stride", "dim2_count",
+            "dim2_stride"))
 
     @triton.jit
     def _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_bytes,
@@ -60,6 +66,9 @@ if triton is not None:
         table = tl.load(bt_ptrs + tl.load(row + _GROUP)).to(tl.pointer_type(tl.int64))
         # per-element index math in int32 (64-bit division is slow on GPUs); addresses in int64
         eu = (tl.load(row + _EB) // UNIT).to(tl.int32)  # units per entry
+        ru = (tl.load(row + _ROW) // UNIT).to(tl.int32)  # units per contiguous row
+        n1 = tl.load(row + _N1).to(tl.int32)
+        n2 = tl.load(row + _N2).to(tl.int32)
         epc = tl.load(row + _EPC).to(tl.int32)
         bsize = tl.load(row + _BSIZE).to(tl.int32)
         u = tile * N + tl.arange(0, N)  # unit index in this tensor's window
@@ -68,7 +77,15 @@ if triton is not None:
         e = first_chunk * epc + w  # entry index in the tensor
         blk = tl.load(table + e // bsize, mask=inside, other=-1)
         keep = inside & (blk >= 0)  # block -1: not resident
-        d = blk * (tl.load(row + _BSTRIDE) // UNIT) + ((e % bsize) * eu + u % eu).to(tl.int64)
+        iu = u % eu  # unit in the entry: row r (row-major over the outer entry dims), unit c of the row
+        r = iu // ru
+        i2 = r % n2
+        i1 = (r // n2) % n1
+        i0 = r // (n2 * n1)
+        in_entry = (i0.to(tl.int64) * tl.load(row + _S0) + i1.to(tl.int64) * tl.load(row + _S1)
+                    + i2.to(tl.int64) * tl.load(row + _S2)) // UNIT + (iu % ru)
+        d = blk * (tl.load(row + _BSTRIDE) // UNIT) + (e % bsize).to(tl.int64) * (tl.load(row + _SSTRIDE) // UNIT) \
+            + in_entry
         chunk = w // epc
         s = chunk.to(tl.int64) * (chunk_bytes // UNIT) + tl.load(row + _SEG) // UNIT + (u - chunk * epc * eu)
         src = staging.to(tl.pointer_type(DT))
@@ -84,7 +101,9 @@ if triton is not None:
         row = desc + tl.program_id(1) * _COLS
         # the grid covers the largest tensor's window; smaller tensors have fewer tiles
         if tile.to(tl.int64) * TILE_BYTES < num_chunks * tl.load(row + _EPC) * tl.load(row + _EB):
-            align = tl.load(row + _BASE) | tl.load(row + _EB) | tl.load(row + _BSTRIDE)
+            # the unit must divide every byte offset an address is built from
+            align = tl.load(row + _BASE) | tl.load(row + _EB) | tl.load(row + _BSTRIDE) | tl.load(row + _SSTRIDE) \
+                | tl.load(row + _ROW) | tl.load(row + _S0) | tl.load(row + _S1) | tl.load(row + _S2)
             if align % 8 == 0:
                 _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_bytes,
                            GATHER, tl.int64, 8, TILE_BYTES)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .descriptors import MAX_ROW_DIMS, geometry
+from .overlap import find_overlap
 from .registration import SEGMENT_ALIGN, Registration
 
 
@@ -69,15 +71,30 @@ def check_destinations(
             )
         if t.device != device:
             raise ValueError(f"tensor {spec.name!r}: on {t.device}, other destinations on {device}")
-        if not t.is_contiguous():
-            raise ValueError(f"tensor {spec.name!r}: destination is not contiguous")
+        _check_strides(spec.name, t)
         nb = t.shape[0]
         prev = group_blocks.setdefault(spec.group, (nb, spec.name))
         if prev[0] != nb:
             raise ValueError(
                 f"tensor {spec.name!r}: {nb} blocks, but {prev[1]!r} of the same group {spec.group} has {prev[0]}"
             )
+    overlap = find_overlap([s.name for s in reg.specs], kv)
+    if overlap:
+        raise ValueError(overlap)
     return kv, _check_block_tables(reg, block_tables, first_chunk, num_chunks, group_blocks)
+
+
+def _check_strides(name: str, t: torch.Tensor) -> None:
+    """Any strided view whose innermost dim is one contiguous row (aliasing is checked later)."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"tensor {name!r}: innermost stride is {t.stride(-1)}, destinations need a contiguous "
+                         f"innermost dim (stride 1); strides {t.stride()}")
+    if any(s < 0 for s in t.stride()):
+        raise ValueError(f"tensor {name!r}: negative strides {t.stride()} are not supported")
+    dims = geometry(t).dims
+    if len(dims) > MAX_ROW_DIMS:
+        raise ValueError(f"tensor {name!r}: an entry spans {len(dims)} non-contiguous dims (strides {t.stride()}), "
+                         f"at most {MAX_ROW_DIMS} are supported")
 
 
 def check_fingerprint(reg: Registration, fingerprint: str | None) -> None:
@@ -117,6 +134,7 @@ def _check_block_tables(
         raise ValueError(f"expected {reg.num_groups} block tables (one per group), got {len(block_tables)}")
     out = []
     first_tok = first_chunk * reg.chunk_tokens
+    windowed = {s.group for s in reg.specs if s.sliding_window}
     end_tok = (first_chunk + num_chunks) * reg.chunk_tokens
     for g, table in enumerate(block_tables):
         if not isinstance(table, torch.Tensor) or table.dim() != 1:
@@ -140,6 +158,11 @@ def _check_block_tables(
                     f"block table of group {g}: block id {int(bad[0])} out of range [-1, {nb}) "
                     f"for tensor {tname!r}"
                 )
+            if g not in windowed and bool((window == -1).any()):
+                raise ValueError(
+                    f"block table of group {g}: block id -1 in chunks {first_chunk}..{first_chunk + num_chunks - 1}, "
+                    f"but no tensor of the group has a sliding window (nothing would be installed there, yet the "
+                    f"restore would commit)")
             resident = window[window >= 0]
             if resident.numel() != torch.unique(resident).numel():
                 raise ValueError(f"block table of group {g}: duplicated block ids in chunks {first_chunk}.."

@@ -26,6 +26,7 @@ reported, not the bytes moved; saving (the store path) is not wired here (see st
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ class LoadSpec:
     num_chunks: int
     plan_tier: int | None
     block_ids: list[list[int]]
+    salt: str | None = None  # the request's tenant salt (None: the connector's)
 
 
 class FinishedIds(tuple):
@@ -95,6 +97,13 @@ def _tokens(request) -> list[int]:
     raise ValueError(f"request {_request_id(request)!r} has no prompt_token_ids")
 
 
+def request_salt(base: str, request) -> str:
+    """The tenant salt of a request: the connector's salt, plus the request's own `cache_salt`
+    (vLLM's per-request prefix-cache isolation) when it has one."""
+    cache_salt = getattr(request, "cache_salt", None)
+    return f"{base}\0{cache_salt}" if cache_salt else base
+
+
 def _block_lists(blocks) -> list[list[int]]:
     """Per-group block ids from a tuple/list of lists or tensors, or anything with
     get_block_ids() (vLLM's KVCacheBlocks)."""
@@ -120,12 +129,12 @@ class BSRConnector:
 
     def __init__(self, reg: Registration, tiers: Sequence[Tier], kv_caches: Sequence[torch.Tensor] | None = None,
                  *, config: RestoreConfig | None = None, tp_rank: int = 0, tp_world: int = 1, salt: str = "",
-                 markers: ForceLocalMarkers | None = None, agree: AgreeFn | None = None,
+                 model: str = "", markers: ForceLocalMarkers | None = None, agree: AgreeFn | None = None,
                  agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S, agree_plan: bool | None = None,
                  probe_all_ranks: bool = False, unavailable_cooldown_s: float = 30.0) -> None:
         self.reg = reg
         self.tp_rank, self.tp_world = tp_rank, tp_world
-        self.keyspace = KeySpace(reg.fingerprint, tp_rank, tp_world, salt)
+        self.keyspace = KeySpace(reg.fingerprint, tp_rank, tp_world, salt, model)
         self.markers = markers if markers is not None else ForceLocalMarkers()
         self.retriever = Retriever(reg, tiers, config, agree=agree, agree_timeout_s=agree_timeout_s,
                                    unavailable_cooldown_s=unavailable_cooldown_s)
@@ -170,6 +179,7 @@ class BSRConnector:
         num_computed_tokens = check_int("num_computed_tokens", num_computed_tokens, lo=0)
         rid = _request_id(request)
         tokens = _tokens(request)
+        keyspace = dataclasses.replace(self.keyspace, salt=request_salt(self.keyspace.salt, request))
         ct = self.reg.chunk_tokens
         if self.markers.is_set(rid):
             self.stats.skipped_by_marker += 1
@@ -178,9 +188,9 @@ class BSRConnector:
             max_chunks = max(0, (len(tokens) - 1) // ct)  # at least one token is left to compute
             self.stats.probes += 1
             if self.probe_all_ranks and self.tp_world > 1:
-                plan = self._plan_all_ranks(tokens, max_chunks)
+                plan = self._plan_all_ranks(tokens, max_chunks, keyspace)
             else:
-                plan = self.retriever.plan(tokens, self.keyspace, max_chunks)
+                plan = self.retriever.plan(tokens, keyspace, max_chunks)
         if self.agree_plan:
             out = commit.all_min([plan.num_chunks], timeout_s=self.agree_timeout_s,
                                  tag=commit.make_tag(rid, "plan"))
@@ -194,10 +204,10 @@ class BSRConnector:
             self._plans[rid] = (plan, num_computed_tokens)
         return plan.num_chunks * ct - num_computed_tokens, False
 
-    def _plan_all_ranks(self, tokens: list[int], max_chunks: int) -> Plan:
+    def _plan_all_ranks(self, tokens: list[int], max_chunks: int, keyspace: KeySpace) -> Plan:
         best: Plan | None = None
         for r in range(self.tp_world):
-            space = KeySpace(self.keyspace.fingerprint, r, self.tp_world, self.keyspace.salt)
+            space = dataclasses.replace(keyspace, tp_rank=r)
             p = self.retriever.plan(tokens, space, max_chunks)
             if best is None or p.num_chunks < best.num_chunks:
                 best = p
@@ -218,7 +228,8 @@ class BSRConnector:
             blocks = _block_lists(block_ids_per_group)
             if len(blocks) != self.reg.num_groups:
                 raise ValueError(f"{len(blocks)} block lists for {self.reg.num_groups} KV-cache groups")
-            self._pending[rid] = LoadSpec(rid, _tokens(request), n, plan.tier_index, blocks)
+            self._pending[rid] = LoadSpec(rid, _tokens(request), n, plan.tier_index, blocks,
+                                          request_salt(self.keyspace.salt, request))
 
     def take_pending_loads(self) -> list[LoadSpec]:
         """Drain the recorded loads (the vLLM wrapper ships them to the workers)."""
@@ -261,7 +272,8 @@ class BSRConnector:
     def _load(self, spec: LoadSpec) -> RetrieveOutcome:
         try:
             tables = [torch.tensor(b, dtype=torch.int64) for b in spec.block_ids]
-            req = RestoreRequest(spec.request_id, spec.tokens, self.keyspace, self.kv, tables)
+            keyspace = self.keyspace if spec.salt is None else dataclasses.replace(self.keyspace, salt=spec.salt)
+            req = RestoreRequest(spec.request_id, spec.tokens, keyspace, self.kv, tables)
             local = self.retriever.restore_local(req, spec.num_chunks, spec.plan_tier)
         except Exception as e:  # noqa: BLE001 - this load fails closed; the batch goes on
             local = self._failed_local(spec, e)

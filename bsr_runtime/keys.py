@@ -27,12 +27,16 @@ def _h(*parts: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class KeySpace:
-    """Everything a key binds except the chunk: registration, TP geometry, tenant."""
+    """Everything a key binds except the chunk: registration, TP geometry, tenant, model.
+
+    `model` is the model identity (name and revision, or a digest of the weights): two models
+    of the same geometry (same registration fingerprint) never share objects. Empty: unbound."""
 
     fingerprint: str
     tp_rank: int = 0
     tp_world: int = 1
     salt: str = ""
+    model: str = ""
 
     def __post_init__(self) -> None:
         _check_space(self)
@@ -42,7 +46,8 @@ class KeySpace:
     @property
     def _prefix(self) -> str:
         tenant = _h(b"tenant", self.salt.encode()).hex()[:16]
-        return f"{KEY_VERSION}-{tenant}-{self.fingerprint[:16]}-r{self.tp_rank}of{self.tp_world}"
+        model = f"-m{_h(b'model', self.model.encode()).hex()[:16]}" if self.model else ""
+        return f"{KEY_VERSION}-{tenant}-{self.fingerprint[:16]}{model}-r{self.tp_rank}of{self.tp_world}"
 
     def key(self, chain_hash: bytes) -> str:
         return f"{self._prefix}-{chain_hash.hex()}"

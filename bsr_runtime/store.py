@@ -3,6 +3,7 @@ window, through the same window loop and staging bound as the restore."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,8 +69,9 @@ class TierStoreStage:
 def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequence[int],
                  kv: Sequence[torch.Tensor], block_tables: Sequence[torch.Tensor], num_chunks: int | None = None,
                  window_chunks: int = 32, backend: str = "auto", progress: Callable[[int], None] | None = None,
-                 *, stream=None, admission: Admission | None = None) -> StoreReport:
-    """Write chunks 0..num_chunks-1 (default: every whole chunk of `tokens`) to `tier`.
+                 *, stream=None, admission: Admission | None = None, first_chunk: int = 0) -> StoreReport:
+    """Write chunks first_chunk..num_chunks-1 (default: every whole chunk of `tokens`) to `tier`
+    (first_chunk > 0: the tier already holds the chunks before it).
 
     Staging holds at most `window_chunks` chunks. Returns the canonical state hash of what
     was written (see state_hash.py)."""
@@ -80,7 +82,9 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
     keys = PrefixKeys(keyspace, tokens, reg.chunk_tokens)
     n_total = keys.num_chunks if num_chunks is None else check_int("num_chunks", num_chunks, lo=0, hi=keys.num_chunks)
     kv, tables = check_destinations(reg, kv, block_tables, 0, n_total)
-    pool = StagingPool(reg.chunk_bytes, max(1, min(window_chunks, n_total)))
+    if not 0 <= first_chunk <= n_total:
+        raise ValueError(f"first_chunk {first_chunk} outside 0..{n_total}")
+    pool = StagingPool(reg.chunk_bytes, max(1, min(window_chunks, n_total - first_chunk)))
     loop = WindowLoop(admission or SerialAdmission(), reg.chunk_bytes, stream)
     hasher = ChunkHasher()
 
@@ -93,12 +97,15 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
     t0 = time.perf_counter()
     tier.register_staging(pool.buffer)
     try:
-        loop.store(plan_windows(n_total, pool.capacity_chunks),
+        windows = (dataclasses.replace(w, first_chunk=first_chunk + w.first_chunk)
+                   for w in plan_windows(n_total - first_chunk, pool.capacity_chunks))
+        loop.store(windows,
                    lambda win: TierStoreStage(pool, tier, keys, win, hasher), gather)
     except WindowFailed as e:
         raise e.cause from e  # a store raises what failed it (the loop's clean-up already ran)
     finally:
         tier.unregister_staging(pool.buffer)
-    return StoreReport(tier.name, n_total, n_total * reg.chunk_bytes, time.perf_counter() - t0,
+    stored = n_total - first_chunk
+    return StoreReport(tier.name, stored, stored * reg.chunk_bytes, time.perf_counter() - t0,
                        pool.peak_bytes, hasher.hexdigest())
 

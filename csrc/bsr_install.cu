@@ -120,7 +120,7 @@ __host__ __device__ __forceinline__ void copy_units(const Piece& p, const int64_
             where[k] = nullptr;
             if (uk < total) {
                 const int64_t base = off[j];
-                if (base >= 0) where[k] = dst + base + (int64_t)o * w;
+                if (base >= 0) where[k] = dst + base + bsr_entry_offset(&p.d, (int64_t)o * w);
                 if (GATHER) {
                     v[k] = base >= 0 ? vload<V>(where[k]) : vzero<V>();
                 } else if (base >= 0) {
@@ -187,13 +187,12 @@ __global__ void __launch_bounds__(BSR_THREADS)
     p.first_chunk = first_chunk;
     p.d = bsr_desc_row(desc, t);
     if (p.d.group < 0 || p.d.group >= num_groups || p.d.entry_bytes <= 0 || p.d.entry_bytes > BSR_MAX_ENTRY_BYTES ||
-        p.d.block_size <= 0)
+        p.d.block_size <= 0 || !bsr_desc_valid(&p.d))
         return;  // rejected by the Python wrapper before launch
     p.table = reinterpret_cast<const int64_t*>(static_cast<uintptr_t>(table_ptrs[p.d.group]));
     int64_t i0, i1;
     bsr_piece_range(p.d.entries_per_chunk, split, s, &i0, &i1);
-    const int width = bsr_access_width(p.d.entry_bytes, p.d.seg_offset, chunk_bytes, p.d.block_stride,
-                                       (uint64_t)(uintptr_t)staging, (uint64_t)p.d.dst_base);
+    const int width = bsr_desc_access_width(&p.d, chunk_bytes, (uint64_t)(uintptr_t)staging);
     const int64_t batch = bsr_batch_entries(p.d.entry_bytes);
     for (int64_t c = blockIdx.y; c < num_chunks; c += gridDim.y) {
         p.c = c;
@@ -230,7 +229,8 @@ int host_window(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t
         if (d.group < 0 || d.group >= num_groups)
             return set_error(BSR_ERR_INVALID, "tensor %lld: group %lld outside [0, %lld)", (long long)t,
                              (long long)d.group, (long long)num_groups);
-        if (d.entry_bytes <= 0 || d.entry_bytes > BSR_MAX_ENTRY_BYTES || d.block_size <= 0 || d.entries_per_chunk < 0 || d.dst_base == 0)
+        if (d.entry_bytes <= 0 || d.entry_bytes > BSR_MAX_ENTRY_BYTES || d.block_size <= 0 || d.entries_per_chunk < 0 || d.dst_base == 0 ||
+            !bsr_desc_valid(&d))
             return set_error(BSR_ERR_INVALID, "tensor %lld: invalid descriptor row", (long long)t);
         if (d.seg_offset + d.entries_per_chunk * d.entry_bytes > chunk_bytes)
             return set_error(BSR_ERR_INVALID, "tensor %lld: segment ends past chunk_bytes %lld", (long long)t,
@@ -250,8 +250,7 @@ int host_window(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t
             p.d = bsr_desc_row(desc, t);
             p.table = reinterpret_cast<const int64_t*>(static_cast<uintptr_t>(table_ptrs[p.d.group]));
             p.c = c;
-            const int width = bsr_access_width(p.d.entry_bytes, p.d.seg_offset, chunk_bytes, p.d.block_stride,
-                                               (uint64_t)(uintptr_t)stage, (uint64_t)p.d.dst_base);
+            const int width = bsr_desc_access_width(&p.d, chunk_bytes, (uint64_t)(uintptr_t)stage);
             for (int64_t s = 0; s < split; ++s) {
                 if (GATHER && s == 0)
                     for (int tid = 0; tid < nthreads; ++tid)

@@ -7,7 +7,11 @@
  * chunk, tensor t owns the segment [seg_offset, seg_offset + entries_per_chunk * entry_bytes).
  * Entry i of chunk c (window-relative) is global entry e = (first_chunk + c) * entries_per_chunk + i
  * of its tensor; it lands in block table[e / block_size] (-1 = not resident: skip), slot
- * e % block_size, i.e. at byte dst_base + block * block_stride + slot * entry_bytes.
+ * e % block_size, i.e. at byte dst_base + block * block_stride + slot * slot_stride. The
+ * destination may be any strided view whose innermost dim is contiguous: an entry is
+ * rows_per_entry contiguous rows of row_bytes; row r (row-major over up to BSR_MAX_ROW_DIMS outer
+ * entry dims, outermost first) starts at i0 * dim0_stride + i1 * dim1_stride + i2 * dim2_stride
+ * from the entry's address. The staged entry is canonical: its rows back to back.
  *
  * Keep the BSR_DESC_* columns in the order of DESC_FIELDS in bsr_kernels/descriptors.py.
  */
@@ -23,7 +27,7 @@
 #define BSR_HD static inline
 #endif
 
-#define BSR_ABI_VERSION 1
+#define BSR_ABI_VERSION 2
 
 /* Descriptor row: int64 columns, one row per registered tensor. */
 #define BSR_DESC_DST_BASE 0          /* address of the destination tensor */
@@ -34,7 +38,17 @@
 #define BSR_DESC_BLOCK_SIZE 5        /* entries per block */
 #define BSR_DESC_GROUP 6             /* index into the block-table pointer table */
 #define BSR_DESC_NUM_BLOCKS 7        /* blocks in the destination tensor (bounds checks) */
-#define BSR_DESC_COLS 8
+#define BSR_DESC_SLOT_STRIDE 8       /* bytes between consecutive slots of a block */
+#define BSR_DESC_ROW_BYTES 9         /* contiguous bytes of one row of an entry */
+#define BSR_DESC_ROWS_PER_ENTRY 10   /* dim0_count * dim1_count * dim2_count */
+#define BSR_DESC_DIM0_COUNT 11       /* outer entry dims, outermost first; unused: count 1, stride 0 */
+#define BSR_DESC_DIM0_STRIDE 12
+#define BSR_DESC_DIM1_COUNT 13
+#define BSR_DESC_DIM1_STRIDE 14
+#define BSR_DESC_DIM2_COUNT 15
+#define BSR_DESC_DIM2_STRIDE 16
+#define BSR_DESC_COLS 17
+#define BSR_MAX_ROW_DIMS 3
 
 /* Status codes of the C API (bsr_last_error() has the text). */
 #define BSR_OK 0
@@ -59,6 +73,11 @@ typedef struct bsr_desc {
     int64_t block_size;
     int64_t group;
     int64_t num_blocks;
+    int64_t slot_stride;
+    int64_t row_bytes;
+    int64_t rows_per_entry;
+    int64_t dim_count[BSR_MAX_ROW_DIMS];
+    int64_t dim_stride[BSR_MAX_ROW_DIMS];
 } bsr_desc;
 
 BSR_HD bsr_desc bsr_desc_row(const int64_t* table, int64_t t) {
@@ -72,6 +91,13 @@ BSR_HD bsr_desc bsr_desc_row(const int64_t* table, int64_t t) {
     d.block_size = r[BSR_DESC_BLOCK_SIZE];
     d.group = r[BSR_DESC_GROUP];
     d.num_blocks = r[BSR_DESC_NUM_BLOCKS];
+    d.slot_stride = r[BSR_DESC_SLOT_STRIDE];
+    d.row_bytes = r[BSR_DESC_ROW_BYTES];
+    d.rows_per_entry = r[BSR_DESC_ROWS_PER_ENTRY];
+    for (int k = 0; k < BSR_MAX_ROW_DIMS; ++k) {
+        d.dim_count[k] = r[BSR_DESC_DIM0_COUNT + 2 * k];
+        d.dim_stride[k] = r[BSR_DESC_DIM0_STRIDE + 2 * k];
+    }
     return d;
 }
 
@@ -92,8 +118,33 @@ BSR_HD bsr_loc bsr_locate(int64_t c, int64_t first_chunk, int64_t i, int64_t chu
     l.block = table[l.entry / d->block_size];
     l.slot = l.entry % d->block_size;
     l.src_off = c * chunk_bytes + d->seg_offset + i * d->entry_bytes;
-    l.dst_off = l.block * d->block_stride + l.slot * d->entry_bytes;
+    l.dst_off = l.block * d->block_stride + l.slot * d->slot_stride;
     return l;
+}
+
+/* Destination offset of byte b (0 <= b < entry_bytes) of a canonical staged entry, from the
+ * entry's address: row r = b / row_bytes, row-major over the outer dims, then the byte in the row.
+ * A contiguous entry (one row) needs no division. */
+BSR_HD int64_t bsr_entry_offset(const bsr_desc* d, int64_t b) {
+    if (d->rows_per_entry == 1) return b;
+    int64_t r = b / d->row_bytes, off = b - r * d->row_bytes;
+    for (int k = BSR_MAX_ROW_DIMS - 1; k >= 0; --k) {
+        const int64_t n = d->dim_count[k];
+        off += (r % n) * d->dim_stride[k];
+        r /= n;
+    }
+    return off;
+}
+
+/* 1 when the descriptor's geometry is consistent (what the wrapper guarantees). */
+BSR_HD int bsr_desc_valid(const bsr_desc* d) {
+    int64_t rows = 1;
+    for (int k = 0; k < BSR_MAX_ROW_DIMS; ++k) {
+        if (d->dim_count[k] <= 0 || d->dim_stride[k] < 0) return 0;
+        rows *= d->dim_count[k];
+    }
+    return d->row_bytes > 0 && d->rows_per_entry == rows && rows * d->row_bytes == d->entry_bytes &&
+           d->block_stride >= 0 && d->slot_stride >= 0;
 }
 
 /* 1 when v is a multiple of w (w a power of two). */
@@ -148,6 +199,14 @@ BSR_HD int64_t bsr_batch_entries(int64_t entry_bytes) {
     if (n > BSR_ENTRY_BATCH) n = BSR_ENTRY_BATCH;
     if (n < 1) n = 1;
     return n;
+}
+
+/* Widest access for a descriptor: every stride and the row width must be multiples of it too. */
+BSR_HD int bsr_desc_access_width(const bsr_desc* d, int64_t chunk_bytes, uint64_t staging_addr) {
+    int64_t strides = d->block_stride | d->slot_stride | d->row_bytes;
+    for (int k = 0; k < BSR_MAX_ROW_DIMS; ++k) strides |= d->dim_stride[k];
+    return bsr_access_width(d->entry_bytes, d->seg_offset, chunk_bytes, strides, staging_addr,
+                            (uint64_t)d->dst_base);
 }
 
 /* First byte after tensor t's segment that belongs to the next segment (or the chunk end). */

@@ -23,6 +23,8 @@ _DTYPES = [torch.uint8, torch.float16, torch.float32]
 def registrations(draw, max_tensors: int = 6, max_groups: int = 3) -> Registration:
     num_groups = draw(st.integers(1, max_groups))
     group_tpb = [draw(st.sampled_from(_TPB_CHOICES)) for _ in range(num_groups)]
+    # -1 blocks are legal only in groups with a sliding window: give some groups one
+    group_window = [draw(st.sampled_from([None, 128])) for _ in range(num_groups)]
     n = draw(st.integers(num_groups, max(num_groups, max_tensors)))
     specs = []
     for i in range(n):
@@ -35,8 +37,12 @@ def registrations(draw, max_tensors: int = 6, max_groups: int = 3) -> Registrati
         entry_shape = (width // dtype.itemsize,)
         if draw(st.booleans()) and entry_shape[0] % 2 == 0:
             entry_shape = (2, entry_shape[0] // 2)
-        specs.append(TensorSpec(f"t{i}", dtype, entry_shape, tpb // ratio, ratio, g))
+        specs.append(TensorSpec(f"t{i}", dtype, entry_shape, tpb // ratio, ratio, g, group_window[g]))
     return Registration(tuple(specs), name="random")
+
+
+def windowed_groups(reg: Registration) -> set[int]:
+    return {s.group for s in reg.specs if s.sliding_window}
 
 
 @dataclass
@@ -51,7 +57,8 @@ class Case:
 
 def make_case(reg: Registration, first_chunk: int, num_chunks: int, seed: int, hole_frac: float = 0.15,
               spare_blocks: int = 3) -> Case:
-    """Block tables covering chunks 0..first_chunk+num_chunks-1, shuffled, some -1, and random staging."""
+    """Block tables covering chunks 0..first_chunk+num_chunks-1, shuffled, some -1 in groups with a
+    sliding window, and random staging."""
     gen = torch.Generator().manual_seed(seed)
     tables, num_blocks = window_tables(reg, 0, first_chunk + num_chunks, gen, hole_frac, spare=spare_blocks)
     staging = random_bytes(num_chunks * reg.chunk_bytes, gen)
@@ -75,12 +82,14 @@ def random_kv(reg: Registration, num_blocks: list[int], seed: int) -> list[torch
 
 
 def naive_install(case: Case, kv: list[torch.Tensor]) -> None:
-    """Entry-by-entry oracle, written independently of bsr_kernels.install_torch."""
+    """Entry-by-entry oracle, written independently of bsr_kernels: each staged entry (canonical,
+    row-major in entry_shape) is written through torch's logical indexing `kv[i][block, slot]`,
+    so any strided destination layout is handled by torch's own view semantics."""
     reg = case.reg
     for i, spec in enumerate(reg.specs):
         per_chunk = reg.chunk_tokens // spec.token_ratio
         eb = spec.entry_bytes
-        dst = kv[i].view(torch.uint8).reshape(kv[i].shape[0], spec.block_size, eb)
+        dst = kv[i]
         table = case.tables[spec.group].tolist()
         for c in range(case.num_chunks):
             base = c * reg.chunk_bytes + reg.segment_offsets[i]
@@ -89,12 +98,13 @@ def naive_install(case: Case, kv: list[torch.Tensor]) -> None:
                 blk = table[e // spec.block_size]
                 if blk < 0:
                     continue
-                dst[blk, e % spec.block_size] = case.staging[base + j * eb : base + (j + 1) * eb]
+                entry = case.staging[base + j * eb : base + (j + 1) * eb].clone()
+                dst[blk, e % spec.block_size] = entry.view(spec.dtype).view(spec.entry_shape)
 
 
 def assert_same(a: list[torch.Tensor], b: list[torch.Tensor], reg: Registration, what: str) -> None:
     for spec, x, y in zip(reg.specs, a, b):
-        xb, yb = x.view(torch.uint8), y.view(torch.uint8)
+        xb, yb = x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)  # logical, any layout
         if not torch.equal(xb, yb):
             diff = (xb != yb).nonzero()
             raise AssertionError(
@@ -103,3 +113,128 @@ def assert_same(a: list[torch.Tensor], b: list[torch.Tensor], reg: Registration,
 
 def snapshot(kv: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.clone() for t in kv]
+
+
+def naive_gather(case: Case, kv: list[torch.Tensor]) -> torch.Tensor:
+    """Entry-by-entry gather oracle: staged bytes of the window read through `kv[i][block, slot]`;
+    padding and entries of -1 blocks are zero."""
+    reg = case.reg
+    out = torch.zeros(case.num_chunks * reg.chunk_bytes, dtype=torch.uint8)
+    for i, spec in enumerate(reg.specs):
+        per_chunk = reg.chunk_tokens // spec.token_ratio
+        eb = spec.entry_bytes
+        table = case.tables[spec.group].tolist()
+        for c in range(case.num_chunks):
+            base = c * reg.chunk_bytes + reg.segment_offsets[i]
+            for j in range(per_chunk):
+                e = (case.first_chunk + c) * per_chunk + j
+                blk = table[e // spec.block_size]
+                if blk >= 0:
+                    entry = kv[i][blk, e % spec.block_size].contiguous().view(torch.uint8).reshape(-1)
+                    out[base + j * eb : base + (j + 1) * eb] = entry
+    return out
+
+
+# -- destination layouts: views of engine buffers ------------------------------------------------
+
+def kv_registration(layers: int = 2, heads: int = 2, head_dim: int = 8, block_size: int = 16,
+                    dtype: torch.dtype = torch.bfloat16, window: int | None = 128) -> Registration:
+    """K and V per layer with (heads, head_dim) entries, one group (a sliding window: -1 is legal)."""
+    specs = [TensorSpec(f"layers.{layer}.{kind}", dtype, (heads, head_dim), block_size, 1, 0, window)
+             for layer in range(layers) for kind in ("k", "v")]
+    return Registration(tuple(specs), name="kv-pairs")
+
+
+def _poisoned_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
+    buf = torch.empty(shape, dtype=dtype)
+    buf.view(torch.uint8).fill_(POISON)
+    return buf
+
+
+def kv_pair_layout(layout: str, reg: Registration, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(destination views in registration order, the engine buffers behind them, poisoned) for a
+    K/V-pair registration (kv_registration) laid out like an engine lays out its caches."""
+    views, buffers = [], []
+    for layer in range(reg.num_tensors // 2):
+        spec = reg.specs[2 * layer]
+        (h, d), bs, nb = spec.entry_shape, spec.block_size, num_blocks
+        if layout == "contiguous":
+            pair = [_poisoned_buffer((nb, bs, h, d), spec.dtype) for _ in range(2)]
+            buffers += pair
+            views += pair
+            continue
+        if layout == "vllm_cpu":  # [nb, H, bs, 2D]: per block and head, K of all slots then V
+            buf = _poisoned_buffer((nb, h, bs, 2 * d), spec.dtype)
+            c4 = buf.view(nb, h, 2 * bs, d)
+            pair = [c4[:, :, :bs, :].permute(0, 2, 1, 3), c4[:, :, bs:, :].permute(0, 2, 1, 3)]
+        elif layout == "flash_attn":  # (2, nb, bs, H, D)
+            buf = _poisoned_buffer((2, nb, bs, h, d), spec.dtype)
+            pair = [buf[0], buf[1]]
+        elif layout == "flashinfer_hnd":  # (nb, 2, H, bs, D)
+            buf = _poisoned_buffer((nb, 2, h, bs, d), spec.dtype)
+            pair = [buf[:, 0].permute(0, 2, 1, 3), buf[:, 1].permute(0, 2, 1, 3)]
+        else:
+            raise ValueError(layout)
+        buffers.append(buf)
+        views += pair
+    return views, buffers
+
+
+KV_LAYOUTS = ("contiguous", "vllm_cpu", "flash_attn", "flashinfer_hnd")
+
+
+def mla_registration(row: int = 584, block_size: int = 8, layers: int = 2, window: int | None = 128) -> Registration:
+    specs = [TensorSpec(f"layers.{layer}.mla", torch.uint8, (row,), block_size, 1, 0, window)
+             for layer in range(layers)]
+    return Registration(tuple(specs), name="mla")
+
+
+def mla_layout(layout: str, reg: Registration, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """MLA rows (num_blocks, block_size, row) of uint8: plain, or a slice of a wider row buffer."""
+    views, buffers = [], []
+    for spec in reg.specs:
+        (row,), bs = spec.entry_shape, spec.block_size
+        if layout == "mla":
+            buf = _poisoned_buffer((num_blocks, bs, row), torch.uint8)
+            views.append(buf)
+        elif layout == "mla_sliced":  # 584 bytes at offset 8 of 656-byte rows, one spare block in front
+            buf = _poisoned_buffer((num_blocks + 1, bs, row + 72), torch.uint8)
+            views.append(buf[1:, :, 8 : 8 + row])
+        else:
+            raise ValueError(layout)
+        buffers.append(buf)
+    return views, buffers
+
+
+def strided_like(reg: Registration, num_blocks: list[int], seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """For any registration: each destination a random strided view (padded rows and blocks, an
+    offset, slots outside blocks, or the outer entry dim outside the slots) of a poisoned buffer."""
+    gen = torch.Generator().manual_seed(seed)
+    views, buffers = [], []
+    for spec in reg.specs:
+        nb, bs, shape = num_blocks[spec.group], spec.block_size, spec.entry_shape
+        style = int(torch.randint(0, 4, (1,), generator=gen))
+        if style == 1:  # padded rows, a spare block and a byte offset
+            buf = _poisoned_buffer((nb + 1, bs, *shape[:-1], shape[-1] + 3), spec.dtype)
+            view = buf[1:, ..., 2 : 2 + shape[-1]]
+        elif style == 2:  # slot-major: (bs, nb, *entry) seen as (nb, bs, *entry)
+            buf = _poisoned_buffer((bs, nb, *shape), spec.dtype)
+            view = buf.transpose(0, 1)
+        elif style == 3 and len(shape) == 2:  # heads outside slots: (nb, H, bs, D)
+            buf = _poisoned_buffer((nb, shape[0], bs, shape[1]), spec.dtype)
+            view = buf.permute(0, 2, 1, 3)
+        else:
+            buf = _poisoned_buffer((nb, bs, *shape), spec.dtype)
+            view = buf
+        views.append(view)
+        buffers.append(buf)
+    return views, buffers
+
+
+def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
+    """Whole engine buffers byte for byte (bytes outside the views included)."""
+    for k, (x, y) in enumerate(zip(a, b)):
+        xb, yb = x.view(torch.uint8), y.view(torch.uint8)
+        if not torch.equal(xb, yb):
+            diff = (xb != yb).nonzero()
+            raise AssertionError(f"{what}: buffer {k} differs at {diff.shape[0]} bytes, first {diff[0].tolist()}")

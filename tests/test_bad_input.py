@@ -59,7 +59,11 @@ def _mutate_dtype(req):
 
 def _mutate_noncontig(req):
     t = req.kv[5]
-    req.kv[5] = _poisoned((t.shape[0] * 2, *t.shape[1:]), t.dtype)[::2]
+    req.kv[5] = _poisoned((*t.shape[:-1], t.shape[-1] * 2), t.dtype)[..., ::2]
+
+
+def _mutate_alias(req):
+    req.kv[1] = req.kv[0]
 
 
 def _mutate_duplicate(req):
@@ -76,7 +80,8 @@ def _mutate_short(req):
 
 @pytest.mark.parametrize("mutate,match", [
     (_mutate_dtype, "dtype"),
-    (_mutate_noncontig, "not contiguous"),
+    (_mutate_noncontig, "innermost stride is 2"),
+    (_mutate_alias, "overlap in memory"),
     (_mutate_duplicate, "duplicated block ids"),
     (_mutate_range, "out of range"),
     (_mutate_short, "too short"),

@@ -15,6 +15,21 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kernel_util import (
+    KV_LAYOUTS,
+    Case,
+    kv_pair_layout,
+    kv_registration,
+    make_case,
+    mla_layout,
+    mla_registration,
+    naive_gather,
+    naive_install,
+    random_bytes,
+    same_bytes,
+    strided_like,
+)
+from kernel_util import registrations as strided_registrations
 
 from bsr_harness.testdata import POISON, window_tables
 from bsr_kernels import cuda_backend, presets
@@ -87,7 +102,7 @@ def test_descriptor_columns_match_header():
     from bsr_kernels.descriptors import DESC_FIELDS
 
     header = (CSRC / "bsr_layout.h").read_text()
-    cols = {m[0].lower(): int(m[1]) for m in re.findall(r"#define BSR_DESC_([A-Z_]+) (\d+)", header)}
+    cols = {m[0].lower(): int(m[1]) for m in re.findall(r"#define BSR_DESC_([A-Z0-9_]+) (\d+)", header)}
     assert cols.pop("cols") == len(DESC_FIELDS)
     assert cols == {name: i for i, name in enumerate(DESC_FIELDS)}
 
@@ -192,7 +207,7 @@ def test_llama_like(lib, split):
 
 
 def test_all_blocks_skipped(lib):
-    check_case(presets.llama_like(layers=1), lib, first=0, num=2, seed=3, neg=1.0)
+    check_case(kv_registration(layers=1, window=128), lib, first=0, num=2, seed=3, neg=1.0)
 
 
 TOKENS_PER_BLOCK = (1, 2, 3, 4, 5, 8, 12, 16, 20, 32, 48, 64, 128, 192, 256, 512, 1024, 4096, 8192)
@@ -205,6 +220,7 @@ def registrations(draw) -> Registration:
     specs = []
     for g in range(draw(st.integers(1, 3))):
         tpb = draw(st.sampled_from(TOKENS_PER_BLOCK))
+        window = draw(st.sampled_from([None, 128]))
         ratios = [r for r in (1, 4, 128) if tpb % r == 0 and 1 <= tpb // r <= 64]
         for k in range(draw(st.integers(1, 4))):
             ratio = draw(st.sampled_from(ratios))
@@ -212,7 +228,7 @@ def registrations(draw) -> Registration:
             width = draw(st.sampled_from([w for w in WIDTHS if w % dtype.itemsize == 0]))
             n = width // dtype.itemsize
             shape = (2, n // 2) if n % 2 == 0 and draw(st.booleans()) else (n,)
-            specs.append(TensorSpec(f"g{g}.t{k}", dtype, shape, tpb // ratio, ratio, g))
+            specs.append(TensorSpec(f"g{g}.t{k}", dtype, shape, tpb // ratio, ratio, g, window))
     return Registration(tuple(draw(st.permutations(specs))))
 
 
@@ -299,3 +315,41 @@ def test_first_use_build(monkeypatch, tmp_path):
     assert path is not None and path.is_file() and path.parent.name.endswith("-sm90")
     assert cuda_backend.load(path).bsr_abi_version() == cuda_backend.ABI_VERSION
     assert cuda_backend._cached_build(cuda_backend.source_dir()) == path  # cached: no rebuild
+
+
+# -- strided destinations: the host emulation against the entry-by-entry oracle ---------------
+def _strided_check(lib, reg: Registration, case: Case, alloc, split: int = 0) -> None:
+    views, buffers = alloc()
+    cuda_backend.host_install(reg, check_window(case.staging, reg, views, case.tables, case.first_chunk,
+                                                case.num_chunks), lib, split)
+    expect_views, expect = alloc()
+    naive_install(case, expect_views)
+    same_bytes(buffers, expect, "host install vs oracle")
+    gen = torch.Generator().manual_seed(1)
+    for b in buffers:
+        flat = b.view(torch.uint8).view(-1)
+        flat.copy_(random_bytes(flat.numel(), gen))
+    out = torch.full((case.num_chunks * reg.chunk_bytes,), POISON, dtype=torch.uint8)
+    cuda_backend.host_gather(reg, check_window(out, reg, views, case.tables, case.first_chunk, case.num_chunks,
+                                               staging_name="out"), lib, split)
+    assert torch.equal(out, naive_gather(case, views))
+
+
+@pytest.mark.parametrize("layout", [*KV_LAYOUTS, "mla", "mla_sliced"])
+def test_strided_layouts(lib, layout):
+    if layout.startswith("mla"):
+        reg = mla_registration()
+        alloc = lambda: mla_layout(layout, reg, case.num_blocks[0])  # noqa: E731
+    else:
+        reg = kv_registration(layers=2, heads=3, head_dim=8, block_size=16)
+        alloc = lambda: kv_pair_layout(layout, reg, case.num_blocks[0])  # noqa: E731
+    case = make_case(reg, 1, 2, seed=5, hole_frac=0.2)
+    _strided_check(lib, reg, case, alloc)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reg=strided_registrations(max_tensors=4), first=st.integers(0, 2), num=st.integers(1, 2),
+       seed=st.integers(0, 2**16), split=st.sampled_from([0, 1, 3]))
+def test_random_strided_views(lib, reg, first, num, seed, split):
+    case = make_case(reg, first, num, seed)
+    _strided_check(lib, reg, case, lambda: strided_like(reg, case.num_blocks, seed), split)

@@ -12,9 +12,6 @@ child process left behind, and a healthy request restored next with the right st
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
-import sys
 import threading
 import time
 
@@ -355,10 +352,3 @@ def test_hma_collapse_one_invalid_group_invalidates_every_group():
     ok = Retriever.finalize(LocalResult("r", 1, 256, [True] * 3, "mooncake", blocks), agreed=False)
     assert not ok.committed and ok.invalid_block_ids == blocks  # another rank failed
 
-
-def test_vllm_connector_module_imports_without_vllm():
-    mod = importlib.import_module("bsr_runtime.integrations.vllm.legacy_connector")
-    assert callable(mod.make_vllm_connector_class) and callable(mod.register_with_vllm)
-    if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
-        with pytest.raises(ImportError):
-            mod.make_vllm_connector_class()

@@ -189,8 +189,11 @@ BAD_INPUTS = {
         0, torch.zeros(a["kv"][0].shape, dtype=torch.float32))),
     "wrong shape": (r"layers\.1\.v_cache.*shape", lambda a, r, c: a["kv"].__setitem__(
         3, torch.zeros((a["kv"][3].shape[0], 8, 1, 8), dtype=a["kv"][3].dtype))),
-    "non-contiguous": (r"not contiguous", lambda a, r, c: a["kv"].__setitem__(
-        1, torch.zeros((2 * a["kv"][1].shape[0], 16, 1, 8), dtype=torch.bfloat16)[::2])),
+    "innermost not contiguous": (r"innermost stride is 2", lambda a, r, c: a["kv"].__setitem__(
+        1, torch.zeros((a["kv"][1].shape[0], 16, 1, 16), dtype=torch.bfloat16)[..., ::2])),
+    "aliased destinations": (r"'layers\.0\.k_cache' and 'layers\.0\.v_cache' overlap",
+                             lambda a, r, c: a["kv"].__setitem__(1, a["kv"][0])),
+    "-1 without sliding window": (r"block id -1", lambda a, r, c: c.tables[0].__setitem__(2, -1)),
     "missing tensor": (r"expected 4 destination tensors", lambda a, r, c: a.update(kv=a["kv"][:3])),
     "staging too small": (r"staging too small", lambda a, r, c: a.update(staging=c.staging[:-16])),
     "staging misaligned": (r"misaligned", lambda a, r, c: a.update(

@@ -1,0 +1,198 @@
+"""CPU backend ("cpu"): the C-ABI library built from csrc/bsr_install_cpu.c (libbsr_cpu.so), loaded with ctypes.
+
+One call per window walks the descriptor table (bsr_kernels.descriptors, shared with Triton and
+CUDA) and memcpy's contiguous runs; single-threaded by default, two threads from the library's
+size threshold up (`threads` forces a count). No torch ABI coupling: raw data pointers only.
+
+Where the library comes from, first hit wins:
+1. $BSR_CPU_LIB (an explicit path);
+2. bsr_kernels/lib/libbsr_cpu.so, built by setup.py at install time with the system C compiler;
+3. a first-use build with that compiler into $BSR_CACHE_DIR or ~/.cache/bsr, keyed by a hash of
+   the sources (so a source tree whose library is missing or stale still gets the backend).
+Without any, `available()` is False and backend "auto" uses torch for CPU destinations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from .descriptors import block_table_pointers, descriptor_table
+from .registration import Registration
+from .validate import WindowArgs
+
+ABI_VERSION = 1002  # BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION (descriptor layout) in the C sources
+LIB_NAME = "libbsr_cpu.so"
+SOURCE = "bsr_install_cpu.c"
+CC_FLAGS = ("-std=c11", "-O3", "-fPIC", "-shared", "-pthread")
+
+_PKG = Path(__file__).resolve().parent
+_LOCK = threading.Lock()
+_STATE: dict = {"loaded": False, "lib": None, "error": None, "path": None}
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+
+
+def source_dir() -> Path | None:
+    for d in (_PKG.parent / "csrc", _PKG / "csrc"):
+        if (d / SOURCE).is_file():
+            return d
+    return None
+
+
+def load(path: str | os.PathLike) -> ctypes.CDLL:
+    """Load one library file and check its ABI version; raises OSError/RuntimeError."""
+    lib = ctypes.CDLL(str(path))
+    lib.bsr_cpu_last_error.restype = ctypes.c_char_p
+    lib.bsr_cpu_last_error.argtypes = []
+    lib.bsr_cpu_abi_version.restype = ctypes.c_int
+    lib.bsr_cpu_abi_version.argtypes = []
+    lib.bsr_cpu_parallel_bytes.restype = _i64
+    lib.bsr_cpu_parallel_bytes.argtypes = []
+    for name in ("bsr_cpu_install", "bsr_cpu_gather"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64]
+    version = lib.bsr_cpu_abi_version()
+    if version != ABI_VERSION:
+        raise RuntimeError(f"{path}: ABI version {version}, this package needs {ABI_VERSION}")
+    return lib
+
+
+def find_cc() -> str | None:
+    cc = os.environ.get("CC", "").strip()
+    if cc:
+        return shutil.which(cc) or (cc if Path(cc).is_file() else None)
+    return next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
+
+
+def _sources(src: Path) -> list[Path]:
+    return sorted(f for f in src.iterdir() if f.is_file() and f.suffix in (".c", ".h"))
+
+
+def _stale(lib: Path) -> bool:
+    src = source_dir()
+    return src is not None and any(f.stat().st_mtime > lib.stat().st_mtime for f in _sources(src))
+
+
+def _cached_build(src: Path) -> Path:
+    digest = hashlib.sha256()
+    for f in _sources(src):
+        digest.update(f.name.encode() + f.read_bytes())
+    out = Path(os.environ.get("BSR_CACHE_DIR") or Path.home() / ".cache" / "bsr") / digest.hexdigest()[:16] / LIB_NAME
+    if out.is_file():
+        return out
+    cc = find_cc()
+    if cc is None:
+        raise RuntimeError("no C compiler ($CC, cc, gcc, clang) to build it at first use")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{LIB_NAME}.{os.getpid()}.tmp")
+    cmd = [cc, *CC_FLAGS, "-o", str(tmp), str(src / SOURCE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"first-use build failed: {' '.join(cmd)}: {proc.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def _load_default() -> None:
+    errors = []
+    explicit = os.environ.get("BSR_CPU_LIB")
+    path = Path(explicit) if explicit else _PKG / "lib" / LIB_NAME
+    if path.is_file() and (explicit or not _stale(path)):
+        try:
+            _STATE.update(lib=load(path), path=str(path), error=None)
+            return
+        except (OSError, RuntimeError, AttributeError) as e:
+            errors.append(f"{path}: {e}")
+    else:
+        errors.append(f"{path} " + ("is older than its sources" if path.is_file() else "not found"))
+    if not explicit:
+        src = source_dir()
+        try:
+            if src is None:
+                raise RuntimeError("csrc/ sources not found")
+            built = _cached_build(src)
+            _STATE.update(lib=load(built), path=str(built), error=None)
+            return
+        except (OSError, RuntimeError, AttributeError) as e:
+            errors.append(str(e))
+    _STATE["error"] = "; ".join(errors)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (load_error() says why). Loads on first call."""
+    with _LOCK:
+        if not _STATE["loaded"]:
+            _STATE["loaded"] = True
+            _load_default()
+        return _STATE["lib"]
+
+
+def library_path() -> str | None:
+    library()
+    return _STATE["path"]
+
+
+def load_error() -> str | None:
+    library()
+    return _STATE["error"]
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def parallel_bytes() -> int:
+    """Window size from which threads=0 (auto) uses a second thread."""
+    lib = library()
+    return int(lib.bsr_cpu_parallel_bytes()) if lib is not None else 0
+
+
+class Prepared:
+    """Per-restore state: the descriptor table and block-table pointers for a set of CPU
+    destinations, built once; each window then passes only its staging and chunk range."""
+
+    def __init__(self, reg: Registration, kv: tuple[torch.Tensor, ...], block_tables: tuple[torch.Tensor, ...],
+                 threads: int = 0) -> None:
+        lib = library()
+        if lib is None:
+            raise RuntimeError(f"CPU backend unavailable: {load_error()}")
+        cpu = torch.device("cpu")
+        if any(t.device != cpu for t in (*kv, *block_tables)):
+            raise ValueError("the cpu backend needs destinations and block tables on the CPU")
+        if threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = auto), got {threads}")
+        self.lib, self.reg, self.threads = lib, reg, int(threads)
+        self.kv = kv  # keeps the destinations alive while their addresses are in the table
+        self.desc = descriptor_table(reg, kv, cpu)
+        self.ptrs, self.tables = block_table_pointers(block_tables, cpu)
+
+    def run(self, kind: str, staging: torch.Tensor, first_chunk: int, num_chunks: int) -> None:
+        if num_chunks == 0:
+            return
+        if staging.device.type != "cpu":
+            raise ValueError(f"the cpu backend needs host staging, got {staging.device}")
+        fn = self.lib.bsr_cpu_install if kind == "install" else self.lib.bsr_cpu_gather
+        rc = fn(staging.data_ptr(), self.reg.chunk_bytes, first_chunk, num_chunks, self.desc.data_ptr(),
+                self.reg.num_tensors, self.ptrs.data_ptr(), self.reg.num_groups, self.threads)
+        if rc != 0:
+            raise RuntimeError(f"bsr_cpu_{kind}: {(self.lib.bsr_cpu_last_error() or b'').decode(errors='replace')}")
+
+
+def install(reg: Registration, a: WindowArgs, threads: int = 0) -> None:
+    """One call: scatter the window's staged chunks into every tensor's destination blocks."""
+    Prepared(reg, a.kv, a.block_tables, threads).run("install", a.staging, a.first_chunk, a.num_chunks)
+
+
+def gather(reg: Registration, a: WindowArgs, threads: int = 0) -> None:
+    """The inverse of install (-1 entries and segment padding read as zero)."""
+    Prepared(reg, a.kv, a.block_tables, threads).run("gather", a.staging, a.first_chunk, a.num_chunks)

@@ -1,0 +1,198 @@
+"""LMCacheTier: LMCache's own storage stack as a BSR Tier, so an engine connector (vLLM) can list
+it among its ordered tiers (plan, windowed restore, fallback, commit rule: the runtime's).
+
+It drives the StorageManager of an `LMCacheAdapter` (adapter.py), configured the LMCache way
+(config file or $LMCACHE_BSR_CONFIG_FILE, then LMCACHE_* variables) with an FS or Mooncake L2:
+
+- probe: L1 (a prefetch served from L1 only, read locks returned at once) and every L2 adapter's
+  lookup-and-lock, unlocked at once (LMCacheAdapter's probe path); holds nothing.
+- fetch: one window: `submit_prefetch_task` of its keys (L2 -> L1), wait (deadline), every key must
+  hit, `read_prefetched_results`, copy each object from L1 into the BSR staging slot,
+  `finish_read_prefetched`, delete the L2-loaded objects from L1. LMCache's L1 holds at most this
+  window's objects during the fetch, BSR's staging the window: both bounded by W.
+- put: `reserve_write` -> copy into the reserved L1 objects -> `finish_write`; LMCache's store
+  controller writes them to the L2 adapters; the put waits until an L2 adapter holds them and
+  deletes them from L1.
+
+Object keys: LMCache ObjectKeys whose chunk_hash is a 128-bit hash of the BSR key (which binds the
+registration, TP geometry, tenant, model and prefix chain), model_name "bsr-<fingerprint[:16]>",
+the key's TP rank, no cache salt (the tenant is already in the BSR key). LMCache objects carry no
+checksum: a damaged byte in LMCache's L2 is not detected here (the filesystem and Mooncake tiers
+check CRCs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from lmcache.v1.distributed.api import GroupedObjectKeys, ObjectKey, PrefetchTaskSpec
+
+from bsr_kernels import Registration
+
+from ...tiers.base import (
+    CorruptObjectError,
+    FetchHandle,
+    FetchTimeoutError,
+    MissingObjectError,
+    Tier,
+    TierError,
+    TierUnavailableError,
+)
+from .adapter import LMCacheAdapter
+from .config import fs_l2, load_adapter_config, mooncake_l2
+from .objects import _owners
+from .probe import _probe_l1
+from .retrieve import evict_l2_loaded, release_result
+from .store import abort_writes, flush_l1, wait_in_l2
+
+_RANK = re.compile(r"-r(\d+)of(\d+)-")
+
+
+class LMCacheTier(Tier):
+    name = "lmcache"
+
+    def __init__(self, adapter: LMCacheAdapter, *, put_timeout_s: float = 60.0) -> None:
+        super().__init__(adapter.reg.chunk_bytes, adapter.reg.fingerprint)
+        self.adapter = adapter
+        self.sm = adapter.sm
+        self.name = adapter.tier_name()
+        self.put_timeout_s = put_timeout_s
+        self._model = f"bsr-{adapter.reg.fingerprint[:16]}"
+
+    def _object_keys(self, keys: Sequence[str]) -> list[ObjectKey]:
+        out = []
+        for k in keys:
+            m = _RANK.search(k)
+            rank, world = (int(m.group(1)), int(m.group(2))) if m else (0, 1)
+            out.append(ObjectKey(chunk_hash=hashlib.blake2b(k.encode(), digest_size=16).digest(),
+                                 model_name=self._model,
+                                 kv_rank=ObjectKey.ComputeKVRank(world, rank, world, rank),
+                                 object_group_id=0, cache_salt=""))
+        return out
+
+    def _spec(self, okeys: list[ObjectKey], **kw) -> PrefetchTaskSpec:
+        return PrefetchTaskSpec([GroupedObjectKeys(okeys, 0, self.adapter.layout)], **kw)
+
+    def probe(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        self._check()
+        okeys = self._object_keys(keys)
+        hit = [False] * len(keys)
+        for i in _probe_l1(self.sm, self.adapter.layout, okeys):  # read locks returned at once
+            hit[i] = True
+        found, _errors = self.adapter.l2.lookup(okeys)  # lookup locks returned at once
+        for row in found.values():
+            for i, h in enumerate(row):
+                hit[i] = hit[i] or h
+        return hit
+
+    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float) -> FetchHandle:
+        handle = FetchHandle(tuple(keys), deadline)
+        try:
+            self._check()
+            handle.set_result(self._fetch(list(keys), list(views), deadline))
+        except TierError as e:
+            handle.set_error(e)
+        except Exception as e:  # noqa: BLE001 - any failure of LMCache fails the window
+            handle.set_error(TierError(f"LMCache fetch failed: {type(e).__name__}: {e}"))
+        return handle
+
+    def _fetch(self, keys: list[str], views: list[torch.Tensor], deadline: float) -> int:
+        c = self.chunk_bytes
+        okeys = self._object_keys(keys)
+        h = self.sm.submit_prefetch_task(self._spec(okeys, num_kv_readers=1, fetching_policy="prefix"),
+                                         external_request_id="bsr-fetch")
+        result = self.adapter.late.wait(h, okeys, max(0.001, deadline - time.monotonic()))
+        if result is None:
+            raise FetchTimeoutError(f"LMCache prefetch of {len(keys)} objects missed its deadline")
+        hit = result.hit_cells[0].get_indices_list()
+        if len(hit) != len(keys):
+            release_result(self.sm, result, okeys, evict_loaded=True)
+            missing = next(i for i in range(len(keys)) if i >= len(hit) or hit[i] != i)
+            raise MissingObjectError(f"LMCache holds {len(hit)}/{len(keys)} objects; {keys[missing]} is missing")
+        owners = _owners(result, okeys)
+        entered = False
+        try:
+            with self.sm.read_prefetched_results(okeys, owners) as objs:
+                entered = True
+                if objs is None:
+                    raise CorruptObjectError("LMCache: prefetched objects not readable in L1")
+                for obj, view in zip(objs, views, strict=True):
+                    raw = obj.raw_tensor
+                    if raw is None or raw.numel() * raw.element_size() < c:
+                        raise CorruptObjectError("LMCache: an L1 object is shorter than a chunk")
+                    view.copy_(raw.view(torch.uint8).reshape(-1)[:c])
+        except BaseException:
+            if entered:
+                evict_l2_loaded(self.sm, result, okeys)
+            else:
+                release_result(self.sm, result, okeys, evict_loaded=True)
+            raise
+        self.sm.finish_read_prefetched(okeys, read_locks=1, l1_owners=owners)
+        evict_l2_loaded(self.sm, result, okeys)
+        return len(keys) * c
+
+    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
+        self._check()
+        c = self.chunk_bytes
+        okeys = self._object_keys(keys)
+        reserved = self.sm.reserve_write(okeys, self.adapter.layout)
+        try:
+            for k, view in zip(okeys, views, strict=True):
+                obj = reserved.get(k)
+                if obj is not None:
+                    obj.raw_tensor.view(torch.uint8).reshape(-1)[:c].copy_(view.reshape(-1)[:c])
+        except BaseException:
+            abort_writes(self.sm, list(reserved))
+            raise
+        if reserved:
+            self.sm.finish_write([k for k in okeys if k in reserved])
+        deadline = time.monotonic() + self.put_timeout_s
+        try:
+            if self.sm.l2_adapters():
+                wait_in_l2(self.adapter.l2, okeys, deadline)
+                flush_l1(self.sm, okeys, deadline)
+            elif len(reserved) < len(okeys):
+                raise TierError(f"LMCache L1 had no room for {len(okeys) - len(reserved)} objects")
+        except TimeoutError as e:
+            raise TierError(f"LMCache put: {e}") from e
+
+    def _check(self) -> None:
+        if self.faults.unavailable:
+            raise TierUnavailableError("LMCache tier marked unavailable")
+
+    def close(self) -> None:
+        self.adapter.close()
+
+
+@contextlib.contextmanager
+def open_lmcache_tier(reg: Registration, kind: str, options: Mapping) -> Iterator[LMCacheTier]:
+    """An LMCacheTier with LMCache's FS ("lmcache-fs": `root`, `load_concurrency`) or Mooncake
+    ("lmcache-mooncake": `master_address`, `metadata_server`, `protocol`, `global_segment_size`)
+    L2 adapter, an L1 of `l1_bytes`, and the adapter config loaded the LMCache way (`config_file`,
+    then LMCACHE_* variables)."""
+    opts = dict(options)
+    l1_bytes = int(opts.pop("l1_bytes", 256 << 20))
+    config = load_adapter_config(opts.pop("config_file", None))
+    if kind == "lmcache-fs":
+        root = opts.pop("root")
+        Path(root).mkdir(parents=True, exist_ok=True)
+        l2 = fs_l2(root, opts.pop("load_concurrency", None), **opts)
+    elif kind == "lmcache-mooncake":
+        opts.setdefault("global_segment_size", 0)
+        l2 = mooncake_l2(opts.pop("master_address"), opts.pop("metadata_server"), **opts)
+    else:
+        raise ValueError(f"{kind!r} is not an LMCache tier (lmcache-fs | lmcache-mooncake)")
+    adapter = LMCacheAdapter.create(reg, l1_bytes, [l2], config)
+    tier = LMCacheTier(adapter)
+    try:
+        yield tier
+    finally:
+        tier.close()

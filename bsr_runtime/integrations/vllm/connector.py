@@ -1,0 +1,118 @@
+"""BSRConnector: the vLLM v1 KV connector (KVConnectorBase_V1 + SupportsHMA) over BSR.
+
+vLLM builds one per role: the scheduler's (SchedulerSide) and one per worker (WorkerSide); this
+class only dispatches. Load it by name and module path:
+
+    kv_transfer_config={"kv_connector": "BSRConnector",
+                        "kv_connector_module_path": "bsr_runtime.integrations.vllm",
+                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                        "kv_connector_extra_config": {"tiers": [{"type": "fs", "root": "/ssd/bsr"}],
+                                                      "window_chunks": 32}}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from ... import commit
+from .config import ConnectorConfig, open_tiers
+from .metadata import BSRConnectorMetadata
+from .registration import model_identity, registration_from_kv_cache_config
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+
+class BSRConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("the BSR connector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        self.config = cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self.registration = reg = registration_from_kv_cache_config(kv_cache_config, cfg.chunk_tokens)
+        self.model_id = model_identity(vllm_config, kv_cache_config, cfg.model_id)
+        world = vllm_config.parallel_config.tensor_parallel_size
+        self._stack = contextlib.ExitStack()
+        try:
+            tiers = open_tiers(cfg, reg, self._stack)
+            self.scheduler: SchedulerSide | None = None
+            self.worker: WorkerSide | None = None
+            if role == KVConnectorRole.SCHEDULER:
+                self.scheduler = SchedulerSide(cfg, reg, tiers, self.model_id, world, self._block_ids_of)
+            else:
+                rank, agree = 0, None
+                if world > 1:
+                    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
+
+                    rank = get_tensor_model_parallel_rank()
+                    agree = functools.partial(commit.agree, group=get_tp_group().cpu_group)
+                self.worker = WorkerSide(cfg, reg, tiers, self.model_id, rank, world, agree)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    # -- scheduler side --------------------------------------------------------------------
+    def _block_ids_of(self, request_id: str):
+        assert self._kv_cache_manager is not None, "vLLM bound no KV cache manager to the connector"
+        return self._kv_cache_manager.get_block_ids(request_id)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    # -- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, BSRConnectorMetadata)
+        self.worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete inside start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return None  # saves run once per step in wait_for_save, after every layer wrote its KV
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, BSRConnectorMetadata)
+        if meta.saves:
+            self.worker.save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self.worker.transfer_results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def shutdown(self) -> None:
+        for side in (self.scheduler, self.worker):
+            if side is not None:
+                side.close()
+        self._stack.close()

@@ -1,0 +1,233 @@
+/*
+ * bsr_install_cpu.c: install (staging -> destination blocks) and gather (the inverse) on the host,
+ * one call per window for every registered tensor, behind a C ABI loaded with ctypes
+ * (bsr_kernels/cpu_backend.py). Plain C11, no CUDA; shares the descriptor layout and index
+ * arithmetic of the CUDA kernels (bsr_layout.h).
+ *
+ * Work items are (chunk, tensor) segments. A segment is walked in spans of entries that stay in
+ * one block; when an entry is one contiguous row and slots are back to back (slot_stride ==
+ * entry_bytes) a span is one contiguous run on both sides, and runs that continue each other in
+ * the destination (consecutive blocks) are merged, so most bytes move in a few large memcpy calls.
+ * Other layouts copy per entry, or per row for entries split over several rows.
+ *
+ * Threads: `threads` = 1 runs in the caller's thread; n > 1 splits the items by bytes over n
+ * threads (the caller plus n-1 pthreads); 0 picks 1, or 2 from BSR_CPU_PARALLEL_BYTES up (measured
+ * in benchmarks/bench_install.py: below it, starting a thread costs more than it saves).
+ */
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "bsr_layout.h"
+
+#define BSR_CPU_ABI_VERSION 1
+#define BSR_CPU_MAX_THREADS 16
+#define BSR_CPU_PARALLEL_BYTES (8LL << 20) /* auto: a second thread from 8 MiB per window up */
+
+#define BSR_CPU_API __attribute__((visibility("default")))
+
+static _Thread_local char g_error[1024] = "";
+
+static int set_error(int code, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_error, sizeof(g_error), fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+typedef struct window {
+    uint8_t* staging;
+    int64_t chunk_bytes;
+    int64_t first_chunk;
+    int64_t num_chunks;
+    const int64_t* desc;
+    int64_t num_tensors;
+    const int64_t* table_ptrs;
+    int64_t num_groups;
+    int gather;
+} window;
+
+/* A pending contiguous run: `n` bytes between staging `s` and destination `d`. */
+typedef struct run {
+    uint8_t* s;
+    uint8_t* d;
+    int64_t n;
+} run;
+
+static inline void flush(run* r, int gather) {
+    if (r->n > 0) {
+        if (gather)
+            memcpy(r->s, r->d, (size_t)r->n);
+        else
+            memcpy(r->d, r->s, (size_t)r->n);
+    }
+    r->n = 0;
+}
+
+/* Append [s, s + n) <-> [d, d + n) to the run, merging when both sides continue it. */
+static inline void push(run* r, uint8_t* s, uint8_t* d, int64_t n, int gather) {
+    if (r->n > 0 && r->s + r->n == s && r->d + r->n == d) {
+        r->n += n;
+        return;
+    }
+    flush(r, gather);
+    r->s = s;
+    r->d = d;
+    r->n = n;
+}
+
+/* One entry that spans several rows: row r of the staged entry <-> its strided place. */
+static inline void copy_rows(const bsr_desc* dd, uint8_t* s, uint8_t* d, int gather) {
+    for (int64_t r = 0; r < dd->rows_per_entry; ++r) {
+        uint8_t* dst = d + bsr_entry_offset(dd, r * dd->row_bytes);
+        if (gather)
+            memcpy(s + r * dd->row_bytes, dst, (size_t)dd->row_bytes);
+        else
+            memcpy(dst, s + r * dd->row_bytes, (size_t)dd->row_bytes);
+    }
+}
+
+/* Segment of tensor t in window chunk c. Returns BSR_OK or BSR_ERR_INVALID (block id out of range). */
+static int copy_segment(const window* w, int64_t c, int64_t t) {
+    const bsr_desc dd = bsr_desc_row(w->desc, t);
+    const int64_t* table = (const int64_t*)(uintptr_t)w->table_ptrs[dd.group];
+    uint8_t* base = (uint8_t*)(uintptr_t)dd.dst_base;
+    uint8_t* stage = w->staging + c * w->chunk_bytes + dd.seg_offset;
+    const int64_t eb = dd.entry_bytes, bs = dd.block_size, epc = dd.entries_per_chunk;
+    const int packed = dd.rows_per_entry == 1 && dd.slot_stride == eb; /* a block's slots are one run */
+    const int64_t e0 = (w->first_chunk + c) * epc;
+    run r = {0, 0, 0};
+    for (int64_t i = 0; i < epc;) {
+        const int64_t e = e0 + i, slot = e % bs;
+        const int64_t n = bs - slot < epc - i ? bs - slot : epc - i; /* entries left in this block */
+        const int64_t block = table[e / bs];
+        uint8_t* s = stage + i * eb;
+        if (block < -1 || block >= dd.num_blocks) {
+            flush(&r, w->gather);
+            return set_error(BSR_ERR_INVALID, "tensor %lld chunk %lld: block id %lld outside [-1, %lld)",
+                             (long long)t, (long long)(w->first_chunk + c), (long long)block,
+                             (long long)dd.num_blocks);
+        }
+        if (block < 0) { /* not resident: install skips it, gather reads zeros */
+            flush(&r, w->gather);
+            if (w->gather) memset(s, 0, (size_t)(n * eb));
+        } else {
+            uint8_t* d = base + block * dd.block_stride + slot * dd.slot_stride;
+            if (packed) {
+                push(&r, s, d, n * eb, w->gather);
+            } else if (dd.rows_per_entry == 1) {
+                for (int64_t k = 0; k < n; ++k) push(&r, s + k * eb, d + k * dd.slot_stride, eb, w->gather);
+            } else {
+                for (int64_t k = 0; k < n; ++k) copy_rows(&dd, s + k * eb, d + k * dd.slot_stride, w->gather);
+            }
+        }
+        i += n;
+    }
+    flush(&r, w->gather);
+    if (w->gather) { /* zero the padding after the segment (and before segment 0) */
+        uint8_t* chunk = w->staging + c * w->chunk_bytes;
+        const int64_t end = bsr_next_segment(w->desc, t, w->num_tensors, w->chunk_bytes);
+        const int64_t used = dd.seg_offset + epc * eb;
+        if (end > used) memset(chunk + used, 0, (size_t)(end - used));
+        if (t == 0 && dd.seg_offset > 0) memset(chunk, 0, (size_t)dd.seg_offset);
+    }
+    return BSR_OK;
+}
+
+typedef struct slice {
+    const window* w;
+    int64_t begin, end; /* items [begin, end): item k = chunk k / num_tensors, tensor k % num_tensors */
+    int rc;
+    char error[1024];
+} slice;
+
+static void* run_slice(void* arg) {
+    slice* sl = (slice*)arg;
+    sl->rc = BSR_OK;
+    for (int64_t k = sl->begin; k < sl->end && sl->rc == BSR_OK; ++k)
+        sl->rc = copy_segment(sl->w, k / sl->w->num_tensors, k % sl->w->num_tensors);
+    if (sl->rc != BSR_OK) snprintf(sl->error, sizeof(sl->error), "%s", g_error);
+    return NULL;
+}
+
+static int64_t item_bytes(const window* w, int64_t k) {
+    const int64_t* r = w->desc + (k % w->num_tensors) * BSR_DESC_COLS;
+    return r[BSR_DESC_ENTRIES_PER_CHUNK] * r[BSR_DESC_ENTRY_BYTES];
+}
+
+static int run_window(window* w, int64_t threads) {
+    if (w->num_chunks < 0 || w->first_chunk < 0 || w->num_tensors < 0 || w->num_groups < 0 || w->chunk_bytes <= 0)
+        return set_error(BSR_ERR_INVALID, "invalid window: chunk_bytes=%lld first_chunk=%lld num_chunks=%lld "
+                         "num_tensors=%lld", (long long)w->chunk_bytes, (long long)w->first_chunk,
+                         (long long)w->num_chunks, (long long)w->num_tensors);
+    if (w->num_chunks == 0 || w->num_tensors == 0) return BSR_OK;
+    if (!w->staging || !w->desc || !w->table_ptrs)
+        return set_error(BSR_ERR_INVALID, "null staging, descriptor or table pointer");
+    int64_t seg_bytes = 0;
+    for (int64_t t = 0; t < w->num_tensors; ++t) {
+        const bsr_desc d = bsr_desc_row(w->desc, t);
+        if (d.group < 0 || d.group >= w->num_groups || !w->table_ptrs[d.group] || d.entry_bytes <= 0 || d.block_size <= 0 ||
+            d.entries_per_chunk < 0 || d.dst_base == 0 || !bsr_desc_valid(&d))
+            return set_error(BSR_ERR_INVALID, "tensor %lld: invalid descriptor row", (long long)t);
+        if (d.seg_offset < 0 || d.seg_offset + d.entries_per_chunk * d.entry_bytes > w->chunk_bytes)
+            return set_error(BSR_ERR_INVALID, "tensor %lld: segment ends past chunk_bytes %lld", (long long)t,
+                             (long long)w->chunk_bytes);
+        seg_bytes += d.entries_per_chunk * d.entry_bytes;
+    }
+    const int64_t items = w->num_chunks * w->num_tensors, total = seg_bytes * w->num_chunks;
+    if (threads <= 0) threads = total >= BSR_CPU_PARALLEL_BYTES ? 2 : 1;
+    if (threads > BSR_CPU_MAX_THREADS) threads = BSR_CPU_MAX_THREADS;
+    if (threads > items) threads = items;
+    slice sl[BSR_CPU_MAX_THREADS];
+    pthread_t tid[BSR_CPU_MAX_THREADS];
+    int started[BSR_CPU_MAX_THREADS] = {0};
+    /* split the items into `threads` slices of about equal bytes */
+    int64_t k = 0, acc = 0;
+    for (int64_t s = 0; s < threads; ++s) {
+        sl[s].w = w;
+        sl[s].begin = k;
+        const int64_t goal = total * (s + 1) / threads;
+        while (k < items && (s == threads - 1 || acc + item_bytes(w, k) / 2 <= goal)) acc += item_bytes(w, k++);
+        sl[s].end = k;
+        sl[s].rc = BSR_OK;
+        sl[s].error[0] = 0;
+    }
+    for (int64_t s = 1; s < threads; ++s)
+        started[s] = pthread_create(&tid[s], NULL, run_slice, &sl[s]) == 0;
+    for (int64_t s = 1; s < threads; ++s)
+        if (!started[s]) run_slice(&sl[s]); /* no thread: do it here */
+    run_slice(&sl[0]);
+    int rc = BSR_OK;
+    for (int64_t s = 0; s < threads; ++s) {
+        if (s > 0 && started[s]) pthread_join(tid[s], NULL);
+        if (sl[s].rc != BSR_OK && rc == BSR_OK) {
+            rc = sl[s].rc;
+            snprintf(g_error, sizeof(g_error), "%s", sl[s].error);
+        }
+    }
+    return rc;
+}
+
+/* ---- C ABI ----------------------------------------------------------------------------------- */
+BSR_CPU_API const char* bsr_cpu_last_error(void) { return g_error; }
+
+BSR_CPU_API int bsr_cpu_abi_version(void) { return BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION; }
+
+BSR_CPU_API int64_t bsr_cpu_parallel_bytes(void) { return BSR_CPU_PARALLEL_BYTES; }
+
+BSR_CPU_API int bsr_cpu_install(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
+                                const int64_t* desc, int64_t num_tensors, const int64_t* table_ptrs,
+                                int64_t num_groups, int64_t threads) {
+    window w = {(uint8_t*)staging, chunk_bytes, first_chunk, num_chunks, desc, num_tensors, table_ptrs, num_groups, 0};
+    return run_window(&w, threads);
+}
+
+BSR_CPU_API int bsr_cpu_gather(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
+                               const int64_t* desc, int64_t num_tensors, const int64_t* table_ptrs,
+                               int64_t num_groups, int64_t threads) {
+    window w = {(uint8_t*)staging, chunk_bytes, first_chunk, num_chunks, desc, num_tensors, table_ptrs, num_groups, 1};
+    return run_window(&w, threads);
+}

@@ -1,0 +1,105 @@
+"""The native CPU backend: thread counts, the library's own checks, auto selection and fallback.
+
+Correctness across registrations and layouts is covered by the parametrized suites
+(test_install.py, test_strided_destinations.py), which include "cpu" when the library loads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_util import (
+    POISON,
+    kv_pair_layout,
+    kv_registration,
+    make_case,
+    naive_gather,
+    naive_install,
+    poisoned,
+    same_bytes,
+)
+
+from bsr_kernels import WindowInstaller, gather_window, install, install_window, presets
+from bsr_kernels.install import available_backends, resolve_backend
+
+cpu_backend = pytest.importorskip("bsr_kernels.cpu_backend")
+pytestmark = pytest.mark.skipif(not cpu_backend.available(), reason=f"no CPU library: {cpu_backend.load_error()}")
+
+
+def test_listed_and_picked_by_auto():
+    assert "cpu" in available_backends("cpu")
+    assert resolve_backend("auto", torch.device("cpu")) == "cpu"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+@pytest.mark.parametrize("layout", ["contiguous", "vllm_cpu"])
+def test_forced_threads_match_oracle(threads, layout):
+    reg = kv_registration(layers=3, heads=2, head_dim=8, block_size=16)
+    case = make_case(reg, 1, 3, seed=threads, hole_frac=0.2)
+    views, bufs = kv_pair_layout(layout, reg, case.num_blocks[0])
+    install_window(case.staging, reg, views, case.tables, 1, 3, backend="cpu", cpu_threads=threads)
+    ev, expect = kv_pair_layout(layout, reg, case.num_blocks[0])
+    naive_install(case, ev)
+    same_bytes(bufs, expect, f"cpu x{threads}")
+    out = torch.full((3 * reg.chunk_bytes,), POISON, dtype=torch.uint8)
+    gather_window(out, reg, views, case.tables, 1, 3, backend="cpu", cpu_threads=threads)
+    assert torch.equal(out, naive_gather(case, views))
+
+
+def test_auto_threads_above_threshold_match_oracle():
+    """A window larger than the library's parallel threshold (two threads under auto)."""
+    reg = presets.dsv4_flash(scale=1 / 16)
+    n = -(-cpu_backend.parallel_bytes() // reg.chunk_bytes) + 1
+    case = make_case(reg, 0, n, seed=2)
+    kv = poisoned(reg, case.num_blocks)
+    install_window(case.staging, reg, kv, case.tables, 0, n, backend="cpu")
+    ref = poisoned(reg, case.num_blocks)
+    install_window(case.staging, reg, ref, case.tables, 0, n, backend="torch")
+    same_bytes(kv, ref, "cpu auto threads vs torch")
+
+
+def test_window_installer_gather_and_install():
+    reg = kv_registration(layers=2)
+    case = make_case(reg, 0, 4, seed=9, hole_frac=0.2)
+    views, bufs = kv_pair_layout("flashinfer_hnd", reg, case.num_blocks[0])
+    inst = WindowInstaller(reg, views, case.tables, 4, backend="cpu", cpu_threads=2)
+    c = reg.chunk_bytes
+    for first in (0, 2):
+        assert inst.install(case.staging[first * c : (first + 2) * c].clone(), first, 2) == "cpu"
+    ev, expect = kv_pair_layout("flashinfer_hnd", reg, case.num_blocks[0])
+    naive_install(case, ev)
+    same_bytes(bufs, expect, "WindowInstaller cpu")
+    out = torch.empty(4 * c, dtype=torch.uint8)
+    inst.gather(out, 0, 4)
+    assert torch.equal(out, naive_gather(case, views))
+
+
+def test_bad_thread_count_is_a_value_error():
+    reg = kv_registration(layers=1)
+    case = make_case(reg, 0, 1, seed=1)
+    views, _ = kv_pair_layout("contiguous", reg, case.num_blocks[0])
+    with pytest.raises(ValueError, match="cpu_threads"):
+        install_window(case.staging, reg, views, case.tables, 0, 1, backend="cpu", cpu_threads=-1)
+
+
+def test_library_rejects_out_of_range_block():
+    from bsr_kernels.validate import WindowArgs
+
+    reg = kv_registration(layers=1)
+    kv = tuple(poisoned(reg, [4]))
+    tables = (torch.tensor([0, 1, 99, 3] * 8, dtype=torch.int64),)  # bypasses validation on purpose
+    args = WindowArgs(torch.zeros(reg.chunk_bytes, dtype=torch.uint8), kv, tables, 0, 1)
+    with pytest.raises(RuntimeError, match="block id 99 outside"):
+        cpu_backend.install(reg, args)
+
+
+def test_auto_falls_back_to_torch_with_one_notice(monkeypatch, capsys):
+    monkeypatch.setattr(cpu_backend, "available", lambda: False)
+    monkeypatch.setattr(install, "_NOTICED", set())
+    reg = kv_registration(layers=1)
+    case = make_case(reg, 0, 1, seed=1)
+    views, _ = kv_pair_layout("contiguous", reg, case.num_blocks[0])
+    for _ in range(2):
+        assert install_window(case.staging, reg, views, case.tables, 0, 1) == "torch"
+    err = capsys.readouterr().err
+    assert err.count("native cpu backend unavailable") == 1 and err.count("\n") == 1

@@ -1,0 +1,109 @@
+"""The vLLM connector's parts without an engine: config parsing, the registration built from a
+vLLM KVCacheConfig, the CPU cache layout (checked against vLLM's own reshape_and_cache op), and
+metadata that pickles."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from bsr_runtime.connector import LoadSpec  # noqa: E402
+from bsr_runtime.integrations.vllm.config import ConnectorConfig  # noqa: E402
+from bsr_runtime.integrations.vllm.metadata import BSRConnectorMetadata, SaveSpec  # noqa: E402
+from bsr_runtime.integrations.vllm.registration import (  # noqa: E402
+    block_lists,
+    cpu_kv_views,
+    destinations,
+    registration_from_kv_cache_config,
+)
+
+
+def test_config_parsing_and_errors():
+    cfg = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"},
+                                                {"type": "mooncake", "master_address": "h:1",
+                                                 "metadata_server": "http://h:2/metadata", "save": True}],
+                                      "window_chunks": 4})
+    assert [t.type for t in cfg.tiers] == ["filesystem", "mooncake"]
+    assert cfg.tiers[1].options["global_segment_size"] == 0  # engines mount no segment by default
+    assert cfg.save_tiers == [0, 1] and cfg.window_chunks == 4
+    assert not cfg.load_async(1) and cfg.load_async(2)
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
+        ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "window": 4})
+    with pytest.raises(ValueError, match="needs 'tiers'"):
+        ConnectorConfig.from_extra({})
+    with pytest.raises(ValueError, match="unknown tier type"):
+        ConnectorConfig.from_extra({"tiers": [{"type": "s3"}]})
+    with pytest.raises(ValueError, match="load_mode"):
+        ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "load_mode": "lazy"})
+
+
+def _kv_cache_config():
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    full = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    swa = SlidingWindowSpec(block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=320)
+    return KVCacheConfig(num_blocks=10, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(["l0", "l2"], swa), KVCacheGroupSpec(["l1"], full)])
+
+
+def test_registration_from_kv_cache_config():
+    reg = registration_from_kv_cache_config(_kv_cache_config())
+    assert [s.name for s in reg.specs] == ["l0.k", "l0.v", "l2.k", "l2.v", "l1.k", "l1.v"]
+    assert [s.group for s in reg.specs] == [0, 0, 0, 0, 1, 1]
+    assert [s.sliding_window for s in reg.specs] == [320] * 4 + [None] * 2
+    assert all(s.entry_shape == (2, 32) and s.block_size == 64 and s.dtype == torch.float32 for s in reg.specs)
+    assert reg.chunk_bytes == 6 * 256 * 2 * 32 * 4
+
+
+def test_cpu_views_against_vllm_reshape_and_cache():
+    """Where vLLM's CPU attention writes K and V of token t (its own op, this machine's ISA): V is
+    token-major in the V view; K, with the "vec" ISA, is transposed inside the block, so the K view's
+    rows are block-internal rows. A chunk covers whole blocks, so restores move every K region whole."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    nb, h, bs, d = 4, 2, 64, 32
+    isa = _get_attn_isa(torch.float32, bs, d)
+    cache = torch.zeros(nb, h, bs, 2 * d)
+    key_cache, value_cache = cache.view(nb, h, 2 * bs, d).chunk(2, dim=2)
+    n = 100
+    key, value = torch.randn(n, h, d), torch.randn(n, h, d)
+    slots = torch.tensor([(3 * bs + i) if i < bs else (1 * bs + i - bs) for i in range(n)], dtype=torch.int64)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    k, v = cpu_kv_views(cache, bs)
+    assert k.shape == v.shape == (nb, bs, h, d) and k.stride(-1) == v.stride(-1) == 1
+    for t in range(n):
+        b, s = divmod(int(slots[t]), bs)
+        assert torch.equal(v[b, s], value[t])
+        if isa == "vec":  # K block of one head: (d, bs), element (j, s) at j*bs + s
+            assert torch.equal(k[b].permute(1, 0, 2).reshape(h, d, bs)[:, :, s], key[t])
+    # a block-granular copy through the views reproduces the cache exactly, whatever the K layout
+    other = torch.zeros_like(cache)
+    k2, v2 = cpu_kv_views(other, bs)
+    k2[[3, 1]] = k[[3, 1]]
+    v2[[3, 1]] = v[[3, 1]]
+    assert torch.equal(other, cache)
+
+
+def test_destinations_order_and_null_block():
+    reg = registration_from_kv_cache_config(_kv_cache_config())
+    caches = {name: torch.zeros(10, 2, 64, 64) for name in ("l0", "l1", "l2")}
+    kv = destinations(reg, caches)
+    assert len(kv) == 6 and kv[4].data_ptr() == caches["l1"].data_ptr()
+    assert block_lists(([0, 5, 6], [7])) == [[-1, 5, 6], [7]]  # vLLM's null block is not resident
+
+
+def test_metadata_pickles():
+    meta = BSRConnectorMetadata([LoadSpec("r", [1, 2], 1, 0, [[3, 4]], "s")],
+                                [SaveSpec("r", [1, 2], 1, [[3, 4]], "s", False, 0)])
+    back = pickle.loads(pickle.dumps(meta))
+    assert back.loads[0].block_ids == [[3, 4]] and back.saves[0].salt == "s"
