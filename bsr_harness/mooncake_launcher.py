@@ -69,6 +69,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def fill_free_ports(ports: list[int | None]) -> list[int]:
+    """`ports` with each None replaced by a distinct free port (sockets are held until all are
+    picked, so the OS cannot hand out one port twice)."""
+    held: list[socket.socket] = []
+    try:
+        out = []
+        for port in ports:
+            if port is None:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                held.append(s)
+                s.bind((HOST, 0))
+                port = s.getsockname()[1]
+            out.append(port)
+        return out
+    finally:
+        for s in held:
+            s.close()
+
+
 def port_answers(port: int, host: str = HOST, timeout: float = 0.2) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -144,9 +163,7 @@ class MooncakeMaster:
         for name, port in (("rpc_port", rpc_port), ("http_port", http_port), ("metrics_port", metrics_port)):
             _check_port(name, port)
         self.binary = binary or find_master_binary()
-        self.rpc_port = rpc_port or free_port()
-        self.http_port = http_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        self.rpc_port, self.http_port, self.metrics_port = fill_free_ports([rpc_port, http_port, metrics_port])
         self.tenants = dict(tenants or {})
         self.enable_multi_tenants = enable_multi_tenants or bool(self.tenants)
         self.client_ttl_s = client_ttl_s
