@@ -7,7 +7,11 @@ does): torch, cpu:1t (the native library, one thread), cpu:2t (two threads), and
 the GPU backends. GB/s counts W * c staged bytes over the fastest round (on a shared machine the
 median mostly measures other processes); rounds of all columns are interleaved. `contig` is
 `dst.copy_(src)` of the same W * c bytes on the same device, measured in the same run; each
-ratio is backend GB/s / contig GB/s.
+ratio is backend GB/s / contig GB/s. Two CPU tables: "warm" (rounds back to back: each column's
+buffers are as warm as the other columns leave them; at W = 1 they stay in the 32 MiB L3) and
+"cold" (a 128 MiB write before every timed call, so staging and destinations start in DRAM, as
+after a fetch of a large window). torch's copy_ uses all torch threads (2 here) for the
+contiguous copy.
 
     .venv/bin/python benchmarks/bench_install.py                   # the table
     .venv/bin/python benchmarks/bench_install.py --windows 1,8,32 --min-time 2
@@ -27,7 +31,7 @@ import pytest
 import torch
 
 from bsr_kernels import presets
-from bsr_kernels.bench import best_seconds, default_labels, install_step
+from bsr_kernels.bench import best_seconds, cache_evictor, default_labels, install_step
 
 SCALES = (1 / 16, 1 / 64)
 WINDOWS = (1, 8, 32)
@@ -39,16 +43,18 @@ def _devices() -> list[str]:
 
 def run(scales=SCALES, windows=WINDOWS, min_time: float = 2.0, min_rounds: int = 5) -> str:
     lines = [f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs"]
-    for device in _devices():
+    modes = [(d, m) for d in _devices() for m in (("warm", "cold") if d == "cpu" else ("warm",))]
+    for device, mode in modes:
         labels = default_labels(device)
+        before = cache_evictor() if mode == "cold" else None
         head = f"{'registration':24} {'dev':4} {'W':>3} {'MB':>6} {'contig':>7}"
         head += "".join(f" {lab:>8}" for lab in labels) + "".join(f" {'r ' + lab:>9}" for lab in labels)
-        lines += [f"GB/s per backend, then ratio to contig ({device})", head]
+        lines += [f"GB/s per backend, then ratio to contig ({device}, {mode})", head]
         for scale in scales:
             reg = presets.dsv4_flash(scale=scale)
             for w in windows:
                 fns = [install_step(reg, w, device, lab) for lab in ("contiguous", *labels)]
-                secs = best_seconds(fns, min_time=min_time, min_rounds=min_rounds)
+                secs = best_seconds(fns, min_time=min_time, min_rounds=min_rounds, before=before)
                 nbytes = w * reg.chunk_bytes
                 gbps = [nbytes / s / 1e9 for s in secs]
                 row = f"{reg.name:24} {device:4} {w:3d} {nbytes / 1e6:6.1f} {gbps[0]:7.2f}"

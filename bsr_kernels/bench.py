@@ -61,14 +61,26 @@ def install_step(reg: Registration, w: int, device: str, label: str, staging_on_
     return install
 
 
-def best_seconds(fns: list[Callable[[], None]], min_time: float = 2.0, min_rounds: int = 5) -> list[float]:
+def cache_evictor(nbytes: int = 128 << 20) -> Callable[[], None]:
+    """Writes `nbytes` (several times the last-level cache) so the next call starts cache-cold."""
+    junk = torch.empty(nbytes, dtype=torch.uint8)
+
+    def evict() -> None:
+        junk.add_(1)
+    return evict
+
+
+def best_seconds(fns: list[Callable[[], None]], min_time: float = 2.0, min_rounds: int = 5,
+                 before: Callable[[], None] | None = None) -> list[float]:
     """Fastest round of each callable, rounds interleaved so that load from other processes
-    hits all of them alike."""
+    hits all of them alike. `before` runs untimed before every timed call (cache_evictor)."""
     for fn in fns:
         fn()  # warm-up (allocations, Triton compile, CUDA context)
     best, rounds, start = [float("inf")] * len(fns), 0, time.perf_counter()
     while rounds < min_rounds or time.perf_counter() - start < min_time:
         for k, fn in enumerate(fns):
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             best[k] = min(best[k], time.perf_counter() - t0)
