@@ -101,6 +101,15 @@ BSR_HD bsr_desc bsr_desc_row(const int64_t* table, int64_t t) {
     return d;
 }
 
+/* log2 of a power of two. */
+BSR_HD int bsr_log2(int64_t pow2) {
+#if defined(__CUDA_ARCH__)
+    return __ffsll((long long)pow2) - 1;
+#else
+    return __builtin_ctzll((unsigned long long)pow2);
+#endif
+}
+
 /* Where one staged entry goes. block < 0: skip (not resident). */
 typedef struct bsr_loc {
     int64_t entry;   /* global entry index e of the tensor */
@@ -115,8 +124,15 @@ BSR_HD bsr_loc bsr_locate(int64_t c, int64_t first_chunk, int64_t i, int64_t chu
                           const int64_t* table) {
     bsr_loc l;
     l.entry = (first_chunk + c) * d->entries_per_chunk + i;
-    l.block = table[l.entry / d->block_size];
-    l.slot = l.entry % d->block_size;
+    const int64_t bs = d->block_size;
+    if ((bs & (bs - 1)) == 0) { /* power of two: a shift and a mask instead of a 64-bit division */
+        const int64_t at = l.entry >> bsr_log2(bs);
+        l.block = table[at];
+        l.slot = l.entry & (bs - 1);
+    } else {
+        l.block = table[l.entry / bs];
+        l.slot = l.entry % bs;
+    }
     l.src_off = c * chunk_bytes + d->seg_offset + i * d->entry_bytes;
     l.dst_off = l.block * d->block_stride + l.slot * d->slot_stride;
     return l;
