@@ -62,6 +62,8 @@
 #define BSR_UNROLL 4        /* vector accesses in flight per thread */
 #define BSR_MAX_SPLIT 32    /* most CTAs one (chunk, tensor) segment is split into */
 #define BSR_MAX_ENTRY_BYTES (1LL << 30) /* widest entry the kernels take */
+#define BSR_WARP 32         /* threads per warp */
+#define BSR_RUN_PIECE 2048  /* bytes of a run one warp takes at a time (a multiple of 16) */
 
 /* A descriptor row, unpacked. */
 typedef struct bsr_desc {
@@ -215,6 +217,18 @@ BSR_HD int64_t bsr_batch_entries(int64_t entry_bytes) {
     if (n > BSR_ENTRY_BATCH) n = BSR_ENTRY_BATCH;
     if (n < 1) n = 1;
     return n;
+}
+
+/* 1 when consecutive slots of a block are back to back (a contiguous entry, slot_stride ==
+ * entry_bytes): the entries of one block in a batch are then one contiguous run on both sides. */
+BSR_HD int bsr_desc_packed(const bsr_desc* d) { return d->rows_per_entry == 1 && d->slot_stride == d->entry_bytes; }
+
+/* Widest access (16..1 bytes) for one contiguous run: both addresses and the length. A run of 64
+ * 584-byte rows (37,376 B) gets 16-byte accesses where the per-entry width is 8. */
+BSR_HD int bsr_run_width(uint64_t src, uint64_t dst, int64_t nbytes) {
+    int w = 16;
+    while (w > 1 && !(bsr_divides(w, src) && bsr_divides(w, dst) && bsr_divides(w, (uint64_t)nbytes))) w >>= 1;
+    return w;
 }
 
 /* Widest access for a descriptor: every stride and the row width must be multiples of it too. */
