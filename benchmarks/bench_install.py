@@ -1,24 +1,28 @@
-"""Install throughput of one window against a contiguous copy of the same bytes.
+"""Install throughput of one window against a contiguous copy of the same bytes, side by side.
 
-Registration: presets.dsv4_flash(scale=1/16) (167 tensors, c = 1,063,488 B per chunk), windows of
-W chunks, block tables shuffled and fully resident so every byte of the window moves. GB/s counts
-W * c staged bytes over the fastest round (the minimum: on a shared machine the median mostly
-measures other processes). The backend is timed on validated arguments (what install_window
-runs after its checks); `contiguous` is `dst.copy_(src)` of the same W * c bytes on the same
-device, measured in the same run.
+Registrations: presets.dsv4_flash(scale=1/16) (167 tensors, c = 1,063,488 B per chunk) and
+scale=1/64; windows of W chunks, block tables shuffled and fully resident so every byte of the
+window moves. Backends run through WindowInstaller (validated and prepared once, as a restore
+does): torch, cpu:1t (the native library, one thread), cpu:2t (two threads), and on a GPU machine
+the GPU backends. GB/s counts W * c staged bytes over the fastest round (on a shared machine the
+median mostly measures other processes); rounds of all columns are interleaved. `contig` is
+`dst.copy_(src)` of the same W * c bytes on the same device, measured in the same run; each
+ratio is backend GB/s / contig GB/s. Two CPU tables: "warm" (rounds back to back: each column's
+buffers are as warm as the other columns leave them; at W = 1 they stay in the 32 MiB L3) and
+"cold" (a 128 MiB write before every timed call, so staging and destinations start in DRAM, as
+after a fetch of a large window). torch's copy_ uses all torch threads (2 here) for the
+contiguous copy.
 
+    .venv/bin/python benchmarks/bench_install.py                   # the table
+    .venv/bin/python benchmarks/bench_install.py --windows 1,8,32 --min-time 2
     .venv/bin/python -m pytest benchmarks/bench_install.py --benchmark-only   # pytest-benchmark
-    .venv/bin/python benchmarks/bench_install.py                              # table only
-
-Each install result carries GB/s and ratio (install GB/s / contiguous GB/s) in extra_info; the
-table is printed at the end of the module in both modes.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
+import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for the plain-script run
@@ -26,128 +30,61 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, f
 import pytest
 import torch
 
-from bsr_kernels import bench, presets
-from bsr_kernels.install import _run, available_backends
+from bsr_kernels import presets
+from bsr_kernels.bench import best_seconds, cache_evictor, default_labels, install_step
 
-REG = presets.dsv4_flash(scale=1 / 16)
-WINDOWS = (1, 8, 16, 32, 64)
-
-
-def _devices_and_backends() -> list[tuple[str, str]]:
-    out = [("cpu", "torch")]
-    if torch.cuda.is_available():
-        out += [("cuda", b) for b in available_backends("cuda")]
-    return out
+SCALES = (1 / 16, 1 / 64)
+WINDOWS = (1, 8, 32)
 
 
-DEVICES = {dev: [b for d, b in _devices_and_backends() if d == dev] for dev, _ in _devices_and_backends()}
-# per (device, W): the contiguous copy first, then that device's backends
-CASES = [(w, dev, b) for dev, backends in DEVICES.items() for w in WINDOWS for b in ("contiguous", *backends)]
+def _devices() -> list[str]:
+    return ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def make_window(w: int, device: str, seed: int = 0):
-    """A validated W-chunk window with staging on the destination device."""
-    a = bench.make_window(REG, w, device, seed)
-    return dataclasses.replace(a, staging=a.staging.to(device))
-
-
-def step(w: int, device: str, backend: str):
-    """A zero-argument callable doing one install (or one contiguous copy) of a W-chunk window."""
-    a = make_window(w, device)
-    if backend == "contiguous":
-        dst = torch.empty_like(a.staging)
-
-        def fn():
-            dst.copy_(a.staging)
-            _sync(device)
-    else:
-        def fn():
-            _run("install", backend, REG, a, None, True)
-            _sync(device)
-    return fn
-
-
-RESULTS: dict[tuple[int, str, str], float] = {}  # (W, device, backend) -> GB/s
-
-
-def record(w: int, device: str, backend: str, seconds: float) -> dict:
-    gbps = w * REG.chunk_bytes / seconds / 1e9
-    RESULTS[(w, device, backend)] = gbps
-    info = {"W": w, "bytes": w * REG.chunk_bytes, "GB/s": round(gbps, 3)}
-    base = RESULTS.get((w, device, "contiguous"))
-    if backend != "contiguous" and base:
-        info["ratio"] = round(gbps / base, 3)
-    return info
-
-
-def table() -> str:
-    lines = [f"{REG.describe()}; torch {torch.__version__}, {torch.get_num_threads()} CPU threads",
-             f"{'device':6} {'backend':8} {'W':>3} {'MB':>7} {'GB/s':>7} {'contig GB/s':>11} {'ratio':>6}"]
-    for (w, device, backend), gbps in RESULTS.items():
-        if backend == "contiguous":
-            continue
-        base = RESULTS.get((w, device, "contiguous"), float("nan"))
-        lines.append(f"{device:6} {backend:8} {w:3d} {w * REG.chunk_bytes / 1e6:7.1f} {gbps:7.2f} "
-                     f"{base:11.2f} {gbps / base:6.3f}")
+def run(scales=SCALES, windows=WINDOWS, min_time: float = 2.0, min_rounds: int = 5) -> str:
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs"]
+    modes = [(d, m) for d in _devices() for m in (("warm", "cold") if d == "cpu" else ("warm",))]
+    for device, mode in modes:
+        labels = default_labels(device)
+        before = cache_evictor() if mode == "cold" else None
+        head = f"{'registration':24} {'dev':4} {'W':>3} {'MB':>6} {'contig':>7}"
+        head += "".join(f" {lab:>8}" for lab in labels) + "".join(f" {'r ' + lab:>9}" for lab in labels)
+        lines += [f"GB/s per backend, then ratio to contig ({device}, {mode})", head]
+        for scale in scales:
+            reg = presets.dsv4_flash(scale=scale)
+            for w in windows:
+                fns = [install_step(reg, w, device, lab) for lab in ("contiguous", *labels)]
+                secs = best_seconds(fns, min_time=min_time, min_rounds=min_rounds, before=before)
+                nbytes = w * reg.chunk_bytes
+                gbps = [nbytes / s / 1e9 for s in secs]
+                row = f"{reg.name:24} {device:4} {w:3d} {nbytes / 1e6:6.1f} {gbps[0]:7.2f}"
+                row += "".join(f" {g:8.2f}" for g in gbps[1:]) + "".join(f" {g / gbps[0]:9.3f}" for g in gbps[1:])
+                lines.append(row)
+                print(row, file=sys.stderr, flush=True)
     return "\n".join(lines)
 
 
-# -- pytest-benchmark -------------------------------------------------------------------------
-
-class _PrintTable:
-    @pytest.hookimpl(trylast=True)  # after pytest-benchmark's own tables
-    def pytest_terminal_summary(self, terminalreporter):
-        if RESULTS:
-            terminalreporter.write_sep("-", "install vs contiguous copy (fastest rounds)")
-            terminalreporter.write_line(table())
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--windows", default=",".join(map(str, WINDOWS)))
+    p.add_argument("--min-time", type=float, default=2.0, help="seconds of interleaved rounds per row")
+    args = p.parse_args()
+    print(run(windows=[int(w) for w in args.windows.split(",")], min_time=args.min_time))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _print_table_at_end(request):
-    request.config.pluginmanager.register(_PrintTable(), "bench_install_table")
-    yield
+# -- pytest-benchmark: one case per (scale, W, device, backend) ----------------------------------
+CASES = [(s, w, d, b) for d in _devices() for s in SCALES for w in WINDOWS for b in ("contiguous", *default_labels(d))]
 
 
-@pytest.mark.parametrize("w,device,backend", CASES, ids=[f"{d}-{b}-W{w}" for w, d, b in CASES])
-def test_install(benchmark, w, device, backend):
-    fn = step(w, device, backend)
+@pytest.mark.parametrize("scale,w,device,label", CASES, ids=[f"{d}-{b}-1/{round(1 / s)}-W{w}" for s, w, d, b in CASES])
+def test_install(benchmark, scale, w, device, label):
+    reg = presets.dsv4_flash(scale=scale)
+    fn = install_step(reg, w, device, label)
     fn()  # warm-up (Triton compiles here)
-    benchmark.group = f"{device} W={w}"
+    benchmark.group = f"{device} 1/{round(1 / scale)} W={w}"
     benchmark(fn)
     if benchmark.stats is not None:  # None under --benchmark-disable
-        benchmark.extra_info.update(record(w, device, backend, benchmark.stats.stats.min))
-
-
-# -- plain main -------------------------------------------------------------------------------
-
-def _best_seconds(fns: list, min_time: float = 2.0, min_rounds: int = 5) -> list[float]:
-    """Fastest round of each callable, rounds interleaved so that load from other processes
-    hits all of them alike."""
-    for fn in fns:
-        fn()
-    best, rounds, start = [float("inf")] * len(fns), 0, time.perf_counter()
-    while rounds < min_rounds or time.perf_counter() - start < min_time:
-        for k, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            best[k] = min(best[k], time.perf_counter() - t0)
-        rounds += 1
-    return best
-
-
-def main() -> None:
-    for device, backends in DEVICES.items():
-        for w in WINDOWS:
-            names = ["contiguous", *backends]
-            for name, seconds in zip(names, _best_seconds([step(w, device, b) for b in names])):
-                record(w, device, name, seconds)
-            print(f"{device} W={w} done", file=sys.stderr)
-    print(table())
+        benchmark.extra_info["GB/s"] = round(w * reg.chunk_bytes / benchmark.stats.stats.min / 1e9, 3)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [*_WINDOW_ARGS, _ptr if name in ("bsr_install", "bsr_gather") else _i64]
+    lib.bsr_host_run_width.restype = ctypes.c_int
+    lib.bsr_host_run_width.argtypes = [ctypes.c_uint64, ctypes.c_uint64, _i64, ctypes.POINTER(ctypes.c_int)]
     lib.bsr_host_access_width.restype = ctypes.c_int
     lib.bsr_host_access_width.argtypes = [_i64, _i64, _i64, _i64, ctypes.c_uint64, ctypes.c_uint64,
                                           ctypes.POINTER(ctypes.c_int)]
@@ -327,5 +329,16 @@ def access_width(entry_bytes: int, seg_offset: int, chunk_bytes: int, block_stri
     w = ctypes.c_int(0)
     if lib.bsr_host_access_width(entry_bytes, seg_offset, chunk_bytes, block_stride, staging_addr, dst_addr,
                                  ctypes.byref(w)):
+        raise RuntimeError(last_error(lib))
+    return w.value
+
+
+def run_width(src_addr: int, dst_addr: int, nbytes: int, lib: ctypes.CDLL | None = None) -> int:
+    """The vector width (bytes) the kernels use for one contiguous run of a packed tensor."""
+    lib = lib if lib is not None else library()
+    if lib is None:
+        raise RuntimeError(f"CUDA library not loaded: {load_error()}")
+    w = ctypes.c_int(0)
+    if lib.bsr_host_run_width(src_addr, dst_addr, nbytes, ctypes.byref(w)):
         raise RuntimeError(last_error(lib))
     return w.value

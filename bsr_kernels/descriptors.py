@@ -120,8 +120,22 @@ def descriptor_table(reg: Registration, kv: tuple[torch.Tensor, ...], device: to
     return table
 
 
+_PTRS: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+
 def block_table_pointers(tables: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, tuple]:
-    """int64 table of block-table addresses on `device`; also returns the tables kept alive."""
+    """int64 table of block-table addresses on `device`; also returns the tables kept alive.
+
+    Tables already on `device` (WindowInstaller uploads them once per restore) are used in place,
+    and their pointer table is cached by address, so a window then uploads nothing."""
     moved = tuple(t.to(device).contiguous() for t in tables)
-    ptrs = torch.tensor([t.data_ptr() for t in moved], dtype=torch.int64).to(device)
+    key = (str(device), tuple(t.data_ptr() for t in moved))
+    ptrs = _PTRS.get(key)
+    if ptrs is None:
+        ptrs = torch.tensor([t.data_ptr() for t in moved], dtype=torch.int64).to(device)
+        _PTRS[key] = ptrs
+        if len(_PTRS) > _CACHE_MAX:
+            _PTRS.popitem(last=False)
+    else:
+        _PTRS.move_to_end(key)
     return ptrs, moved

@@ -168,9 +168,12 @@ class WindowInstaller:
         kv, tables = check_destinations(reg, kv, block_tables, 0, num_chunks)
         self.reg = reg
         self.kv = kv
-        self.block_tables = tuple(t.clone() for t in tables)
         self.num_chunks = num_chunks
         self.backend = resolve_backend(backend, kv[0].device)
+        # copied (the request cannot change them underneath) and, for GPU backends, uploaded once
+        # per restore: each window then reuses the device tables and their cached pointer table
+        device = kv[0].device if self.backend in ("triton", "cuda") else tables[0].device
+        self.block_tables = tuple(t.to(device, copy=True) for t in tables)
         self.stream = stream
         self.zero_copy = zero_copy
         self.cpu_threads = _threads(cpu_threads)

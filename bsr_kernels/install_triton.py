@@ -1,6 +1,8 @@
 """Triton backend: one launch copies a whole window, every tensor of the registration.
 
-Program (tile, t) moves one tile of tensor t's window: its `num_chunks` staged segments read
+The grid is the total work: one program per tile of any tensor (a binary search over the prefix
+sums of the tensors' tile counts finds its tensor). Program (tile of tensor t) moves one tile of
+tensor t's window: its `num_chunks` staged segments read
 as one run of entries (entry w of the run is entry `first_chunk * entries_per_chunk + w` of the
 tensor, in chunk w // entries_per_chunk). Destination base addresses and block-table bases come
 from the int64 tables of `descriptors`, cast to pointers in the kernel, so one launch serves any
@@ -95,12 +97,21 @@ if triton is not None:
             tl.store(dst + d, tl.load(src + s, mask=keep), mask=keep)
 
     @triton.jit
-    def _window_kernel(desc, bt_ptrs, staging, first_chunk, num_chunks, chunk_bytes,
-                       GATHER: tl.constexpr, TILE_BYTES: tl.constexpr):
-        tile = tl.program_id(0)
-        row = desc + tl.program_id(1) * _COLS
-        # the grid covers the largest tensor's window; smaller tensors have fewer tiles
-        if tile.to(tl.int64) * TILE_BYTES < num_chunks * tl.load(row + _EPC) * tl.load(row + _EB):
+    def _window_kernel(desc, bt_ptrs, staging, tile_starts, num_tensors, first_chunk, num_chunks, chunk_bytes,
+                       GATHER: tl.constexpr, TILE_BYTES: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+        # one program per tile of total work: tile_starts[t] is the first program of tensor t
+        # (prefix sums of each tensor's tile count); a binary search finds the program's tensor
+        pid = tl.program_id(0).to(tl.int64)
+        lo = pid * 0  # invariant: tile_starts[lo] <= pid < tile_starts[hi]
+        hi = lo + num_tensors
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            right = tl.load(tile_starts + mid) <= pid
+            lo = tl.where(right, mid, lo)
+            hi = tl.where(right, hi, mid)
+        tile = pid - tl.load(tile_starts + lo)
+        row = desc + lo * _COLS
+        if tile * TILE_BYTES < num_chunks * tl.load(row + _EPC) * tl.load(row + _EB):
             # the unit must divide every byte offset an address is built from
             align = tl.load(row + _BASE) | tl.load(row + _EB) | tl.load(row + _BSTRIDE) | tl.load(row + _SSTRIDE) \
                 | tl.load(row + _ROW) | tl.load(row + _S0) | tl.load(row + _S1) | tl.load(row + _S2)
@@ -128,9 +139,35 @@ def _launch(reg: Registration, a: WindowArgs, staging: torch.Tensor, gather: boo
         tile_bytes = _GPU_TILE_BYTES
     else:  # the interpreter runs programs one after another, each vectorised: few, large tiles
         tile_bytes = min(max(triton.next_power_of_2(window_bytes), _INTERP_TILE_BYTES[0]), _INTERP_TILE_BYTES[1])
-    grid = (triton.cdiv(window_bytes, tile_bytes), reg.num_tensors)
-    _window_kernel[grid](desc, bt_ptrs, staging, a.first_chunk, a.num_chunks, reg.chunk_bytes,
-                         GATHER=gather, TILE_BYTES=tile_bytes, num_warps=8)
+    starts = _tile_starts(reg, a.num_chunks, tile_bytes, device)
+    steps = max(1, (reg.num_tensors - 1).bit_length())  # ceil(log2(num_tensors))
+    _window_kernel[(int(starts.total),)](desc, bt_ptrs, staging, starts.table, reg.num_tensors, a.first_chunk,
+                                         a.num_chunks, reg.chunk_bytes, GATHER=gather, TILE_BYTES=tile_bytes,
+                                         SEARCH_STEPS=steps, num_warps=8)
+
+
+class _Starts:
+    def __init__(self, table: torch.Tensor, total: int) -> None:
+        self.table, self.total = table, total
+
+
+_STARTS: dict[tuple, _Starts] = {}
+
+
+def _tile_starts(reg: Registration, num_chunks: int, tile_bytes: int, device: torch.device) -> _Starts:
+    """Prefix sums of the tensors' tile counts (num_tensors + 1 entries) on `device`: the grid is the
+    total work, not the largest tensor's tiles times the tensor count. Cached per window shape."""
+    key = (reg.fingerprint, num_chunks, tile_bytes, str(device))
+    hit = _STARTS.get(key)
+    if hit is None:
+        starts = [0]
+        for i in range(reg.num_tensors):
+            starts.append(starts[-1] + -(-num_chunks * reg.segment_bytes(i) // tile_bytes))
+        hit = _Starts(torch.tensor(starts, dtype=torch.int64).to(device), starts[-1])
+        if len(_STARTS) > 64:
+            _STARTS.clear()
+        _STARTS[key] = hit
+    return hit
 
 
 def install(reg: Registration, a: WindowArgs, stream=None) -> None:

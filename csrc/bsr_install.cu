@@ -4,8 +4,11 @@
  *
  * Grid: x = num_tensors * split (tensor t, piece s of its segment), y = window chunks (strided
  * when more than 65535). A CTA resolves the destinations of up to BSR_ENTRY_BATCH entries of
- * its piece into shared memory, then copies the piece as a flat run of vector units of the
- * widest access the alignment allows (bsr_access_width): staging addresses are linear in the
+ * its piece into shared memory. Packed tensors (contiguous entries, consecutive slots back to
+ * back) then copy each block span of the batch as one run, cut into pieces dealt to warps, with
+ * the widest access the run's own addresses and length allow (bsr_run_width). Other layouts
+ * copy the batch as a flat run of vector units of the widest access every entry allows
+ * (bsr_desc_access_width): staging addresses are linear in the
  * unit index, destination addresses come from the resolved entry offsets. No division in the
  * copy loop: each thread tracks (entry, unit-in-entry) incrementally.
  *
@@ -160,6 +163,68 @@ __host__ __device__ __forceinline__ void copy_batch(int width, const Piece& p, c
     }
 }
 
+// ---- packed tensors: runs of whole block spans, a warp per piece of a run --------------------
+// Entries of one block in a batch are one contiguous run on both sides (bsr_desc_packed). Each
+// run is cut into BSR_RUN_PIECE-byte pieces, dealt round-robin to the CTA's warps; a run's access
+// width comes from its own addresses and length (bsr_run_width), not from the entry width.
+template <typename V, bool GATHER>
+__host__ __device__ __forceinline__ void copy_piece(uint8_t* stage, uint8_t* dst, int64_t nbytes, int lane) {
+    const int64_t w = (int64_t)sizeof(V), step = (int64_t)BSR_WARP * w;
+    for (int64_t x = lane * w; x < nbytes; x += BSR_UNROLL * step) {
+        V v[BSR_UNROLL];
+#pragma unroll
+        for (int k = 0; k < BSR_UNROLL; ++k) {
+            const int64_t xk = x + k * step;
+            if (xk < nbytes) {
+                if (!dst)
+                    v[k] = vzero<V>();  // gather of a -1 block
+                else
+                    v[k] = vload<V>(GATHER ? dst + xk : stage + xk);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < BSR_UNROLL; ++k) {
+            const int64_t xk = x + k * step;
+            if (xk < nbytes) vstore<V>(GATHER ? stage + xk : dst + xk, v[k]);
+        }
+    }
+}
+
+template <bool GATHER>
+__host__ __device__ __forceinline__ void copy_runs(const Piece& p, const int64_t* off, int warp, int lane,
+                                                   int nwarps) {
+    const int64_t bs = p.d.block_size, eb = p.d.entry_bytes;
+    const int64_t e0 = (p.first_chunk + p.c) * p.d.entries_per_chunk + p.b0;  // first entry of the batch
+    const int64_t head = bs - e0 % bs;  // entries of the batch in its first block
+    uint8_t* stage = p.staging + p.c * p.chunk_bytes + p.d.seg_offset + p.b0 * eb;
+    uint8_t* base = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(p.d.dst_base));
+    int64_t dealt = 0;  // pieces of earlier runs, for the round-robin over warps
+    for (int64_t j0 = 0; j0 < p.nb;) {
+        const int64_t j1 = j0 == 0 ? (head < p.nb ? head : p.nb) : (j0 + bs < p.nb ? j0 + bs : p.nb);
+        const int64_t nbytes = (j1 - j0) * eb, pieces = (nbytes + BSR_RUN_PIECE - 1) / BSR_RUN_PIECE;
+        uint8_t* s = stage + j0 * eb;
+        uint8_t* d = off[j0] >= 0 ? base + off[j0] : nullptr;
+        if (d || GATHER) {
+            const int w = d ? bsr_run_width((uint64_t)(uintptr_t)s, (uint64_t)(uintptr_t)d, nbytes)
+                            : bsr_run_width((uint64_t)(uintptr_t)s, 0, nbytes);
+            for (int64_t q = ((warp - dealt) % nwarps + nwarps) % nwarps; q < pieces; q += nwarps) {
+                const int64_t at = q * BSR_RUN_PIECE;
+                const int64_t n = nbytes - at < BSR_RUN_PIECE ? nbytes - at : BSR_RUN_PIECE;
+                uint8_t* dq = d ? d + at : nullptr;
+                switch (w) {
+                    case 16: copy_piece<uint4, GATHER>(s + at, dq, n, lane); break;
+                    case 8: copy_piece<uint2, GATHER>(s + at, dq, n, lane); break;
+                    case 4: copy_piece<uint32_t, GATHER>(s + at, dq, n, lane); break;
+                    case 2: copy_piece<uint16_t, GATHER>(s + at, dq, n, lane); break;
+                    default: copy_piece<uint8_t, GATHER>(s + at, dq, n, lane); break;
+                }
+            }
+        }
+        dealt += pieces;
+        j0 = j1;
+    }
+}
+
 // Gather: zero the padding after tensor t's segment (and before segment 0) in chunk c.
 __host__ __device__ __forceinline__ void zero_padding(uint8_t* staging, int64_t c, int64_t chunk_bytes,
                                                       const int64_t* desc, int64_t t, int64_t num_tensors,
@@ -193,6 +258,7 @@ __global__ void __launch_bounds__(BSR_THREADS)
     int64_t i0, i1;
     bsr_piece_range(p.d.entries_per_chunk, split, s, &i0, &i1);
     const int width = bsr_desc_access_width(&p.d, chunk_bytes, (uint64_t)(uintptr_t)staging);
+    const int packed = bsr_desc_packed(&p.d);
     const int64_t batch = bsr_batch_entries(p.d.entry_bytes);
     for (int64_t c = blockIdx.y; c < num_chunks; c += gridDim.y) {
         p.c = c;
@@ -207,7 +273,10 @@ __global__ void __launch_bounds__(BSR_THREADS)
             (void)bad;
 #endif
             __syncthreads();
-            copy_batch<GATHER>(width, p, off, threadIdx.x, blockDim.x);
+            if (packed)
+                copy_runs<GATHER>(p, off, threadIdx.x / BSR_WARP, threadIdx.x % BSR_WARP, blockDim.x / BSR_WARP);
+            else
+                copy_batch<GATHER>(width, p, off, threadIdx.x, blockDim.x);
             __syncthreads();
         }
     }
@@ -251,6 +320,7 @@ int host_window(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t
             p.table = reinterpret_cast<const int64_t*>(static_cast<uintptr_t>(table_ptrs[p.d.group]));
             p.c = c;
             const int width = bsr_desc_access_width(&p.d, chunk_bytes, (uint64_t)(uintptr_t)stage);
+            const int packed = bsr_desc_packed(&p.d);
             for (int64_t s = 0; s < split; ++s) {
                 if (GATHER && s == 0)
                     for (int tid = 0; tid < nthreads; ++tid)
@@ -266,7 +336,12 @@ int host_window(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t
                     if (bad)
                         return set_error(BSR_ERR_INVALID, "tensor %lld chunk %lld: block id outside [-1, %lld)",
                                          (long long)t, (long long)(first_chunk + c), (long long)p.d.num_blocks);
-                    for (int tid = 0; tid < nthreads; ++tid) copy_batch<GATHER>(width, p, off, tid, nthreads);
+                    for (int tid = 0; tid < nthreads; ++tid) {
+                        if (packed)
+                            copy_runs<GATHER>(p, off, tid / BSR_WARP, tid % BSR_WARP, nthreads / BSR_WARP);
+                        else
+                            copy_batch<GATHER>(width, p, off, tid, nthreads);
+                    }
                 }
             }
         }
@@ -383,5 +458,11 @@ BSR_API int bsr_host_access_width(int64_t entry_bytes, int64_t seg_offset, int64
                                   uint64_t staging_addr, uint64_t dst_addr, int* width) {
     if (!width) return set_error(BSR_ERR_INVALID, "bsr_host_access_width: null output pointer");
     *width = bsr_access_width(entry_bytes, seg_offset, chunk_bytes, block_stride, staging_addr, dst_addr);
+    return BSR_OK;
+}
+
+BSR_API int bsr_host_run_width(uint64_t src_addr, uint64_t dst_addr, int64_t nbytes, int* width) {
+    if (!width) return set_error(BSR_ERR_INVALID, "bsr_host_run_width: null output pointer");
+    *width = bsr_run_width(src_addr, dst_addr, nbytes);
     return BSR_OK;
 }

@@ -62,6 +62,8 @@
 #define BSR_UNROLL 4        /* vector accesses in flight per thread */
 #define BSR_MAX_SPLIT 32    /* most CTAs one (chunk, tensor) segment is split into */
 #define BSR_MAX_ENTRY_BYTES (1LL << 30) /* widest entry the kernels take */
+#define BSR_WARP 32         /* threads per warp */
+#define BSR_RUN_PIECE 2048  /* bytes of a run one warp takes at a time (a multiple of 16) */
 
 /* A descriptor row, unpacked. */
 typedef struct bsr_desc {
@@ -101,6 +103,15 @@ BSR_HD bsr_desc bsr_desc_row(const int64_t* table, int64_t t) {
     return d;
 }
 
+/* log2 of a power of two. */
+BSR_HD int bsr_log2(int64_t pow2) {
+#if defined(__CUDA_ARCH__)
+    return __ffsll((long long)pow2) - 1;
+#else
+    return __builtin_ctzll((unsigned long long)pow2);
+#endif
+}
+
 /* Where one staged entry goes. block < 0: skip (not resident). */
 typedef struct bsr_loc {
     int64_t entry;   /* global entry index e of the tensor */
@@ -115,8 +126,15 @@ BSR_HD bsr_loc bsr_locate(int64_t c, int64_t first_chunk, int64_t i, int64_t chu
                           const int64_t* table) {
     bsr_loc l;
     l.entry = (first_chunk + c) * d->entries_per_chunk + i;
-    l.block = table[l.entry / d->block_size];
-    l.slot = l.entry % d->block_size;
+    const int64_t bs = d->block_size;
+    if ((bs & (bs - 1)) == 0) { /* power of two: a shift and a mask instead of a 64-bit division */
+        const int64_t at = l.entry >> bsr_log2(bs);
+        l.block = table[at];
+        l.slot = l.entry & (bs - 1);
+    } else {
+        l.block = table[l.entry / bs];
+        l.slot = l.entry % bs;
+    }
     l.src_off = c * chunk_bytes + d->seg_offset + i * d->entry_bytes;
     l.dst_off = l.block * d->block_stride + l.slot * d->slot_stride;
     return l;
@@ -199,6 +217,18 @@ BSR_HD int64_t bsr_batch_entries(int64_t entry_bytes) {
     if (n > BSR_ENTRY_BATCH) n = BSR_ENTRY_BATCH;
     if (n < 1) n = 1;
     return n;
+}
+
+/* 1 when consecutive slots of a block are back to back (a contiguous entry, slot_stride ==
+ * entry_bytes): the entries of one block in a batch are then one contiguous run on both sides. */
+BSR_HD int bsr_desc_packed(const bsr_desc* d) { return d->rows_per_entry == 1 && d->slot_stride == d->entry_bytes; }
+
+/* Widest access (16..1 bytes) for one contiguous run: both addresses and the length. A run of 64
+ * 584-byte rows (37,376 B) gets 16-byte accesses where the per-entry width is 8. */
+BSR_HD int bsr_run_width(uint64_t src, uint64_t dst, int64_t nbytes) {
+    int w = 16;
+    while (w > 1 && !(bsr_divides(w, src) && bsr_divides(w, dst) && bsr_divides(w, (uint64_t)nbytes))) w >>= 1;
+    return w;
 }
 
 /* Widest access for a descriptor: every stride and the row width must be multiples of it too. */

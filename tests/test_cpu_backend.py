@@ -103,3 +103,70 @@ def test_auto_falls_back_to_torch_with_one_notice(monkeypatch, capsys):
         assert install_window(case.staging, reg, views, case.tables, 0, 1) == "torch"
     err = capsys.readouterr().err
     assert err.count("native cpu backend unavailable") == 1 and err.count("\n") == 1
+
+
+def _two_thread_case(seed: int):
+    reg = kv_registration(layers=2)
+    case = make_case(reg, 0, 4, seed=seed, hole_frac=0.2)
+    views, bufs = kv_pair_layout("vllm_cpu", reg, case.num_blocks[0])
+    ev, expect = kv_pair_layout("vllm_cpu", reg, case.num_blocks[0])
+    naive_install(case, ev)
+    return reg, case, views, bufs, expect
+
+
+def test_concurrent_callers_share_the_pool():
+    """Windows installed from several Python threads at once (ctypes drops the GIL): a caller
+    that finds the worker pool busy runs its slices itself."""
+    import threading
+
+    cases = [_two_thread_case(s) for s in range(4)]
+    errors = []
+
+    def work(reg, case, views):
+        try:
+            for _ in range(20):
+                install_window(case.staging, reg, views, case.tables, 0, 4, backend="cpu", cpu_threads=2)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(reg, case, views)) for reg, case, views, _, _ in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for _, _, _, bufs, expect in cases:
+        same_bytes(bufs, expect, "concurrent cpu installs")
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork")
+def test_fork_child_gets_a_fresh_pool():
+    import os
+
+    reg, case, views, bufs, expect = _two_thread_case(7)
+    install_window(case.staging, reg, views, case.tables, 0, 4, backend="cpu", cpu_threads=2)  # pool started
+    pid = os.fork()
+    if pid == 0:  # child: the parent's workers do not exist here
+        # no torch kernels in the child: torch's OpenMP team does not survive a fork either
+        import ctypes
+
+        try:
+            sizes = [b.numel() * b.element_size() for b in bufs]
+            for b, n in zip(bufs, sizes):
+                ctypes.memset(b.data_ptr(), POISON, n)
+            install_window(case.staging, reg, views, case.tables, 0, 4, backend="cpu", cpu_threads=2)
+            ok = all(ctypes.string_at(b.data_ptr(), n) == ctypes.string_at(e.data_ptr(), n)
+                     for b, e, n in zip(bufs, expect, sizes))
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    for _ in range(600):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        __import__("time").sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the fork child hung in install_window")
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -43,7 +43,7 @@ CSRC = ROOT / "csrc"
 NVCC_FLAGS = ["-O3", "-Xcompiler", "-fPIC", "-shared",
               "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90"]
 EXPORTS = ("bsr_last_error", "bsr_abi_version", "bsr_device_count", "bsr_install", "bsr_gather",
-           "bsr_host_install", "bsr_host_gather", "bsr_host_access_width")
+           "bsr_host_install", "bsr_host_gather", "bsr_host_access_width", "bsr_host_run_width")
 
 
 # -- the library -----------------------------------------------------------------------------
@@ -353,3 +353,12 @@ def test_strided_layouts(lib, layout):
 def test_random_strided_views(lib, reg, first, num, seed, split):
     case = make_case(reg, first, num, seed)
     _strided_check(lib, reg, case, lambda: strided_like(reg, case.num_blocks, seed), split)
+
+
+def test_run_width_is_per_run_not_per_entry(lib):
+    """A block span of 64 fp8_ds_mla rows (584 B, per-entry width 8) moves in 16-byte accesses."""
+    assert cuda_backend.access_width(584, 0, 584 * 256, 584 * 64, 0x10000, 0x20000, lib=lib) == 8
+    assert cuda_backend.run_width(0x10000 + 584 * 64, 0x20000 + 584 * 64 * 3, 584 * 64, lib=lib) == 16
+    assert cuda_backend.run_width(0x10000 + 584, 0x20000, 584 * 63, lib=lib) == 8
+    assert cuda_backend.run_width(0x10004, 0x20000, 4096, lib=lib) == 4
+    assert cuda_backend.run_width(0x10000, 0x20000, 4097, lib=lib) == 1

@@ -250,3 +250,35 @@ def test_window_installer_matches_install_window(backend):
         installer.install(case.staging, 4, 2)
     with pytest.raises(ValueError, match="staging too small"):
         installer.install(case.staging[:c], 0, 2)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="Triton backend not available here")
+@pytest.mark.parametrize("tile", [64, 256])
+def test_triton_grid_is_total_work(monkeypatch, tile):
+    """Small tiles: tensors get different tile counts, every program finds its tensor by the
+    binary search over the prefix sums, and the grid is the sum of the tiles."""
+    from bsr_kernels import install_triton
+
+    monkeypatch.setattr(install_triton, "_INTERP_TILE_BYTES", (tile, tile))
+    reg = presets.dsv4_flash(scale=1 / 64)
+    reg = type(reg)(reg.specs[:12], name="dsv4-head")  # three groups, 8..256 B entries, ratios 1/4/128
+    case = make_case(reg, 1, 2, seed=4)
+    kv = _installed(case, "triton")
+    assert_same(kv, _oracle(case), reg, f"triton tile {tile} vs oracle")
+    starts = install_triton._tile_starts(reg, 2, tile, torch.device("cpu"))
+    assert starts.total == sum(-(-2 * reg.segment_bytes(i) // tile) for i in range(reg.num_tensors))
+
+
+def test_block_table_pointers_are_reused_across_windows():
+    """WindowInstaller keeps its own copy of the tables; their pointer table is built once."""
+    from bsr_kernels import WindowInstaller
+    from bsr_kernels.descriptors import block_table_pointers
+
+    reg = presets.llama_like(layers=1, kv_heads=1, head_dim=8)
+    case = make_case(reg, 0, 2, seed=1)
+    inst = WindowInstaller(reg, poisoned(reg, case.num_blocks), case.tables, 2, backend="torch")
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(inst.block_tables, case.tables))
+    first, _ = block_table_pointers(inst.block_tables, torch.device("cpu"))
+    again, moved = block_table_pointers(inst.block_tables, torch.device("cpu"))
+    assert again is first and all(m is t for m, t in zip(moved, inst.block_tables))
+    assert first.tolist() == [t.data_ptr() for t in inst.block_tables]
