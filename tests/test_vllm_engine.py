@@ -16,6 +16,8 @@ vllm = pytest.importorskip("vllm")
 
 import vllm_util as U  # noqa: E402
 
+from bsr_harness.faulty_tier import FaultyTier  # noqa: E402
+
 W = 2
 PROMPTS = {  # name -> (token count, seed): >= 12 complete chunks each, plus a partial one
     "p1": (12 * U.CHUNK + 40, 1),
@@ -144,7 +146,8 @@ def test_fail_closed_flipped_and_dropped(model, store, cold, prompts, tmp_path):
         sched, tier = conn.scheduler, conn.scheduler.core.tiers[0]
         worker = U.worker_connector().worker
         _flip_byte(tier, _keys(sched, prompts["flip"])[5])
-        tier.faults.drop_after_probe = {_keys(sched, prompts["drop"])[7]}
+        faulty = sched.core.tiers[0] = FaultyTier(tier, close_inner=False)  # the scheduler's probes see it
+        faulty.plan.drop_after_probe = {_keys(sched, prompts["drop"])[7]}
         for name in ("flip", "drop"):
             out = _step_through_failure(llm, sched, prompts[name], name)
             load = worker.loads[-1]
@@ -154,7 +157,8 @@ def test_fail_closed_flipped_and_dropped(model, store, cold, prompts, tmp_path):
             _same(out, cold[name])  # kv_load_failure_policy="recompute"
             rewrites = [s for s in worker.saves if s["request_id"].startswith(name) and s["overwrite"]]
             assert sum(s["stored"] for s in rewrites) == 12  # repaired as it was recomputed
-        tier.faults.clear()
+        faulty.clear()
+        sched.core.tiers[0] = tier
         again = U.generate(llm, prompts["flip"], cache_salt="again")  # salt: past vLLM's local prefix cache
         assert again[2] == 0  # another tenant
         for name in ("flip", "drop"):

@@ -10,6 +10,8 @@ vllm = pytest.importorskip("vllm")
 
 import vllm_util as U  # noqa: E402
 
+from bsr_harness.faulty_tier import FaultyTier  # noqa: E402
+
 W = 2
 N = 12
 
@@ -95,7 +97,8 @@ def test_fallback_mooncake_fails_filesystem_serves(model, tokens, cold, mooncake
         from bsr_runtime.keys import PrefixKeys
 
         key = PrefixKeys(sched.core.keyspace, tokens, U.CHUNK).window(6, 1)[0]
-        sched.core.tiers[0].faults.drop_after_probe = {key}  # evicted between the probe and the load
+        faulty = sched.core.tiers[0] = FaultyTier(sched.core.tiers[0], close_inner=False)
+        faulty.plan.drop_after_probe = {key}  # evicted between the probe and the load
         got = U.generate(b, tokens)
         load = U.worker_connector().worker.loads[-1]
     finally:

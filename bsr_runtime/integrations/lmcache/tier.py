@@ -42,7 +42,6 @@ from ...tiers.base import (
     MissingObjectError,
     Tier,
     TierError,
-    TierUnavailableError,
 )
 from .adapter import LMCacheAdapter
 from .config import fs_l2, load_adapter_config, mooncake_l2
@@ -82,7 +81,6 @@ class LMCacheTier(Tier):
     def probe(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
-        self._check()
         okeys = self._object_keys(keys)
         hit = [False] * len(keys)
         for i in _probe_l1(self.sm, self.adapter.layout, okeys):  # read locks returned at once
@@ -96,7 +94,6 @@ class LMCacheTier(Tier):
     def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float) -> FetchHandle:
         handle = FetchHandle(tuple(keys), deadline)
         try:
-            self._check()
             handle.set_result(self._fetch(list(keys), list(views), deadline))
         except TierError as e:
             handle.set_error(e)
@@ -140,7 +137,6 @@ class LMCacheTier(Tier):
         return len(keys) * c
 
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
-        self._check()
         c = self.chunk_bytes
         okeys = self._object_keys(keys)
         reserved = self.sm.reserve_write(okeys, self.adapter.layout)
@@ -163,10 +159,6 @@ class LMCacheTier(Tier):
                 raise TierError(f"LMCache L1 had no room for {len(okeys) - len(reserved)} objects")
         except TimeoutError as e:
             raise TierError(f"LMCache put: {e}") from e
-
-    def _check(self) -> None:
-        if self.faults.unavailable:
-            raise TierUnavailableError("LMCache tier marked unavailable")
 
     def close(self) -> None:
         self.adapter.close()
