@@ -55,7 +55,7 @@ _CONFIG_DEFINITIONS = {
     "prefetch_timeout_s": {"type": float, "default": 30.0, "env_converter": float,
                            "description": "per window: a prefetch not complete by then fails the retrieve"},
     "install_backend": {"type": str, "default": "auto", "env_converter": str,
-                        "description": "bsr_kernels install backend: auto, torch, triton, cuda"},
+                        "description": "bsr_kernels install backend: auto, torch, cpu, triton, cuda"},
     "evict_retained": {"type": bool, "default": True, "env_converter": _to_bool,
                        "description": "W > 0: delete L2-loaded keys a retaining prefetch policy kept in L1"},
 }

@@ -1,0 +1,191 @@
+"""Arguments of the `bsr` command: constants, argument types, registrations, the shared options."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import threading
+from pathlib import Path
+
+PAPER_TOKENS = [32768, 65536, 131072, 262144, 393216, 524032]
+
+
+DEFAULT_SCALE = 1 / 64  # c = 249,152 B: the 524032-token sweep fits in about 2 GiB here
+
+
+REGISTRATION_NAMES = ("dsv4-flash", "dsv4-flash-mtp", "llama-like")
+
+
+MAX_WINDOW = 1 << 16  # = bsr_runtime.restore.MAX_WINDOW_CHUNKS (kept import-free for --help speed)
+
+
+MAX_COUNT = 1 << 20  # --repeat, --rounds, --load-concurrency: anything above is a typo
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+def parse_tokens(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens must be a comma-separated list of integers, got {text!r}") from None
+    if not tokens or any(t <= 0 for t in tokens):
+        raise argparse.ArgumentTypeError("--tokens needs at least one positive token count")
+    return tokens
+
+
+def int_arg(text: str, lo: int, hi: int | None = None) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < lo:
+        raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise argparse.ArgumentTypeError(f"must be <= {hi}, got {v}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    return int_arg(text, 0)
+
+
+def positive_int(text: str) -> int:
+    return int_arg(text, 1)
+
+
+def window_int(text: str) -> int:
+    """W in chunks: 0 (whole plan) .. MAX_WINDOW."""
+    return int_arg(text, 0, MAX_WINDOW)
+
+
+def count_int(text: str) -> int:
+    return int_arg(text, 1, MAX_COUNT)
+
+
+def parse_windows(text: str) -> list[int]:
+    """A comma-separated list of positive window sizes."""
+    try:
+        return [int_arg(t, 1, MAX_WINDOW) for t in text.replace(" ", "").split(",") if t] or no_windows(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"--windows must be positive window sizes up to {MAX_WINDOW}: {e}") from None
+
+
+def no_windows(text: str) -> list[int]:
+    raise argparse.ArgumentTypeError(f"no window size in {text!r}")
+
+
+def seconds_type(text: str) -> float:
+    """A timeout: a finite number of seconds in (0, threading.TIMEOUT_MAX]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(v) or not 0 < v <= threading.TIMEOUT_MAX:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds in (0, {threading.TIMEOUT_MAX:g}], "
+                                         f"got {text!r}")
+    return v
+
+
+def scale_type(text: str) -> float:
+    try:
+        num, _, den = text.partition("/")  # "1/64" is allowed
+        v = float(num) / float(den) if den else float(num)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"--scale must be a number in (0, 1] such as 0.015625 or 1/64, got {text!r}")\
+            from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"--scale must be in (0, 1], got {v}")
+    return v
+
+
+def load_registration(name: str, scale: float):
+    from bsr_kernels import Registration, presets
+
+    if name == "dsv4-flash":
+        return presets.dsv4_flash(mtp=False, scale=scale)
+    if name == "dsv4-flash-mtp":
+        return presets.dsv4_flash(mtp=True, scale=scale)
+    if name == "llama-like":
+        return presets.llama_like(layers=32, kv_heads=8, head_dim=128, block_size=16) if scale == 1 else \
+            presets.llama_like(layers=32, kv_heads=max(1, round(8 * scale)), head_dim=128, block_size=16)
+    path = Path(name)
+    if not path.is_file():
+        raise CliError(f"--registration {name!r} is neither one of {', '.join(REGISTRATION_NAMES)} nor a file")
+    try:
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - any parse error is the user's file
+        raise CliError(f"cannot parse registration file {name}: {e}") from None
+    if not isinstance(data, dict):
+        raise CliError(f"registration file {name} must hold a mapping with a 'tensors' list")
+    try:
+        return Registration.from_dict(data, name=path.stem)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CliError(f"registration file {name}: {e}") from None
+
+
+def add_common(p: argparse.ArgumentParser, *, tier_default: str = "fs") -> None:
+    g = p.add_argument_group("state and tier")
+    g.add_argument("--registration", default="dsv4-flash", metavar="NAME|FILE",
+                   help="dsv4-flash (167 tensors), dsv4-flash-mtp (170), llama-like, or a JSON/YAML file "
+                        "with {'chunk_tokens': 256, 'tensors': [{name, dtype, entry_shape, block_size, "
+                        "token_ratio, group}, ...]} (default dsv4-flash)")
+    g.add_argument("--scale", type=scale_type, default=DEFAULT_SCALE,
+                   help="shrink preset entry widths so long prefixes fit in memory here (default 1/64; "
+                        "1 = the real widths); ignored for registration files")
+    g.add_argument("--tier", default=tier_default, metavar="fs|mooncake|lmcache-fs|lmcache-mooncake",
+                   help=f"where the state is stored and restored from (default {tier_default})")
+    g.add_argument("--root", help="fs tier: keep the objects in this existing directory (default: a temporary "
+                                  "directory, removed afterwards)")
+    g.add_argument("--load-concurrency", type=count_int, default=None,
+                   help="fs tier: parallel object reads (default $LMCACHE_FS_LOAD_CONCURRENCY or 1)")
+    g.add_argument("--mooncake-master", metavar="HOST:PORT",
+                   help="use an existing mooncake_master (default: start one on 127.0.0.1 and stop it after)")
+    g.add_argument("--metadata-server", metavar="URL",
+                   help="its metadata server (default http://HOST:8080/metadata)")
+    r = p.add_argument_group("restore")
+    r.add_argument("--depth", type=int, choices=(1, 2), default=2,
+                   help="pipeline depth: 2 fetches window j+1 while window j installs (default 2)")
+    r.add_argument("--timeout", type=seconds_type, default=120.0,
+                   help="fetch timeout per window, seconds (default 120)")
+    r.add_argument("--backend", default="auto", choices=("auto", "torch", "cpu", "triton", "cuda"),
+                   help="install backend (default auto)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
+    o.add_argument("--quiet", action="store_true", help="no progress bars or notes, just the table")
+
+
+class Parser(argparse.ArgumentParser):
+    """Bad arguments are one line on stderr and exit code 2 (no usage dump)."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def tier_names(args) -> list[str]:
+    if args.tier != "auto":
+        names = args.tier.split(",")
+    else:
+        names = ["fs"]
+        with contextlib.suppress(ImportError, OSError):
+            import mooncake.store  # noqa: F401
+
+            names.append("mooncake")
+    from bsr_harness.tier_setup import TIER_NAMES
+
+    for n in names:
+        if n not in TIER_NAMES:
+            raise CliError(f"unknown tier {n!r}; choose from {', '.join(TIER_NAMES)}")
+    return names
