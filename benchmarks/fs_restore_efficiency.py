@@ -30,10 +30,10 @@ from bsr_runtime.tiers import FilesystemTier
 from bsr_runtime.tiers.fs_format import HEADER_SIZE
 
 
-def floor_seconds(paths: list[str], chunk_bytes: int, dst: torch.Tensor) -> float:
-    """Read every object file into one buffer, then one contiguous copy of the payloads."""
+def floor_seconds(paths: list[str], chunk_bytes: int, buf: torch.Tensor, dst: torch.Tensor) -> float:
+    """Read every object file into one buffer, then one contiguous copy of the payloads (both
+    buffers allocated and touched beforehand, as the restore's staging and destinations are)."""
     size = HEADER_SIZE + chunk_bytes
-    buf = torch.empty(len(paths) * size, dtype=torch.uint8)
     mv = memoryview(buf.numpy())
     t0 = time.perf_counter()
     for i, p in enumerate(paths):
@@ -71,8 +71,9 @@ def main() -> None:
             FilesystemTier(root, c, reg.fingerprint, load_concurrency=a.load_concurrency) as tier:
         store_prefix(reg, tier, space, tokens, src, src_tables, n, window_chunks=a.window)
         paths = [tier.path_of(k) for k in PrefixKeys(space, tokens, reg.chunk_tokens).window(0, n)]
-        flat = torch.empty(n * c, dtype=torch.uint8)
-        floor_seconds(paths, c, flat)  # warm the page cache
+        flat = torch.zeros(n * c, dtype=torch.uint8)
+        files = torch.zeros(n * (HEADER_SIZE + c), dtype=torch.uint8)
+        floor_seconds(paths, c, files, flat)  # warm the page cache
         cfg = RestoreConfig(prefetch_window_chunks=a.window, pipeline_depth=2, backend=a.backend)
         restore_s, floor_s, backend = [], [], None
         with BoundedRestorer(reg, cfg) as restorer:
@@ -82,7 +83,7 @@ def main() -> None:
                 assert rep.ok, rep.error
                 restore_s.append(rep.total_s)
                 backend = rep.backend
-                floor_s.append(floor_seconds(paths, c, flat))
+                floor_s.append(floor_seconds(paths, c, files, flat))
     gb = n * c / 1e9
     r, f = statistics.median(restore_s), statistics.median(floor_s)
     print(f"{reg.describe()}; {n} chunks = {gb:.3f} GB; W={a.window}, depth 2, backend {backend}, "
