@@ -111,10 +111,11 @@ def install_window(
     `e % block_size`; block id -1 is skipped (legal only in groups with a sliding window). Each
     destination may be any strided view of shape (num_blocks, block_size, *entry_shape) whose
     innermost dim has stride 1 (vLLM CPU, FlashAttention, FlashInfer HND, MLA row slices); no two
-    destinations may share a byte. The staged layout stays canonical whatever the destination
-    layout. `fingerprint`, when given, is the registration
-    fingerprint the staged objects were written under. Everything is validated before any byte
-    moves. With the CUDA backend and pinned host staging, `zero_copy` reads host memory
+    destinations may share a byte, except destinations of different groups that are the same memory
+    block for block (vLLM's hybrid allocator) when no block id is resident in both groups' tables.
+    The staged layout stays canonical whatever the destination layout. `fingerprint`, when
+    given, is the registration fingerprint the staged objects were written under. Everything is
+    validated before any byte moves. With the CUDA backend and pinned host staging, `zero_copy` reads host memory
     directly; otherwise the staging must be (or is copied) on the destination device. With the
     cpu backend, `cpu_threads` forces a thread count (0: one, two above the library's size threshold).
     """

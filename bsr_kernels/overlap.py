@@ -1,26 +1,48 @@
 """Aliasing check for destination tensors: no byte may belong to two entries.
 
-Two destinations that share bytes (kv[1] is kv[0], overlapping views of one buffer) or one
-destination that covers a byte twice (an expanded, stride-0 view) would commit a state other
-than the staged one. Interleaved but disjoint views (vLLM CPU K and V of one layer) are fine.
+Two destinations of one KV-cache group that share bytes (kv[1] is kv[0], overlapping views of one
+buffer) or one destination that covers a byte twice (an expanded, stride-0 view) would commit a
+state other than the staged one. Interleaved but disjoint views (vLLM CPU K and V of one layer)
+are fine.
+
+Across groups one exception: vLLM's hybrid allocator gives one layer of each group one shared
+tensor and draws every group's block ids from one pool. Destinations of different groups may
+therefore address the same bytes block for block: the same base address, block count and
+per-block geometry (block stride, slots, slot stride, row, entry dims), i.e. block b of one is
+block b of the other, byte for byte (blocks of one view are disjoint: it may not overlap itself).
+Such pairs come back in `Verdict.aliases`; whether they are safe depends on the block tables
+(no block id resident in both groups), which `validate.check_destinations` checks per request.
+Any other sharing across groups (a partial or shifted overlap) is refused like one inside a group.
 
 The check is exact and cheap: destinations whose address ranges are disjoint need nothing more;
 a destination whose dims, sorted by stride, each step over everything inside them cannot cover a
 byte twice. Only what remains is counted on a mask of their common range at the granularity of
 the gcd of row bytes, strides and offsets (as_strided views over an int32 owner mask). Verdicts
-are cached by the destinations' addresses, shapes, strides and dtypes: engines register once.
+are cached by the destinations' addresses, shapes, strides and dtypes, names and groups:
+engines register once.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 
 from .descriptors import dest_key, geometry
 
-_VERDICTS: OrderedDict[tuple, str | None] = OrderedDict()
+
+class Verdict(NamedTuple):
+    """`error`: a one-line description of the first forbidden overlap, or None. `aliases`: for each
+    pair of groups (ga < gb) whose destinations share memory block for block, one such tensor pair
+    (i of group ga, j of group gb): their block tables must name disjoint resident block ids."""
+
+    error: str | None
+    aliases: tuple[tuple[int, int], ...] = ()
+
+
+_VERDICTS: OrderedDict[tuple, Verdict] = OrderedDict()
 _VERDICTS_MAX = 64
 
 
@@ -63,30 +85,49 @@ def _self_overlap(dims: list[tuple[int, int]], row: int) -> bool:
     return torch.unique(units).numel() != units.numel()
 
 
-def find_overlap(names: list[str], kv: tuple[torch.Tensor, ...]) -> str | None:
-    """A one-line description of the first overlap among the destinations, or None."""
-    key = dest_key(kv)
+def find_overlap(names: list[str], groups: list[int], kv: tuple[torch.Tensor, ...]) -> Verdict:
+    """The verdict on the destinations' geometry (cached: it depends on the tensors alone)."""
+    key = (dest_key(kv), tuple(names), tuple(groups))
     if key in _VERDICTS:
         _VERDICTS.move_to_end(key)
         return _VERDICTS[key]
-    verdict = _find(names, kv)
+    verdict = _find(names, groups, kv)
     _VERDICTS[key] = verdict
     if len(_VERDICTS) > _VERDICTS_MAX:
         _VERDICTS.popitem(last=False)
     return verdict
 
 
-def _find(names: list[str], kv: tuple[torch.Tensor, ...]) -> str | None:
-    spans = []  # (device, lo, hi, index, dims, row)
+def _footprint(t: torch.Tensor) -> tuple:
+    """Equal footprints <=> block b of one covers exactly the bytes of block b of the other."""
+    g = geometry(t)
+    return str(t.device), t.data_ptr(), t.shape[0], g.block_stride, t.shape[1], g.slot_stride, g.row_bytes, g.dims
+
+
+def _find(names: list[str], groups: list[int], kv: tuple[torch.Tensor, ...]) -> Verdict:
+    classes: dict[tuple, list[int]] = {}  # footprint -> destinations with it; the first one stands for all
     for i, t in enumerate(kv):
         if t.numel() == 0:
             continue
         dims, row = _extent(t)
         if _self_overlap(dims, row):
-            return f"destination {names[i]!r} overlaps itself (a stride-0 or overlapping view): " \
-                   f"its entries would share bytes"
+            return Verdict(f"destination {names[i]!r} overlaps itself (a stride-0 or overlapping view): "
+                           f"its entries would share bytes")
+        classes.setdefault(_footprint(t), []).append(i)
+    aliases: dict[tuple[int, int], tuple[int, int]] = {}
+    spans = []  # (device, lo, hi, index, dims, row) of one destination per footprint
+    for members in classes.values():
+        for a, i in enumerate(members):
+            for j in members[a + 1:]:
+                if groups[i] == groups[j]:
+                    return Verdict(f"destinations {names[i]!r} and {names[j]!r} overlap in memory (the same view, "
+                                   f"both in group {groups[i]}): each destination byte must belong to one tensor")
+                pair = (i, j) if groups[i] < groups[j] else (j, i)
+                aliases.setdefault((groups[pair[0]], groups[pair[1]]), pair)
+        t = kv[members[0]]
+        dims, row = _extent(t)
         lo = t.data_ptr()
-        spans.append((str(t.device), lo, lo + _span(dims, row), i, dims, row))
+        spans.append((str(t.device), lo, lo + _span(dims, row), members[0], dims, row))
     spans.sort(key=lambda s: (s[0], s[1]))
     cluster: list[tuple] = []
     for s in [*spans, None]:  # clusters of destinations whose address ranges intersect
@@ -94,14 +135,14 @@ def _find(names: list[str], kv: tuple[torch.Tensor, ...]) -> str | None:
             cluster.append(s)
             continue
         if len(cluster) > 1:
-            found = _cluster_overlap(names, cluster)
+            found = _cluster_overlap(names, groups, cluster)
             if found:
-                return found
+                return Verdict(found)
         cluster = [s] if s is not None else []
-    return None
+    return Verdict(None, tuple(aliases[k] for k in sorted(aliases)))
 
 
-def _cluster_overlap(names: list[str], cluster: list[tuple]) -> str | None:
+def _cluster_overlap(names: list[str], groups: list[int], cluster: list[tuple]) -> str | None:
     lo, hi = cluster[0][1], max(c[2] for c in cluster)
     g = math.gcd(*(c[5] for c in cluster), *(s for c in cluster for _, s in c[4]), *(c[1] - lo for c in cluster))
     owner = torch.full(((hi - lo) // g,), -1, dtype=torch.int32)
@@ -109,7 +150,12 @@ def _cluster_overlap(names: list[str], cluster: list[tuple]) -> str | None:
         view = _units_view(owner, start - lo, dims, row, g)
         taken = view[view >= 0]
         if taken.numel():
-            return f"destinations {names[int(taken[0])]!r} and {names[i]!r} overlap in memory: " \
-                   f"each destination byte must belong to one tensor"
+            j = int(taken[0])
+            if groups[i] == groups[j]:
+                return f"destinations {names[j]!r} and {names[i]!r} overlap in memory: " \
+                       f"each destination byte must belong to one tensor"
+            return f"destinations {names[j]!r} (group {groups[j]}) and {names[i]!r} (group {groups[i]}) overlap " \
+                   f"in memory other than block for block: tensors of different groups may share memory only " \
+                   f"as the same view (block b of one is block b of the other)"
         view.fill_(i)
     return None

@@ -78,10 +78,30 @@ def check_destinations(
             raise ValueError(
                 f"tensor {spec.name!r}: {nb} blocks, but {prev[1]!r} of the same group {spec.group} has {prev[0]}"
             )
-    overlap = find_overlap([s.name for s in reg.specs], kv)
-    if overlap:
-        raise ValueError(overlap)
-    return kv, _check_block_tables(reg, block_tables, first_chunk, num_chunks, group_blocks)
+    verdict = find_overlap([s.name for s in reg.specs], [s.group for s in reg.specs], kv)
+    if verdict.error:
+        raise ValueError(verdict.error)
+    tables, resident = _check_block_tables(reg, block_tables, first_chunk, num_chunks, group_blocks)
+    _check_aliased_groups(reg, verdict.aliases, resident, first_chunk, num_chunks)
+    return kv, tables
+
+
+def _check_aliased_groups(reg: Registration, aliases: tuple[tuple[int, int], ...], resident: dict[int, torch.Tensor],
+                          first_chunk: int, num_chunks: int) -> None:
+    """Groups whose destinations share memory block for block (vLLM's hybrid allocator: one tensor
+    per layer position, one block pool) are safe only if no block id is resident in both: one set
+    intersection per aliased pair of groups, over the chunks being installed or gathered."""
+    for i, j in aliases:
+        a, b = reg.specs[i], reg.specs[j]
+        ids_a, ids_b = resident.get(a.group), resident.get(b.group)
+        if ids_a is None or ids_b is None or not ids_a.numel() or not ids_b.numel():
+            continue
+        shared = ids_a[torch.isin(ids_a, ids_b.to(ids_a.device))]
+        if shared.numel():
+            raise ValueError(
+                f"tensors {a.name!r} (group {a.group}) and {b.name!r} (group {b.group}) are the same memory, and "
+                f"both groups' block tables name block id {int(shared[0])} in chunks {first_chunk}.."
+                f"{first_chunk + num_chunks - 1}: the groups would write each other's entries")
 
 
 def _check_strides(name: str, t: torch.Tensor) -> None:
@@ -128,11 +148,13 @@ def _check_block_tables(
     first_chunk: int,
     num_chunks: int,
     group_blocks: dict[int, tuple[int, str]],
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[tuple[torch.Tensor, ...], dict[int, torch.Tensor]]:
+    """The block tables normalised, and per group its resident block ids (>= 0) in the chunks."""
     block_tables = tuple(block_tables)
     if len(block_tables) != reg.num_groups:
         raise ValueError(f"expected {reg.num_groups} block tables (one per group), got {len(block_tables)}")
     out = []
+    resident_ids: dict[int, torch.Tensor] = {}
     first_tok = first_chunk * reg.chunk_tokens
     windowed = {s.group for s in reg.specs if s.sliding_window}
     end_tok = (first_chunk + num_chunks) * reg.chunk_tokens
@@ -167,5 +189,6 @@ def _check_block_tables(
             if resident.numel() != torch.unique(resident).numel():
                 raise ValueError(f"block table of group {g}: duplicated block ids in chunks {first_chunk}.."
                                  f"{first_chunk + num_chunks - 1}")
+            resident_ids[g] = resident
         out.append(table)
-    return tuple(out)
+    return tuple(out), resident_ids
