@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from setuptools import setup
@@ -73,84 +74,58 @@ def find_cc() -> str | None:
     return next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
 
 
-def build_cpu_library() -> Path | None:
-    """Compile csrc/bsr_install_cpu.c into bsr_kernels/lib; returns the library path or None when skipped."""
-    mode = os.environ.get("BSR_BUILD_CPU", "").strip()
+def _build_library(what: str, env: str, source: Path, lib: Path, compiler: str | None, compiler_name: str,
+                   cmd_for: Callable[[str, Path], list[str]], suffixes: tuple[str, ...], fallback: str) -> Path | None:
+    """Compile `source` into `lib` unless `env`=0; returns the library path or None when skipped.
+    `env`=1 turns every reason to skip into an install error."""
+    mode = os.environ.get(env, "").strip()
     if mode == "0":
-        _say("BSR_BUILD_CPU=0, CPU library skipped; the torch backend serves CPU destinations")
+        _say(f"{env}=0, {what} library skipped; {fallback}")
         return None
     forced = mode == "1"
-    lib = LIB_DIR / CPU_LIB_NAME
-    if not CPU_SOURCE.is_file():
+
+    def skip(reason: str) -> None:
         if forced:
-            raise RuntimeError(f"bsr: BSR_BUILD_CPU=1 but {CPU_SOURCE} is missing")
-        _say(f"{CPU_SOURCE} not found, CPU library skipped; the torch backend serves CPU destinations")
-        return None
-    cc = find_cc()
-    if cc is None:
-        if forced:
-            raise RuntimeError("bsr: BSR_BUILD_CPU=1 but no C compiler ($CC, cc, gcc, clang) was found")
-        _say("no C compiler found, CPU library skipped; the torch backend serves CPU destinations")
-        return None
-    if _up_to_date(lib, (".c", ".h")):
-        _say(f"CPU library up to date: {lib}")
+            raise RuntimeError(f"bsr: {env}=1 but {reason}")
+        _say(f"{reason}, {what} library skipped; {fallback}")
+
+    if not source.is_file():  # e.g. an sdist made without csrc/
+        return skip(f"{source} is missing")
+    if compiler is None:
+        return skip(f"no {compiler_name} was found")
+    if _up_to_date(lib, suffixes):
+        _say(f"{what} library up to date: {lib}")
         return lib
     LIB_DIR.mkdir(parents=True, exist_ok=True)
-    tmp = lib.with_name(f".{CPU_LIB_NAME}.{os.getpid()}.tmp")
-    cmd = [cc, *CC_FLAGS, "-o", str(tmp), str(CPU_SOURCE)]
-    _say("building CPU library: " + " ".join(cmd))
-    try:
-        subprocess.run(cmd, check=True)
-    except (OSError, subprocess.CalledProcessError) as e:
-        tmp.unlink(missing_ok=True)
-        if forced:
-            raise RuntimeError(f"bsr: the C compiler failed ({e}); BSR_BUILD_CPU=1 makes this fatal") from e
-        _say(f"the C compiler failed ({e}), CPU library skipped; the torch backend serves CPU destinations")
-        return None
-    os.replace(tmp, lib)
-    _say(f"built {lib}")
-    return lib
-
-
-def build_cuda_library() -> Path | None:
-    """Compile csrc/ into bsr_kernels/lib; returns the library path or None when skipped."""
-    mode = os.environ.get("BSR_BUILD_CUDA", "").strip()
-    if mode == "0":
-        _say("BSR_BUILD_CUDA=0, CUDA library skipped; torch/Triton backends only")
-        return None
-    forced = mode == "1"
-    lib = LIB_DIR / LIB_NAME
-    if not SOURCE.is_file():  # e.g. an sdist made without csrc/
-        if forced:
-            raise RuntimeError(f"bsr: BSR_BUILD_CUDA=1 but {SOURCE} is missing")
-        _say(f"{SOURCE} not found, CUDA library skipped; torch/Triton backends only")
-        return None
-    nvcc = find_nvcc()
-    if nvcc is None:
-        if forced:
-            raise RuntimeError("bsr: BSR_BUILD_CUDA=1 but nvcc was not found on PATH or in $CUDA_HOME/bin")
-        _say("nvcc not found, CUDA library skipped; torch/Triton backends only")
-        return None
-    if _up_to_date(lib):
-        _say(f"CUDA library up to date: {lib}")
-        return lib
-    LIB_DIR.mkdir(parents=True, exist_ok=True)
-    gencode = os.environ.get("BSR_CUDA_GENCODE", "").split() or GENCODE
-    tmp = lib.with_name(f".{LIB_NAME}.{os.getpid()}.tmp")
-    cmd = [nvcc, *NVCC_FLAGS, *gencode, "-o", str(tmp), str(SOURCE)]
-    _say("building CUDA library: " + " ".join(cmd))
+    tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
+    cmd = cmd_for(compiler, tmp)
+    _say(f"building {what} library: " + " ".join(cmd))
     t0 = time.monotonic()
     try:
         subprocess.run(cmd, check=True)
     except (OSError, subprocess.CalledProcessError) as e:
         tmp.unlink(missing_ok=True)
-        if forced:
-            raise RuntimeError(f"bsr: nvcc failed ({e}); BSR_BUILD_CUDA=1 makes this fatal") from e
-        _say(f"nvcc failed ({e}), CUDA library skipped; torch/Triton backends only")
-        return None
+        return skip(f"{compiler_name} failed ({e})")
     os.replace(tmp, lib)
     _say(f"built {lib} in {time.monotonic() - t0:.1f} s")
     return lib
+
+
+def build_cpu_library() -> Path | None:
+    """Compile csrc/bsr_install_cpu.c with the system C compiler (BSR_BUILD_CPU=0 skips, =1 forces)."""
+    return _build_library("CPU", "BSR_BUILD_CPU", CPU_SOURCE, LIB_DIR / CPU_LIB_NAME, find_cc(),
+                          "C compiler ($CC, cc, gcc, clang)",
+                          lambda cc, out: [cc, *CC_FLAGS, "-o", str(out), str(CPU_SOURCE)], (".c", ".h"),
+                          "the torch backend serves CPU destinations")
+
+
+def build_cuda_library() -> Path | None:
+    """Compile csrc/bsr_install.cu with nvcc (BSR_BUILD_CUDA=0 skips, =1 forces)."""
+    gencode = os.environ.get("BSR_CUDA_GENCODE", "").split() or GENCODE
+    return _build_library("CUDA", "BSR_BUILD_CUDA", SOURCE, LIB_DIR / LIB_NAME, find_nvcc(),
+                          "nvcc (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)",
+                          lambda nvcc, out: [nvcc, *NVCC_FLAGS, *gencode, "-o", str(out), str(SOURCE)],
+                          (".cu", ".cuh", ".h"), "torch/Triton backends serve GPU destinations")
 
 
 class BuildPyWithLibraries(build_py):

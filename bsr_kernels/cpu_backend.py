@@ -19,12 +19,12 @@ import hashlib
 import os
 import shutil
 import subprocess
-import threading
 from pathlib import Path
 
 import torch
 
 from .descriptors import block_table_pointers, descriptor_table
+from .native_library import LazyLibrary, LibraryNotLoaded
 from .registration import Registration
 from .validate import WindowArgs
 
@@ -34,8 +34,6 @@ SOURCE = "bsr_install_cpu.c"
 CC_FLAGS = ("-std=c11", "-O3", "-fPIC", "-shared", "-pthread")
 
 _PKG = Path(__file__).resolve().parent
-_LOCK = threading.Lock()
-_STATE: dict = {"loaded": False, "lib": None, "error": None, "path": None}
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 
@@ -103,14 +101,14 @@ def _cached_build(src: Path) -> Path:
     return out
 
 
-def _load_default() -> None:
+def _find() -> tuple[ctypes.CDLL, str]:
+    """The installed library unless it is older than its sources, else a first-use build."""
     errors = []
     explicit = os.environ.get("BSR_CPU_LIB")
     path = Path(explicit) if explicit else _PKG / "lib" / LIB_NAME
     if path.is_file() and (explicit or not _stale(path)):
         try:
-            _STATE.update(lib=load(path), path=str(path), error=None)
-            return
+            return load(path), str(path)
         except (OSError, RuntimeError, AttributeError) as e:
             errors.append(f"{path}: {e}")
     else:
@@ -121,30 +119,26 @@ def _load_default() -> None:
             if src is None:
                 raise RuntimeError("csrc/ sources not found")
             built = _cached_build(src)
-            _STATE.update(lib=load(built), path=str(built), error=None)
-            return
+            return load(built), str(built)
         except (OSError, RuntimeError, AttributeError) as e:
             errors.append(str(e))
-    _STATE["error"] = "; ".join(errors)
+    raise LibraryNotLoaded("; ".join(errors))
+
+
+_LIBRARY = LazyLibrary(_find)
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None (load_error() says why). Loads on first call."""
-    with _LOCK:
-        if not _STATE["loaded"]:
-            _STATE["loaded"] = True
-            _load_default()
-        return _STATE["lib"]
+    return _LIBRARY.get()
 
 
 def library_path() -> str | None:
-    library()
-    return _STATE["path"]
+    return _LIBRARY.path
 
 
 def load_error() -> str | None:
-    library()
-    return _STATE["error"]
+    return _LIBRARY.error
 
 
 def available() -> bool:

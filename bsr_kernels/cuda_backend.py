@@ -21,13 +21,13 @@ import hashlib
 import os
 import shutil
 import subprocess
-import threading
 import warnings
 from pathlib import Path
 
 import torch
 
 from .descriptors import block_table_pointers, descriptor_table
+from .native_library import LazyLibrary, LibraryNotLoaded
 from .registration import Registration
 from .validate import WindowArgs
 
@@ -37,8 +37,6 @@ MAX_ENTRY_BYTES = 1 << 30  # BSR_MAX_ENTRY_BYTES in csrc/bsr_layout.h
 NVCC_FLAGS = ("-O3", "-Xcompiler", "-fPIC", "-shared")
 
 _PKG = Path(__file__).resolve().parent
-_LOCK = threading.Lock()
-_STATE: dict = {"loaded": False, "lib": None, "error": None, "path": None}
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
@@ -140,18 +138,18 @@ def _warn_if_stale(lib: Path) -> None:
                       "(pip install -e . --no-deps)", RuntimeWarning, stacklevel=3)
 
 
-def _load_default() -> None:
+def _find() -> tuple[ctypes.CDLL, str]:
+    """The installed library ($BSR_CUDA_LIB or bsr_kernels/lib), else a first-use build."""
     errors = []
     explicit = os.environ.get("BSR_CUDA_LIB")
-    candidates = [Path(explicit)] if explicit else [_PKG / "lib" / LIB_NAME]
-    for path in candidates:
-        if not path.is_file():
-            errors.append(f"{path} not found")
-            continue
+    path = Path(explicit) if explicit else _PKG / "lib" / LIB_NAME
+    if not path.is_file():
+        errors.append(f"{path} not found")
+    else:
         try:
-            _STATE.update(lib=load(path), path=str(path), error=None)
+            lib = load(path)
             _warn_if_stale(path)
-            return
+            return lib, str(path)
         except (OSError, RuntimeError, AttributeError) as e:
             errors.append(f"{path}: {e}")
     if not explicit:
@@ -159,31 +157,27 @@ def _load_default() -> None:
         try:
             built = _cached_build(src) if src is not None else None
             if built is not None:
-                _STATE.update(lib=load(built), path=str(built), error=None)
-                return
+                return load(built), str(built)
             errors.append("no first-use build: " + ("no CUDA device" if src is not None else "csrc/ sources not found"))
         except (OSError, RuntimeError, AttributeError) as e:
             errors.append(str(e))
-    _STATE["error"] = "; ".join(errors) + " (build it with BSR_BUILD_CUDA=1 pip install -e . and nvcc on PATH)"
+    raise LibraryNotLoaded("; ".join(errors) + " (build it with BSR_BUILD_CUDA=1 pip install -e . and nvcc on PATH)")
+
+
+_LIBRARY = LazyLibrary(_find)
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None (load_error() says why). Loads on first call."""
-    with _LOCK:
-        if not _STATE["loaded"]:
-            _STATE["loaded"] = True
-            _load_default()
-        return _STATE["lib"]
+    return _LIBRARY.get()
 
 
 def library_path() -> str | None:
-    library()
-    return _STATE["path"]
+    return _LIBRARY.path
 
 
 def load_error() -> str | None:
-    library()
-    return _STATE["error"]
+    return _LIBRARY.error
 
 
 def last_error(lib: ctypes.CDLL | None = None) -> str:
@@ -206,7 +200,7 @@ def device_status() -> str:
             return last_error(lib)
         if not torch.cuda.is_available():
             return f"{n.value} CUDA device(s), but this torch build has no CUDA ({torch.__version__})"
-        return f"{n.value} CUDA device(s); library {_STATE['path']}"
+        return f"{n.value} CUDA device(s); library {_LIBRARY.path}"
     except Exception as e:  # a status line must not raise
         return f"CUDA status unknown: {type(e).__name__}: {e}"
 
