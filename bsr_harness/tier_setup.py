@@ -22,6 +22,8 @@ from bsr_kernels import Registration
 from bsr_runtime.tiers.base import Tier, TierUnavailableError
 from bsr_runtime.tiers.factory import make_tier
 
+from .native_log import redirected
+
 TIER_NAMES = ("fs", "mooncake", "lmcache-fs", "lmcache-mooncake")
 
 
@@ -66,12 +68,15 @@ def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0) 
                 shutil.rmtree(tmp, ignore_errors=True)
     elif opts.name == "mooncake":
         with _mooncake_endpoints(opts, capacity_bytes) as (master_address, metadata, segment):
-            tier = make_tier(reg, {"type": "mooncake", "master_address": master_address, "metadata_server": metadata,
-                                   "protocol": opts.protocol, "global_segment_size": segment})
+            with redirected():  # the Mooncake client's glog lines go to the native log
+                tier = make_tier(reg, {"type": "mooncake", "master_address": master_address,
+                                       "metadata_server": metadata, "protocol": opts.protocol,
+                                       "global_segment_size": segment})
             try:
                 yield tier
             finally:
-                tier.close()
+                with redirected():
+                    tier.close()
     else:
         raise ValueError(f"unknown tier {opts.name!r}; choose one of {', '.join(TIER_NAMES)}")
 
@@ -113,6 +118,7 @@ def open_lmcache(opts: TierOptions, reg: Registration, *, l1_bytes: int, capacit
             l2 = mooncake_l2(master, metadata, global_segment_size=segment, protocol=opts.protocol)
         else:
             raise ValueError(f"{opts.name!r} is not an LMCache tier")
-        adapter = LMCacheAdapter.create(reg, l1_bytes, [l2])
+        with redirected():  # its Mooncake L2 client logs like the tier's
+            adapter = LMCacheAdapter.create(reg, l1_bytes, [l2])
         stack.callback(adapter.close)
         yield adapter

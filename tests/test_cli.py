@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -171,3 +172,16 @@ def test_sweep_through_lmcache(tier, tmp_path, capsys):
     assert {r["tier"] for r in rows} == {tier} and all(r["state_hash_ok"] for r in rows)
     bsr, whole = sorted(rows, key=lambda r: -r["window_chunks"])
     assert bsr["peak_staging_bytes"] < whole["peak_staging_bytes"]  # LMCache L1: ~2 objects vs 8
+
+
+@pytest.mark.mooncake
+def test_mooncake_native_log_lines_go_to_the_native_log(tmp_path):
+    """The Mooncake client's glog lines (written to fd 2 by C++) land in $BSR_NATIVE_LOG, not on
+    the terminal: stdout is the table, stderr is empty."""
+    log = tmp_path / "native.log"
+    env = {**os.environ, "BSR_NATIVE_LOG": str(log)}
+    proc = subprocess.run([sys.executable, "-m", "bsr_runtime.cli", "sweep", "--tier", "mooncake", "--tokens", "512",
+                           "--window", "1", "--quiet"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "mooncake" in proc.stdout and proc.stderr.strip() == "", proc.stderr[-2000:]
+    assert "client" in log.read_text().lower()  # what used to reach the terminal

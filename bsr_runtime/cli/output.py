@@ -101,20 +101,7 @@ def plot_peaks(path: str, rows, title: str) -> None:
 def native_output_to(path: str):
     """Send file descriptors 1 and 2 (vLLM's logging, Mooncake's glog, C++ warnings) to `path`;
     yield a writer on the real stdout."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    out = os.fdopen(os.dup(saved[0]), "w", buffering=1)
-    with open(path, "ab") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-        try:
-            yield out
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-            out.close()
+    from bsr_harness.native_log import redirected
+
+    with redirected(path, fds=(1, 2)) as real_stdout, os.fdopen(real_stdout, "w", buffering=1) as out:
+        yield out
