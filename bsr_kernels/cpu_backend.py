@@ -126,19 +126,7 @@ def _find() -> tuple[ctypes.CDLL, str]:
 
 
 _LIBRARY = LazyLibrary(_find)
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded library, or None (load_error() says why). Loads on first call."""
-    return _LIBRARY.get()
-
-
-def library_path() -> str | None:
-    return _LIBRARY.path
-
-
-def load_error() -> str | None:
-    return _LIBRARY.error
+library, library_path, load_error = _LIBRARY.get, _LIBRARY.path, _LIBRARY.error  # loaded on first use
 
 
 def available() -> bool:

@@ -165,19 +165,7 @@ def _find() -> tuple[ctypes.CDLL, str]:
 
 
 _LIBRARY = LazyLibrary(_find)
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded library, or None (load_error() says why). Loads on first call."""
-    return _LIBRARY.get()
-
-
-def library_path() -> str | None:
-    return _LIBRARY.path
-
-
-def load_error() -> str | None:
-    return _LIBRARY.error
+library, library_path, load_error = _LIBRARY.get, _LIBRARY.path, _LIBRARY.error  # loaded on first use
 
 
 def last_error(lib: ctypes.CDLL | None = None) -> str:
@@ -200,7 +188,7 @@ def device_status() -> str:
             return last_error(lib)
         if not torch.cuda.is_available():
             return f"{n.value} CUDA device(s), but this torch build has no CUDA ({torch.__version__})"
-        return f"{n.value} CUDA device(s); library {_LIBRARY.path}"
+        return f"{n.value} CUDA device(s); library {_LIBRARY.path()}"
     except Exception as e:  # a status line must not raise
         return f"CUDA status unknown: {type(e).__name__}: {e}"
 

@@ -35,12 +35,12 @@ class LazyLibrary:
                     self._error = str(e)
             return self._lib
 
-    @property
     def path(self) -> str | None:
+        """Where the library was loaded from (None if it was not)."""
         self.get()
         return self._path
 
-    @property
     def error(self) -> str | None:
+        """Why the library could not be loaded (None if it was)."""
         self.get()
         return self._error
