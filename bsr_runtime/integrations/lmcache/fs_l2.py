@@ -11,8 +11,8 @@ report the file (its existence); deletes are LMCache's. O_DIRECT is not used (th
 alignment): use_odirect is ignored with a warning.
 
 Loads read up to `load_concurrency` keys at a time (an asyncio semaphore on the adapter's own event
-loop; each aiofiles read runs on the loop's thread pool): the header into a small buffer, the payload
-straight into the preallocated L1 memory object the prefetch controller passed in.
+loop; each key is one call on the loop's thread pool: open, header into a small buffer, payload
+straight into the preallocated L1 memory object the prefetch controller passed in, CRC in place).
 
     {"type": "plugin", "module_path": "bsr_runtime.integrations.lmcache.fs_l2",
      "class_name": "ConcurrentFSL2Adapter",
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from typing import Any
 
 import aiofiles
@@ -36,7 +37,7 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import (
     FSL2Adapter,
     FSL2AdapterConfig,
-    _async_readinto_full,
+    _readinto_full,
 )
 
 from .config import BSRLMCacheConfig
@@ -72,14 +73,6 @@ def _env_load_concurrency() -> int:
     cfg = BSRLMCacheConfig.from_env()
     cfg.validate()
     return cfg.fs_load_concurrency
-
-
-def _read_problem(header: bytearray, data_ptr: int, expected: int, num_read: int, extra: bool) -> str | None:
-    if num_read != expected:
-        return f"incomplete read: expected {expected:,} B of payload, got {num_read:,}"
-    if extra:
-        return f"the file is longer than its {HEADER_SIZE} B header + {expected:,} B payload"
-    return payload_problem(header, data_ptr, expected)
 
 
 class ConcurrentFSL2Adapter(FSL2Adapter):
@@ -153,35 +146,39 @@ class ConcurrentFSL2Adapter(FSL2Adapter):
         self._load_efd.notify()
 
     async def _load_one(self, key, obj) -> bool:
-        """One key: its header into a small buffer, its payload into the preallocated object, then the checks.
-        True iff the file is the key's own intact object of exactly the object's size."""
+        """One key, checked (one thread-pool call: open, header, payload straight into the preallocated
+        object, checksum in place). True iff the file is the key's own intact object of the object's size."""
         file_path = self._key_to_path(key)
         try:
-            dst_buf = obj.byte_array
-            expected = len(dst_buf)
-            header = bytearray(HEADER_SIZE)
-            num_read, extra = 0, b""
-            async with aiofiles.open(file_path, "rb") as f:
-                got = await _async_readinto_full(f, header)
-                why = header_problem(key, header[:got], expected)
-                if why is None:
-                    view = memoryview(dst_buf) if not isinstance(dst_buf, memoryview) else dst_buf
-                    ra = self._read_ahead_size
-                    if ra is None:
-                        num_read = await _async_readinto_full(f, view)
-                    else:
-                        num_read = await _async_readinto_full(f, view[:ra])
-                        if num_read == ra:
-                            num_read += await _async_readinto_full(f, view[ra:])
-                    extra = await f.read(1)
-            if why is None:
-                why = _read_problem(header, obj.data_ptr, expected, num_read, bool(extra))
-            if why is not None:
-                logger.warning("ConcurrentFSL2Adapter refused %s: %s", file_path.name, why)
-                return False
-            return True
+            why = await self._loop.run_in_executor(None, self._read_checked, key, file_path, obj)
         except FileNotFoundError:
             return False
         except Exception:
             logger.exception("ConcurrentFSL2Adapter failed to load %s", file_path)
             return False
+        if why is not None:
+            logger.warning("ConcurrentFSL2Adapter refused %s: %s", file_path.name, why)
+            return False
+        return True
+
+    def _read_checked(self, key, file_path, obj) -> str | None:
+        """Why the file must not be used (None: it is key's intact object, now in obj). Off the event loop."""
+        dst_buf = obj.byte_array
+        expected = len(dst_buf)
+        header = bytearray(HEADER_SIZE)
+        with open(file_path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            got = _readinto_full(f, header)
+            why = header_problem(key, header[:got], expected)
+            if why is not None:
+                return why
+            if size != HEADER_SIZE + expected:
+                return f"file of {size:,} B, expected {HEADER_SIZE} B header + {expected:,} B payload"
+            view = memoryview(dst_buf) if not isinstance(dst_buf, memoryview) else dst_buf
+            ra = self._read_ahead_size
+            num_read = _readinto_full(f, view if ra is None else view[:ra])
+            if ra is not None and num_read == ra:
+                num_read += _readinto_full(f, view[ra:])
+        if num_read != expected:
+            return f"incomplete read: expected {expected:,} B of payload, got {num_read:,}"
+        return payload_problem(header, obj.data_ptr, expected)
