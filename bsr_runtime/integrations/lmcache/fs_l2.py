@@ -1,34 +1,47 @@
-"""LMCache's filesystem L2 adapter with concurrent loads, for LMCache's `plugin` L2 adapter type.
+"""LMCache's filesystem L2 adapter with checked object files and concurrent loads, for LMCache's `plugin`
+L2 adapter type.
 
-LMCache 0.5.6's FSL2Adapter reads the keys of a load task one after another. This subclass reads up
-to `load_concurrency` of them at a time (an asyncio semaphore on the adapter's own event loop; each
-aiofiles read runs on the loop's thread pool), with the same semantics: the same files, one bit per
-key in the result bitmap (set iff the whole object was read), reads straight into the preallocated
-L1 memory objects the prefetch controller passed in. Stores, lookups and deletes are LMCache's.
+LMCache 0.5.6's FSL2Adapter stores each object as the raw L1 bytes in a file named after its key,
+with nothing binding the bytes to the key: a damaged, swapped or other-tenant file would load as
+valid. This subclass writes each file as a 64-byte header (magic, version, payload length, sha256 of
+the ObjectKey, CRC-32C of the payload; fs_l2_object.py) + the payload, and checks the header and the
+payload's checksum on every load before it sets the key's bit: a failed check (or a headerless file
+in LMCache's format) is logged and the key is not loaded, so the restore fails closed. Lookups still
+report the file (its existence); deletes are LMCache's. O_DIRECT is not used (the header breaks its
+alignment): use_odirect is ignored with a warning.
+
+Loads read up to `load_concurrency` keys at a time (an asyncio semaphore on the adapter's own event
+loop; each key is one call on the loop's thread pool: open, header into a small buffer, payload
+straight into the preallocated L1 memory object the prefetch controller passed in, CRC in place).
 
     {"type": "plugin", "module_path": "bsr_runtime.integrations.lmcache.fs_l2",
      "class_name": "ConcurrentFSL2Adapter",
      "adapter_params": {"base_path": "/data/lmcache", "load_concurrency": 4}}
 
-`load_concurrency` absent: $LMCACHE_FS_LOAD_CONCURRENCY (the adapter's config, config.py), default 1,
-which runs LMCache's own sequential load unchanged.
+`load_concurrency` absent: $LMCACHE_FS_LOAD_CONCURRENCY (the adapter's config, config.py), default 1
+(one key after another, as LMCache's own load).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 from typing import Any
 
 import aiofiles
+import aiofiles.os
 from lmcache.lmcache_native import Bitmap
 from lmcache.logging import init_logger
+from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import (
     FSL2Adapter,
     FSL2AdapterConfig,
-    _async_readinto_full,
+    _readinto_full,
 )
 
 from .config import BSRLMCacheConfig
+from .fs_l2_object import HEADER_SIZE, header_problem, pack_header, payload_problem
 
 logger = init_logger(__name__)
 
@@ -63,32 +76,68 @@ def _env_load_concurrency() -> int:
 
 
 class ConcurrentFSL2Adapter(FSL2Adapter):
-    """FSL2Adapter whose load tasks read up to `load_concurrency` keys at a time."""
+    """FSL2Adapter whose object files carry a checked header and whose loads read `load_concurrency` keys at a time."""
 
     def __init__(self, config: FSL2AdapterConfig, l1_memory_desc: Any = None) -> None:
         super().__init__(config)
+        if self._use_odirect:
+            logger.warning("ConcurrentFSL2Adapter: use_odirect ignored (the object header breaks O_DIRECT alignment)")
+            self._use_odirect = False
         conc = getattr(config, "load_concurrency", None)
         self.load_concurrency = int(conc) if conc is not None else _env_load_concurrency()
         logger.info("ConcurrentFSL2Adapter: load_concurrency=%d", self.load_concurrency)
 
     def report_status(self) -> dict:
         status = super().report_status()
-        status.update(type="ConcurrentFSL2Adapter", load_concurrency=self.load_concurrency)
+        status.update(type="ConcurrentFSL2Adapter", load_concurrency=self.load_concurrency, use_odirect=False)
         return status
 
+    async def _execute_store(self, keys, objects, task_id) -> None:
+        """FSL2Adapter's store (skip keys already on disk, write a temp file, rename), header + payload."""
+        success, written = True, 0
+        stored_keys, stored_sizes = [], []
+        for key, obj in zip(keys, objects, strict=True):
+            file_path, tmp_path = self._key_to_file_and_tmp_path(key)
+            try:
+                if await aiofiles.os.path.exists(file_path):
+                    continue
+                buf = obj.byte_array
+                header = pack_header(key, obj.data_ptr, len(buf))
+                async with aiofiles.open(tmp_path, "wb") as f:
+                    await f.write(header)
+                    await f.write(buf)
+                await aiofiles.os.replace(tmp_path, file_path)
+            except Exception:
+                logger.exception("ConcurrentFSL2Adapter failed to store %s", file_path)
+                success = False
+                with contextlib.suppress(OSError):
+                    await aiofiles.os.unlink(tmp_path)
+                continue
+            size = HEADER_SIZE + len(buf)  # the file's size, as delete() reports it
+            written += size
+            stored_keys.append(key)
+            stored_sizes.append(size)
+        if stored_keys:
+            self._notify_keys_stored(stored_keys, stored_sizes)
+        with self._lock:
+            self._completed_store_tasks[task_id] = L2StoreResult(success, written)
+        self._store_efd.notify()
+
     async def _execute_load(self, keys, objects, task_id) -> None:
-        if self.load_concurrency <= 1:
-            await super()._execute_load(keys, objects, task_id)
-            return
-        sem = asyncio.Semaphore(self.load_concurrency)
         bitmap = Bitmap(len(keys))
-
-        async def one(i: int) -> None:
-            async with sem:
+        if self.load_concurrency <= 1:
+            for i in range(len(keys)):
                 if await self._load_one(keys[i], objects[i]):
-                    bitmap.set(i)  # the event loop thread only: no lock needed
+                    bitmap.set(i)
+        else:
+            sem = asyncio.Semaphore(self.load_concurrency)
 
-        await asyncio.gather(*(one(i) for i in range(len(keys))))
+            async def one(i: int) -> None:
+                async with sem:
+                    if await self._load_one(keys[i], objects[i]):
+                        bitmap.set(i)  # the event loop thread only: no lock needed
+
+            await asyncio.gather(*(one(i) for i in range(len(keys))))
         loaded_keys = [keys[i] for i in bitmap.get_indices_list()]
         if loaded_keys:
             self._notify_keys_accessed(loaded_keys)
@@ -97,29 +146,39 @@ class ConcurrentFSL2Adapter(FSL2Adapter):
         self._load_efd.notify()
 
     async def _load_one(self, key, obj) -> bool:
-        """One key into its preallocated object, as FSL2Adapter._execute_load reads it."""
+        """One key, checked (one thread-pool call: open, header, payload straight into the preallocated
+        object, checksum in place). True iff the file is the key's own intact object of the object's size."""
         file_path = self._key_to_path(key)
         try:
-            dst_buf = obj.byte_array
-            expected = len(dst_buf)
-            if self._use_odirect:
-                num_read = await self._loop.run_in_executor(None, self._read_with_odirect, file_path, dst_buf)
-            else:
-                async with aiofiles.open(file_path, "rb") as f:
-                    if self._read_ahead_size is None:
-                        num_read = await _async_readinto_full(f, dst_buf)
-                    else:
-                        view = memoryview(dst_buf) if not isinstance(dst_buf, memoryview) else dst_buf
-                        ra = self._read_ahead_size
-                        num_read = await _async_readinto_full(f, view[:ra])
-                        if num_read == ra:
-                            num_read += await _async_readinto_full(f, view[ra:])
-            if num_read != expected:
-                logger.warning("Incomplete read for %s: expected %d, got %s", file_path.name, expected, num_read)
-                return False
-            return True
+            why = await self._loop.run_in_executor(None, self._read_checked, key, file_path, obj)
         except FileNotFoundError:
             return False
         except Exception:
             logger.exception("ConcurrentFSL2Adapter failed to load %s", file_path)
             return False
+        if why is not None:
+            logger.warning("ConcurrentFSL2Adapter refused %s: %s", file_path.name, why)
+            return False
+        return True
+
+    def _read_checked(self, key, file_path, obj) -> str | None:
+        """Why the file must not be used (None: it is key's intact object, now in obj). Off the event loop."""
+        dst_buf = obj.byte_array
+        expected = len(dst_buf)
+        header = bytearray(HEADER_SIZE)
+        with open(file_path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            got = _readinto_full(f, header)
+            why = header_problem(key, header[:got], expected)
+            if why is not None:
+                return why
+            if size != HEADER_SIZE + expected:
+                return f"file of {size:,} B, expected {HEADER_SIZE} B header + {expected:,} B payload"
+            view = memoryview(dst_buf) if not isinstance(dst_buf, memoryview) else dst_buf
+            ra = self._read_ahead_size
+            num_read = _readinto_full(f, view if ra is None else view[:ra])
+            if ra is not None and num_read == ra:
+                num_read += _readinto_full(f, view[ra:])
+        if num_read != expected:
+            return f"incomplete read: expected {expected:,} B of payload, got {num_read:,}"
+        return payload_problem(header, obj.data_ptr, expected)

@@ -1,0 +1,160 @@
+"""The FS L2 plugin (fs_l2.ConcurrentFSL2Adapter) refuses object files that are not the key's own, intact
+object: a flipped byte, two files swapped, another tenant's (cache salt's) objects copied under this
+tenant's keys, a file in LMCache's headerless format. Through the real LMCache StorageManager: each
+retrieve fails closed (ok=False, committed_tokens=0, L1 back to its baseline) instead of restoring.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
+
+from kernel_util import random_kv  # noqa: E402
+from restore_util import random_tables  # noqa: E402
+
+from bsr_harness.testdata import POISON  # noqa: E402
+from bsr_kernels import presets  # noqa: E402
+from bsr_runtime.integrations.lmcache import LMCacheAdapter, LMCacheKeys, fs_l2, load_adapter_config  # noqa: E402
+from bsr_runtime.keys import KeySpace  # noqa: E402
+from bsr_runtime.restore import RestoreRequest  # noqa: E402
+from bsr_runtime.state_hash import state_hash  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+REG = presets.dsv4_flash(scale=1 / 1024)
+C = REG.chunk_bytes
+N = 8
+OBJ_4K = -(-C // 4096) * 4096
+SPACE_A = KeySpace(REG.fingerprint, salt="tenant-a")
+SPACE_B = KeySpace(REG.fingerprint, salt="tenant-b")
+
+
+class Stored:
+    def __init__(self, base: str) -> None:
+        self.base = base
+        gen = torch.Generator().manual_seed(17)
+        self.tokens = torch.randint(0, 50_000, (N * REG.chunk_tokens,), generator=gen).tolist()
+        blocks, self.tables = random_tables(REG, N, 21)
+        self.kv = random_kv(REG, blocks, 22)
+        self.hash = state_hash(REG, self.kv, self.tables, N)
+
+    def request(self, space: KeySpace, seed: int) -> RestoreRequest:
+        blocks, tables = random_tables(REG, N, 100 + seed)
+        kv = REG.allocate(blocks)
+        for t in kv:
+            t.view(torch.uint8).fill_(POISON)
+        return RestoreRequest(f"req-{seed}", self.tokens, space, kv, tables)
+
+    def keys(self, space: KeySpace):
+        return LMCacheKeys(space, self.tokens, REG.chunk_tokens).window(0, N)
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """N chunks of tenant A, written through LMCache's own store path into an FS L2 directory."""
+    s = Stored(str(tmp_path_factory.mktemp("lmcache-fs-a")))
+    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(s.base)], load_adapter_config()) as ad:
+        assert ad.store(SPACE_A, s.tokens, s.kv, s.tables).state_hash == s.hash
+    assert len([f for f in os.listdir(s.base) if f.endswith(".data")]) == N
+    return s
+
+
+def _retrieve(base: str, stored: Stored, space: KeySpace, conc: int, seed: int):
+    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(base, load_concurrency=conc)],
+                               load_adapter_config(prefetch_window_chunks=4)) as ad:
+        baseline = ad.l1_usage()[0]
+        req = stored.request(space, seed)
+        rep = ad.retrieve(req, N)
+        return rep, req, baseline, ad.l1_usage()[0]
+
+
+def _paths(base: str, stored: Stored, space: KeySpace) -> list[str]:
+    from bsr_runtime.integrations.lmcache.fs_l2 import ConcurrentFSL2Adapter, ConcurrentFSL2AdapterConfig
+
+    ad = ConcurrentFSL2Adapter(ConcurrentFSL2AdapterConfig(base, load_concurrency=1))
+    try:
+        return [str(ad._key_to_path(k)) for k in stored.keys(space)]
+    finally:
+        ad.close()
+
+
+def _assert_fails_closed(rep, baseline: int, after: int, caplog=None, why: str = "") -> None:
+    assert not rep.ok and rep.committed_tokens == 0, rep
+    assert after == baseline == rep.l1_after_bytes
+    if caplog is not None:
+        assert any("refused" in r.getMessage() and why in r.getMessage() for r in caplog.records), why
+
+
+@pytest.fixture
+def copy(stored, tmp_path):
+    dst = str(tmp_path / "l2")
+    shutil.copytree(stored.base, dst)
+    return dst
+
+
+@pytest.mark.parametrize("conc", [1, 4])
+def test_intact_objects_restore(stored, copy, conc):
+    rep, req, baseline, after = _retrieve(copy, stored, SPACE_A, conc, seed=1)
+    assert rep.ok and rep.committed_tokens == N * REG.chunk_tokens
+    assert state_hash(REG, req.kv, req.block_tables, N) == stored.hash
+    assert after == baseline
+
+
+@pytest.mark.parametrize("conc", [1, 4])
+def test_flipped_byte_fails_closed(stored, copy, conc, caplog):
+    path = _paths(copy, stored, SPACE_A)[5]
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+    rep, _, baseline, after = _retrieve(copy, stored, SPACE_A, conc, seed=2)
+    _assert_fails_closed(rep, baseline, after, caplog, "payload checksum mismatch")
+
+
+@pytest.mark.parametrize("conc", [1, 4])
+def test_swapped_files_fail_closed(stored, copy, conc, caplog):
+    paths = _paths(copy, stored, SPACE_A)
+    tmp = paths[3] + ".swap"
+    os.replace(paths[3], tmp)
+    os.replace(paths[6], paths[3])
+    os.replace(tmp, paths[6])
+    rep, _, baseline, after = _retrieve(copy, stored, SPACE_A, conc, seed=3)
+    _assert_fails_closed(rep, baseline, after, caplog, "another key's object")
+
+
+@pytest.mark.parametrize("conc", [1, 4])
+def test_other_tenants_objects_fail_closed(stored, copy, conc, caplog):
+    for src, dst in zip(_paths(copy, stored, SPACE_A), _paths(copy, stored, SPACE_B), strict=True):
+        assert src != dst
+        shutil.copyfile(src, dst)
+    rep, _, baseline, after = _retrieve(copy, stored, SPACE_B, conc, seed=4)
+    _assert_fails_closed(rep, baseline, after, caplog, "another key's object")
+
+
+@pytest.mark.parametrize("conc", [1, 4])
+def test_headerless_file_fails_closed(stored, copy, conc, caplog):
+    """A file in LMCache's own format (the raw object bytes, no header) is refused, not migrated."""
+    from bsr_runtime.integrations.lmcache.fs_l2_object import HEADER_SIZE
+
+    path = _paths(copy, stored, SPACE_A)[2]
+    with open(path, "rb") as f:
+        payload = f.read()[HEADER_SIZE:]
+    with open(path, "wb") as f:
+        f.write(payload)
+    rep, _, baseline, after = _retrieve(copy, stored, SPACE_A, conc, seed=5)
+    _assert_fails_closed(rep, baseline, after, caplog, "headerless")
+
+
+def test_file_size_is_header_plus_object(stored):
+    from bsr_runtime.integrations.lmcache.fs_l2_object import HEADER_SIZE, MAGIC
+
+    for path in _paths(stored.base, stored, SPACE_A):
+        assert os.path.getsize(path) == HEADER_SIZE + C  # LMCache's logical object size
+        with open(path, "rb") as f:
+            assert f.read(4) == MAGIC
