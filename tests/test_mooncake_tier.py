@@ -73,7 +73,7 @@ def tier(shared_tier, pool):
     shared_tier.register_staging(pool.buffer)
     yield shared_tier
     shared_tier.unregister_staging(pool.buffer)
-    assert not shared_tier._temp_regs
+    assert not shared_tier._registrations.temp
 
 
 def test_roundtrip_into_registered_staging_slot(tier, pool):
@@ -91,7 +91,7 @@ def test_roundtrip_into_registered_staging_slot(tier, pool):
     for v, d in zip(views, data, strict=True):
         assert torch.equal(v, d)
     assert tier.stats["temp_registrations"] == regs_before  # landed in the registered buffer
-    assert not tier._temp_regs
+    assert not tier._registrations.temp
     pool.release(lease)
 
 
@@ -131,7 +131,7 @@ def test_fetch_into_unregistered_views(tier):
     views = [dst[i * C : (i + 1) * C] for i in range(n)]
     tier.fetch(keys, views, deadline()).wait()
     assert torch.equal(dst, torch.cat(data))
-    assert not tier._temp_regs
+    assert not tier._registrations.temp
 
 
 def test_probe_absent_keys(tier):

@@ -78,6 +78,7 @@ from .base import (
     TierError,
     TierUnavailableError,
 )
+from .mooncake_buffers import StoreRegistrations
 from .mooncake_client import (
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
@@ -149,9 +150,6 @@ class MooncakeTier(Tier):
         self.tenant_id = o.tenant_id
         self.verify = o.verify
         self.connect_timeout_s = o.connect_timeout_s
-        self._regions: list[tuple[int, int]] = []  # permanently registered [start, end)
-        self._temp_regs: dict[int, tuple[int, int]] = {}  # ptr -> (size, refcount)
-        self._reg_lock = threading.Lock()
         self._closing = threading.Event()
         self._closed = False
         self._store = None
@@ -163,6 +161,7 @@ class MooncakeTier(Tier):
         self._put_objects = max(1, o.put_batch_bytes // self.object_bytes)
         self._sizes = [HEADER_SIZE, chunk_bytes]
         self.stats = {"fetches": 0, "get_calls": 0, "objects_verified": 0, "puts": 0, "temp_registrations": 0}
+        self._registrations = StoreRegistrations(lambda: self._store, self._registration_error, self.stats)
 
         store, self.rpc_timeout_s = connect_store(
             master_address, metadata_server, protocol=o.protocol, local_hostname=o.local_hostname,
@@ -193,56 +192,6 @@ class MooncakeTier(Tier):
                 raise ValueError(
                     f"views must be contiguous uint8 of {self.chunk_bytes} B, got {v.dtype} {tuple(v.shape)}"
                 )
-
-    def _covered(self, ptr: int, size: int) -> bool:
-        return any(s <= ptr and ptr + size <= e for s, e in self._regions)
-
-    def _register_missing(self, ptrs: Sequence[int]) -> list[int]:
-        """Temporarily register the ranges of views outside any registered buffer; returns
-        the pointers to release with _release()."""
-        c = self.chunk_bytes
-        outside = sorted({p for p in ptrs if not self._covered(p, c)})
-        ranges: list[list[int]] = []
-        for p in outside:
-            if ranges and p <= ranges[-1][1]:
-                ranges[-1][1] = max(ranges[-1][1], p + c)
-            else:
-                ranges.append([p, p + c])
-        taken: list[int] = []
-        store = self._store
-        with self._reg_lock:
-            try:
-                for start, end in ranges:
-                    size, n = self._temp_regs.get(start, (end - start, 0))
-                    if n == 0:
-                        rc = store.register_buffer(start, end - start)
-                        if rc != 0:
-                            raise self._registration_error(end - start, rc)
-                        self.stats["temp_registrations"] += 1
-                        size = end - start
-                    elif size < end - start:
-                        raise TierError("overlapping temporary registrations of different sizes")
-                    self._temp_regs[start] = (size, n + 1)
-                    taken.append(start)
-            except BaseException:
-                self._release_locked(taken)
-                raise
-        return taken
-
-    def _release(self, taken: list[int]) -> None:
-        if taken:
-            with self._reg_lock:
-                self._release_locked(taken)
-
-    def _release_locked(self, taken: list[int]) -> None:
-        for start in taken:
-            size, n = self._temp_regs[start]
-            if n <= 1:
-                del self._temp_regs[start]
-                if self._store is not None:
-                    self._store.unregister_buffer(start)
-            else:
-                self._temp_regs[start] = (size, n - 1)
 
     def _master_answers(self) -> bool:
         try:
@@ -285,22 +234,12 @@ class MooncakeTier(Tier):
 
     # -- Tier API --------------------------------------------------------------------------
     def register_staging(self, buffer: torch.Tensor) -> None:
-        store = self._live_store()
-        ptr, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
-        if self._covered(ptr, size):
-            return
-        rc = store.register_buffer(ptr, size)
-        if rc != 0:
-            raise self._registration_error(size, rc)
-        self._regions.append((ptr, ptr + size))
+        self._live_store()
+        self._registrations.add(buffer.data_ptr(), buffer.numel() * buffer.element_size())
 
     def unregister_staging(self, buffer: torch.Tensor) -> None:
         """Drop the registration made by register_staging (before the buffer is freed)."""
-        ptr = buffer.data_ptr()
-        for region in [r for r in self._regions if r[0] == ptr]:
-            self._regions.remove(region)
-            if self._store is not None:
-                self._store.unregister_buffer(ptr)
+        self._registrations.remove(buffer.data_ptr())
 
     def probe(self, keys: Sequence[str]) -> list[bool]:
         """One `batch_is_exist` for the keys (one key per chunk); holds nothing."""
@@ -354,11 +293,11 @@ class MooncakeTier(Tier):
         ptrs = [v.data_ptr() for v in views]
         headers = self._headers.acquire(len(keys) * HEADER_SIZE)
         try:
-            taken = self._register_missing(ptrs)
+            taken = self._registrations.take(ptrs, self.chunk_bytes)
             try:
                 self._transfer_and_verify(store, keys, views, ptrs, headers, deadline)
             finally:
-                self._release(taken)
+                self._registrations.give_back(taken)
         finally:
             self._headers.release(headers)
         return len(keys) * self.chunk_bytes
@@ -475,15 +414,7 @@ class MooncakeTier(Tier):
         store, self._store = self._store, None
         if store is None:
             return
-        with self._reg_lock:
-            for start in list(self._temp_regs):
-                with contextlib.suppress(Exception):
-                    store.unregister_buffer(start)
-            self._temp_regs.clear()
-        for start, _ in self._regions:
-            with contextlib.suppress(Exception):
-                store.unregister_buffer(start)
-        self._regions.clear()
+        self._registrations.clear(store)
         with contextlib.suppress(Exception):
             store.close()
 
