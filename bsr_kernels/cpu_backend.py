@@ -15,16 +15,14 @@ Without any, `available()` is False and backend "auto" uses torch for CPU destin
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
 from .descriptors import block_table_pointers, descriptor_table
-from .native_library import LazyLibrary, LibraryNotLoaded
+from .native_library import LazyLibrary, LibraryNotLoaded, build_atomically, cache_dir, sources_digest
 from .registration import Registration
 from .validate import WindowArgs
 
@@ -81,24 +79,11 @@ def _stale(lib: Path) -> bool:
 
 
 def _cached_build(src: Path) -> Path:
-    digest = hashlib.sha256()
-    for f in _sources(src):
-        digest.update(f.name.encode() + f.read_bytes())
-    out = Path(os.environ.get("BSR_CACHE_DIR") or Path.home() / ".cache" / "bsr") / digest.hexdigest()[:16] / LIB_NAME
-    if out.is_file():
-        return out
+    out = cache_dir() / sources_digest(_sources(src)) / LIB_NAME
     cc = find_cc()
-    if cc is None:
+    if cc is None and not out.is_file():
         raise RuntimeError("no C compiler ($CC, cc, gcc, clang) to build it at first use")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{LIB_NAME}.{os.getpid()}.tmp")
-    cmd = [cc, *CC_FLAGS, "-o", str(tmp), str(src / SOURCE)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"first-use build failed: {' '.join(cmd)}: {proc.stderr.strip()[-2000:]}")
-    os.replace(tmp, out)
-    return out
+    return build_atomically(out, lambda tmp: [cc, *CC_FLAGS, "-o", str(tmp), str(src / SOURCE)], "C")
 
 
 def _find() -> tuple[ctypes.CDLL, str]:

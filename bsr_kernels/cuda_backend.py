@@ -17,17 +17,15 @@ Where the library comes from, first hit wins:
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
-import subprocess
 import warnings
 from pathlib import Path
 
 import torch
 
 from .descriptors import block_table_pointers, descriptor_table
-from .native_library import LazyLibrary, LibraryNotLoaded
+from .native_library import LazyLibrary, LibraryNotLoaded, build_atomically, cache_dir, sources_digest
 from .registration import Registration
 from .validate import WindowArgs
 
@@ -94,37 +92,21 @@ def find_nvcc() -> str | None:
     return next((str(p) for p in candidates if p.is_file()), None)
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("BSR_CACHE_DIR") or Path.home() / ".cache" / "bsr")
-
-
 def _cached_build(src: Path) -> Path | None:
     """The first-use build for the current GPU (compiling it if needed), or None without a GPU."""
     if not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}"
-    digest = hashlib.sha256()
-    for f in sorted(src.iterdir()):
-        if f.is_file() and f.suffix in (".cu", ".h", ".cuh"):
-            digest.update(f.name.encode() + f.read_bytes())
-    out = _cache_dir() / f"{digest.hexdigest()[:16]}-sm{arch}" / LIB_NAME
-    if out.is_file():
-        return out
+    sources = sorted(f for f in src.iterdir() if f.is_file() and f.suffix in (".cu", ".h", ".cuh"))
+    out = cache_dir() / f"{sources_digest(sources)}-sm{arch}" / LIB_NAME
     nvcc = find_nvcc()
-    if nvcc is None:
+    if nvcc is None and not out.is_file():
         raise RuntimeError(f"{LIB_NAME} is not installed and nvcc was not found to build it at first use")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{LIB_NAME}.{os.getpid()}.tmp")
     gencode = ["-gencode", f"arch=compute_{arch},code=sm_{arch}",
                "-gencode", f"arch=compute_{arch},code=compute_{arch}"]
-    cmd = [nvcc, *NVCC_FLAGS, *gencode, "-o", str(tmp), str(src / "bsr_install.cu")]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"first-use nvcc build failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
-    os.replace(tmp, out)
-    return out
+    return build_atomically(out, lambda tmp: [nvcc, *NVCC_FLAGS, *gencode, "-o", str(tmp), str(src / "bsr_install.cu")],
+                            "nvcc")
 
 
 def _warn_if_stale(lib: Path) -> None:

@@ -7,8 +7,12 @@ for `available_backends`, error messages and the one-line fallback notice.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
+import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 
 class LibraryNotLoaded(RuntimeError):
@@ -44,3 +48,31 @@ class LazyLibrary:
         """Why the library could not be loaded (None if it was)."""
         self.get()
         return self._error
+
+
+def cache_dir() -> Path:
+    """Where first-use builds go: $BSR_CACHE_DIR or ~/.cache/bsr."""
+    return Path(os.environ.get("BSR_CACHE_DIR") or Path.home() / ".cache" / "bsr")
+
+
+def sources_digest(sources: Iterable[Path]) -> str:
+    digest = hashlib.sha256()
+    for f in sources:
+        digest.update(f.name.encode() + f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_atomically(out: Path, command: Callable[[Path], list[str]], what: str) -> Path:
+    """Run `command(tmp)` to build a library into a temporary file next to `out`, then rename it
+    into place (concurrent first uses never load a half-written file); `out` if it exists."""
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    cmd = command(tmp)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"first-use {what} build failed: {' '.join(cmd)}: {proc.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)
+    return out

@@ -81,25 +81,29 @@ def random_kv(reg: Registration, num_blocks: list[int], seed: int) -> list[torch
     return kv
 
 
-def naive_install(case: Case, kv: list[torch.Tensor]) -> None:
-    """Entry-by-entry oracle, written independently of bsr_kernels: each staged entry (canonical,
-    row-major in entry_shape) is written through torch's logical indexing `kv[i][block, slot]`,
-    so any strided destination layout is handled by torch's own view semantics."""
+def _staged_entries(case: Case):
+    """(tensor index, spec, byte range in the staging, block, slot) of every resident entry of the
+    window, walked entry by entry from the registration alone."""
     reg = case.reg
     for i, spec in enumerate(reg.specs):
         per_chunk = reg.chunk_tokens // spec.token_ratio
         eb = spec.entry_bytes
-        dst = kv[i]
         table = case.tables[spec.group].tolist()
         for c in range(case.num_chunks):
             base = c * reg.chunk_bytes + reg.segment_offsets[i]
             for j in range(per_chunk):
                 e = (case.first_chunk + c) * per_chunk + j
                 blk = table[e // spec.block_size]
-                if blk < 0:
-                    continue
-                entry = case.staging[base + j * eb : base + (j + 1) * eb].clone()
-                dst[blk, e % spec.block_size] = entry.view(spec.dtype).view(spec.entry_shape)
+                if blk >= 0:
+                    yield i, spec, slice(base + j * eb, base + (j + 1) * eb), blk, e % spec.block_size
+
+
+def naive_install(case: Case, kv: list[torch.Tensor]) -> None:
+    """Entry-by-entry oracle, written independently of bsr_kernels: each staged entry (canonical,
+    row-major in entry_shape) is written through torch's logical indexing `kv[i][block, slot]`,
+    so any strided destination layout is handled by torch's own view semantics."""
+    for i, spec, staged, blk, slot in _staged_entries(case):
+        kv[i][blk, slot] = case.staging[staged].clone().view(spec.dtype).view(spec.entry_shape)
 
 
 def assert_same(a: list[torch.Tensor], b: list[torch.Tensor], reg: Registration, what: str) -> None:
@@ -118,20 +122,9 @@ def snapshot(kv: list[torch.Tensor]) -> list[torch.Tensor]:
 def naive_gather(case: Case, kv: list[torch.Tensor]) -> torch.Tensor:
     """Entry-by-entry gather oracle: staged bytes of the window read through `kv[i][block, slot]`;
     padding and entries of -1 blocks are zero."""
-    reg = case.reg
-    out = torch.zeros(case.num_chunks * reg.chunk_bytes, dtype=torch.uint8)
-    for i, spec in enumerate(reg.specs):
-        per_chunk = reg.chunk_tokens // spec.token_ratio
-        eb = spec.entry_bytes
-        table = case.tables[spec.group].tolist()
-        for c in range(case.num_chunks):
-            base = c * reg.chunk_bytes + reg.segment_offsets[i]
-            for j in range(per_chunk):
-                e = (case.first_chunk + c) * per_chunk + j
-                blk = table[e // spec.block_size]
-                if blk >= 0:
-                    entry = kv[i][blk, e % spec.block_size].contiguous().view(torch.uint8).reshape(-1)
-                    out[base + j * eb : base + (j + 1) * eb] = entry
+    out = torch.zeros(case.num_chunks * case.reg.chunk_bytes, dtype=torch.uint8)
+    for i, _spec, staged, blk, slot in _staged_entries(case):
+        out[staged] = kv[i][blk, slot].contiguous().view(torch.uint8).reshape(-1)
     return out
 
 
