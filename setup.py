@@ -2,7 +2,7 @@
 
 - libbsr_cuda.so from csrc/bsr_install.cu when nvcc is found. BSR_BUILD_CUDA=1 forces the build
   (an nvcc error fails the install), =0 skips it. Without nvcc the package installs without it.
-- libbsr_cpu.so (the "cpu" backend) from csrc/bsr_install_cpu.c with the system C compiler ($CC,
+- libbsr_cpu.so (the "cpu" backend, CRC-32C) from csrc/*.c with the system C compiler ($CC,
   else cc, gcc or clang). BSR_BUILD_CPU=1 forces it, =0 skips it. Without a compiler the package
   installs without it and backend "auto" falls back to torch on CPU destinations.
 Each skip is said in one line.
@@ -55,6 +55,7 @@ def find_nvcc() -> str | None:
 
 
 CPU_SOURCE = CSRC / "bsr_install_cpu.c"
+CPU_SOURCES = sorted(str(f) for f in CSRC.glob("*.c"))  # the library: every .c file (pool, crc32c, install)
 CPU_LIB_NAME = "libbsr_cpu.so"
 CC_FLAGS = ["-std=c11", "-O3", "-fPIC", "-shared", "-pthread"]
 
@@ -112,10 +113,10 @@ def _build_library(what: str, env: str, source: Path, lib: Path, compiler: str |
 
 
 def build_cpu_library() -> Path | None:
-    """Compile csrc/bsr_install_cpu.c with the system C compiler (BSR_BUILD_CPU=0 skips, =1 forces)."""
+    """Compile csrc/*.c with the system C compiler (BSR_BUILD_CPU=0 skips, =1 forces)."""
     return _build_library("CPU", "BSR_BUILD_CPU", CPU_SOURCE, LIB_DIR / CPU_LIB_NAME, find_cc(),
                           "C compiler ($CC, cc, gcc, clang)",
-                          lambda cc, out: [cc, *CC_FLAGS, "-o", str(out), str(CPU_SOURCE)], (".c", ".h"),
+                          lambda cc, out: [cc, *CC_FLAGS, "-o", str(out), *CPU_SOURCES], (".c", ".h"),
                           "the torch backend serves CPU destinations")
 
 

@@ -8,8 +8,11 @@ Two placements per object size, in one run (ratios are of medians over interleav
 - store host: the objects live in a `mooncake_client` process (MooncakeStoreHost), the fetching
   client has no segment, so every byte crosses loopback tcp (the paper's external store host).
 "raw" = `batch_get_into` of the same stored objects (header + payload, no checks) into one
-registered buffer; "tier" = MooncakeTier.fetch(...).wait() (one multi-buffer get per sub-batch,
-headers checked, CRC-32C of every payload) into a registered staging slot. GB/s count payload bytes.
+registered buffer; "tier" = MooncakeTier.fetch(...).wait() into a registered staging slot: objects
+in the client's own segment by one checksumming copy (mooncake_local.py), others by one
+multi-buffer get per sub-batch, headers checked, CRC-32C of every payload; "get_path" = the
+tier's get path alone (what a client without local objects does; local_reads=False), called
+directly on the fetching thread. GB/s count payload bytes.
 Numbers are loopback tcp on this host, not RDMA.
 """
 
@@ -73,9 +76,12 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
     views = [lease.chunk(i) for i in range(n)]
     raw_ptrs = [raw_dst.data_ptr() + i * ob for i in range(n)]
     tier.put(keys, src_views)
+    hdr = tier._headers.acquire(n * HEADER_SIZE)
     fns = {  # raw_upsert writes back what raw_get just read (valid objects)
         "raw_get": lambda: tier._store.batch_get_into(keys, raw_ptrs, [ob] * n),
         "tier_fetch": lambda: tier.fetch(keys, views, time.monotonic() + 60).wait(),
+        "get_path": lambda: tier._transfer_and_verify(tier._store, keys, [v.data_ptr() for v in views], hdr,
+                                                      time.monotonic() + 60),
         "raw_upsert": lambda: tier._store.batch_upsert_from(keys, raw_ptrs, [ob] * n),
     }
     if plugin is not None:
@@ -86,6 +92,7 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
         vptrs = [v.data_ptr() for v in views]
         fns["plugin_load"] = lambda: _check_all(plugin._load_verified(pnames, vptrs, [c] * n), n)
     t = interleaved(fns, reps)
+    tier._headers.release(hdr)
     t_put = interleaved({"tier_put": lambda: tier.put(keys, src_views)}, max(3, reps // 2))["tier_put"]
     tier.fetch(keys, views, time.monotonic() + 60).wait()
     assert torch.equal(lease.view, src)
@@ -93,6 +100,7 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
     out = {"object_KiB": c >> 10, "objects": n, "window_MiB": round(total / 2**20, 1)}
     out.update({f"{k}_GBps": gbps(total, v) for k, v in t.items() if k != "raw_upsert"})
     out["tier_vs_raw"] = round(t["raw_get"] / t["tier_fetch"], 3)
+    out["get_path_vs_raw"] = round(t["raw_get"] / t["get_path"], 3)
     if "plugin_load" in t:
         out["plugin_vs_tier"] = round(t["tier_fetch"] / t["plugin_load"], 3)
     out["tier_put_GBps"] = gbps(total, t_put)
@@ -159,7 +167,7 @@ def run(args) -> dict:
     out: dict = {"window_MiB": args.window_mib, "reps": args.reps, "local": [], "store_host": []}
     seg = 3 * window + (256 << 20)
     with MooncakeMaster() as m:
-        for placement in ("local", "store_host"):
+        for placement in args.placements.split(","):
             host = MooncakeStoreHost(m, 2 * seg).start() if placement == "store_host" else None
             try:
                 for c in sizes:
@@ -184,7 +192,8 @@ def run(args) -> dict:
 
 
 def table(out: dict) -> str:
-    cols = ["object_KiB", "objects", "raw_get_GBps", "tier_fetch_GBps", "tier_vs_raw", "plugin_load_GBps",
+    cols = ["object_KiB", "objects", "raw_get_GBps", "tier_fetch_GBps", "tier_vs_raw", "get_path_vs_raw",
+            "plugin_load_GBps",
             "plugin_vs_tier", "tier_put_GBps", "raw_upsert_GBps"]
     lines = ["placement   " + " ".join(f"{c:>16}" for c in cols)]
     for placement in ("local", "store_host"):
@@ -200,6 +209,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--probe-chunks", type=int, default=2047)
     ap.add_argument("--no-plugin", dest="plugin", action="store_false")
+    ap.add_argument("--placements", default="local,store_host", help="local, store_host or both")
     ap.add_argument("--failures", action="store_true", help="also time failure detection")
     args = ap.parse_args()
     out = run(args)

@@ -1,4 +1,7 @@
-"""CPU backend ("cpu"): the C-ABI library built from csrc/bsr_install_cpu.c (libbsr_cpu.so), loaded with ctypes.
+"""CPU backend ("cpu"): the C-ABI library built from csrc/*.c (libbsr_cpu.so), loaded with ctypes.
+
+csrc/bsr_install_cpu.c is the install/gather; the same library carries the worker pool
+(bsr_cpu_pool.c) and CRC-32C with copy-and-checksum (bsr_crc32c.c, wrapped by host_crc.py).
 
 One call per window walks the descriptor table (bsr_kernels.descriptors, shared with Triton and
 CUDA) and memcpy's contiguous runs; single-threaded by default, two threads from the library's
@@ -26,9 +29,9 @@ from .native_library import LazyLibrary, LibraryNotLoaded, build_atomically, cac
 from .registration import Registration
 from .validate import WindowArgs
 
-ABI_VERSION = 1002  # BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION (descriptor layout) in the C sources
+ABI_VERSION = 2002  # BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION (descriptor layout) in the C sources
 LIB_NAME = "libbsr_cpu.so"
-SOURCE = "bsr_install_cpu.c"
+SOURCE = "bsr_install_cpu.c"  # the library is every .c file of csrc/ (this one marks the directory)
 CC_FLAGS = ("-std=c11", "-O3", "-fPIC", "-shared", "-pthread")
 
 _PKG = Path(__file__).resolve().parent
@@ -56,6 +59,14 @@ def load(path: str | os.PathLike) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64]
+    lib.bsr_crc32c.restype = ctypes.c_uint32
+    lib.bsr_crc32c.argtypes = [ctypes.c_uint32, _ptr, _i64]
+    lib.bsr_crc32c_hardware.restype = ctypes.c_int
+    lib.bsr_crc32c_hardware.argtypes = []
+    lib.bsr_crc32c_many.restype = ctypes.c_int
+    lib.bsr_crc32c_many.argtypes = [_i64, _ptr, _i64, _ptr, _i64]
+    lib.bsr_copy_crc32c.restype = ctypes.c_int
+    lib.bsr_copy_crc32c.argtypes = [_i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64]
     version = lib.bsr_cpu_abi_version()
     if version != ABI_VERSION:
         raise RuntimeError(f"{path}: ABI version {version}, this package needs {ABI_VERSION}")
@@ -73,6 +84,11 @@ def _sources(src: Path) -> list[Path]:
     return sorted(f for f in src.iterdir() if f.is_file() and f.suffix in (".c", ".h"))
 
 
+def c_sources(src: Path) -> list[str]:
+    """The compilation units of libbsr_cpu.so: every .c file of csrc/ (setup.py builds the same)."""
+    return [str(f) for f in _sources(src) if f.suffix == ".c"]
+
+
 def _stale(lib: Path) -> bool:
     src = source_dir()
     return src is not None and any(f.stat().st_mtime > lib.stat().st_mtime for f in _sources(src))
@@ -83,7 +99,7 @@ def _cached_build(src: Path) -> Path:
     cc = find_cc()
     if cc is None and not out.is_file():
         raise RuntimeError("no C compiler ($CC, cc, gcc, clang) to build it at first use")
-    return build_atomically(out, lambda tmp: [cc, *CC_FLAGS, "-o", str(tmp), str(src / SOURCE)], "C")
+    return build_atomically(out, lambda tmp: [cc, *CC_FLAGS, "-o", str(tmp), *c_sources(src)], "C")
 
 
 def _find() -> tuple[ctypes.CDLL, str]:

@@ -11,22 +11,19 @@
  * Other layouts copy per entry, or per row for entries split over several rows.
  *
  * Threads: `threads` = 1 runs in the caller's thread; n > 1 splits the items by bytes over n
- * threads (the caller plus n-1 pool workers); 0 picks 1, or 2 from BSR_CPU_PARALLEL_BYTES up
- * (measured in benchmarks/bench_install.py: below it, waking a worker costs more than it saves).
- * The workers are started at first use and kept (creating a thread per window cost ~30 us); one
- * window uses the pool at a time, a concurrent caller runs its slices in its own thread. A fork
- * child starts with no workers (pthread_atfork).
+ * threads (the caller plus n-1 workers of the pool in bsr_cpu_pool.c); 0 picks 1, or 2 from
+ * BSR_CPU_PARALLEL_BYTES up (measured in benchmarks/bench_install.py: below it, waking a worker
+ * costs more than it saves).
  */
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "bsr_cpu_pool.h"
 #include "bsr_layout.h"
 
-#define BSR_CPU_ABI_VERSION 1
-#define BSR_CPU_MAX_THREADS 16
+#define BSR_CPU_ABI_VERSION 2 /* 2: + bsr_crc32c*, bsr_copy_crc32c (bsr_crc32c.c) */
 /* auto: a second thread from 4 MiB per window up. Measured on a 2-core EPYC VM with
  * dsv4_flash(scale=1/16 and 1/64): one thread wins below ~3 MB, two win by ~20% at 6 MB. */
 #define BSR_CPU_PARALLEL_BYTES (4LL << 20)
@@ -149,81 +146,12 @@ typedef struct slice {
     char error[1024];
 } slice;
 
-static void* run_slice(void* arg) {
+static void run_slice(void* arg) {
     slice* sl = (slice*)arg;
     sl->rc = BSR_OK;
     for (int64_t k = sl->begin; k < sl->end && sl->rc == BSR_OK; ++k)
         sl->rc = copy_segment(sl->w, k / sl->w->num_tensors, k % sl->w->num_tensors);
     if (sl->rc != BSR_OK) snprintf(sl->error, sizeof(sl->error), "%s", g_error);
-    return NULL;
-}
-
-/* ---- the worker pool ---------------------------------------------------------------------- */
-static pthread_mutex_t g_pool_use = PTHREAD_MUTEX_INITIALIZER; /* one window at a time */
-static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t g_work = PTHREAD_COND_INITIALIZER, g_done = PTHREAD_COND_INITIALIZER;
-static int g_workers = 0, g_pending = 0;
-static slice* g_assigned[BSR_CPU_MAX_THREADS];
-static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
-
-static void* worker_main(void* arg) {
-    const int me = (int)(intptr_t)arg;
-    pthread_mutex_lock(&g_mu);
-    for (;;) {
-        while (!g_assigned[me]) pthread_cond_wait(&g_work, &g_mu);
-        slice* job = g_assigned[me];
-        g_assigned[me] = NULL;
-        pthread_mutex_unlock(&g_mu);
-        run_slice(job);
-        pthread_mutex_lock(&g_mu);
-        if (--g_pending == 0) pthread_cond_signal(&g_done);
-    }
-    return NULL;
-}
-
-static void atfork_child(void) {
-    pthread_mutex_init(&g_pool_use, NULL);
-    pthread_mutex_init(&g_mu, NULL);
-    pthread_cond_init(&g_work, NULL);
-    pthread_cond_init(&g_done, NULL);
-    g_workers = 0;
-    g_pending = 0;
-    for (int i = 0; i < BSR_CPU_MAX_THREADS; ++i) g_assigned[i] = NULL;
-}
-
-static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
-
-/* Runs sl[1..n-1] on pool workers and sl[0] here; what no worker takes runs here too. */
-static void run_slices(slice* sl, int64_t n) {
-    int64_t helpers = 0;
-    const int pooled = n > 1 && pthread_mutex_trylock(&g_pool_use) == 0;
-    if (pooled) {
-        pthread_once(&g_atfork_once, register_atfork);
-        pthread_mutex_lock(&g_mu);
-        while (g_workers < n - 1) { /* worker i takes g_assigned[i] */
-            pthread_t tid;
-            pthread_attr_t attr;
-            pthread_attr_init(&attr);
-            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-            const int ok = pthread_create(&tid, &attr, worker_main, (void*)(intptr_t)g_workers) == 0;
-            pthread_attr_destroy(&attr);
-            if (!ok) break;
-            ++g_workers;
-        }
-        helpers = n - 1 < g_workers ? n - 1 : g_workers;
-        for (int64_t i = 0; i < helpers; ++i) g_assigned[i] = &sl[i + 1];
-        g_pending = (int)helpers;
-        pthread_cond_broadcast(&g_work);
-        pthread_mutex_unlock(&g_mu);
-    }
-    for (int64_t i = helpers + 1; i < n; ++i) run_slice(&sl[i]);
-    run_slice(&sl[0]);
-    if (pooled) {
-        pthread_mutex_lock(&g_mu);
-        while (g_pending > 0) pthread_cond_wait(&g_done, &g_mu);
-        pthread_mutex_unlock(&g_mu);
-        pthread_mutex_unlock(&g_pool_use);
-    }
 }
 
 static int64_t item_bytes(const window* w, int64_t k) {
@@ -255,6 +183,7 @@ static int run_window(window* w, int64_t threads) {
     if (threads > BSR_CPU_MAX_THREADS) threads = BSR_CPU_MAX_THREADS;
     if (threads > items) threads = items;
     slice sl[BSR_CPU_MAX_THREADS];
+    bsr_task tasks[BSR_CPU_MAX_THREADS];
     /* split the items into `threads` slices of about equal bytes */
     int64_t k = 0, acc = 0;
     for (int64_t s = 0; s < threads; ++s) {
@@ -265,8 +194,9 @@ static int run_window(window* w, int64_t threads) {
         sl[s].end = k;
         sl[s].rc = BSR_OK;
         sl[s].error[0] = 0;
+        tasks[s] = (bsr_task){run_slice, &sl[s]};
     }
-    run_slices(sl, threads);
+    bsr_pool_run(tasks, threads);
     int rc = BSR_OK;
     for (int64_t s = 0; s < threads; ++s) {
         if (sl[s].rc != BSR_OK && rc == BSR_OK) {

@@ -32,7 +32,11 @@ FP = "0123456789abcdef0123456789abcdef"
 FP_OTHER = "fedcba9876543210fedcba9876543210"
 C = 4096 + 16 * 5  # not a power of two on purpose
 
-KINDS = ["memory", "filesystem", pytest.param("mooncake", marks=[pytest.mark.mooncake, pytest.mark.timeout(300)])]
+_MOONCAKE = [pytest.mark.mooncake, pytest.mark.timeout(300)]
+# "mooncake": objects in the client's own segment are read by the checksumming copy (mooncake_local.py);
+# "mooncake-get": the same store read through batch_get_into_multi_buffers only (local_reads=False)
+KINDS = ["memory", "filesystem", pytest.param("mooncake", marks=_MOONCAKE),
+         pytest.param("mooncake-get", marks=_MOONCAKE)]
 
 
 def payloads(n: int, chunk_bytes: int = C, seed: int = 0) -> list[torch.Tensor]:
@@ -52,16 +56,17 @@ def deadline(s: float = 20.0) -> float:
 def mooncake_clients(request):
     """Mooncake clients shared by the module, one per (chunk_bytes, fingerprint): a client
     takes 1-2 s to close. Tests keep apart by their keys (see Store.keys)."""
-    made: dict[tuple[int, str], Tier] = {}
+    made: dict[tuple[int, str, bool], Tier] = {}
 
-    def get(chunk_bytes: int, fingerprint: str) -> Tier:
-        if (chunk_bytes, fingerprint) not in made:
+    def get(chunk_bytes: int, fingerprint: str, local_reads: bool) -> Tier:
+        if (chunk_bytes, fingerprint, local_reads) not in made:
             from bsr_runtime.tiers.mooncake import MooncakeTier
 
             m = request.getfixturevalue("mooncake_master")
-            made[chunk_bytes, fingerprint] = MooncakeTier(chunk_bytes, fingerprint, m.master_address,
-                                                          m.metadata_server, global_segment_size=128 << 20)
-        return made[chunk_bytes, fingerprint]
+            made[chunk_bytes, fingerprint, local_reads] = MooncakeTier(
+                chunk_bytes, fingerprint, m.master_address, m.metadata_server, global_segment_size=128 << 20,
+                local_reads=local_reads)
+        return made[chunk_bytes, fingerprint, local_reads]
 
     yield get
     for t in made.values():
@@ -85,10 +90,12 @@ class Store:
 
     def tier(self, chunk_bytes: int = C, fingerprint: str = FP, own: bool = False) -> Tier:
         """A tier on this store; `own`: a fresh one the test may close (closed at teardown anyway)."""
-        if self.kind == "mooncake" and not own:
-            return self._request.getfixturevalue("mooncake_clients")(chunk_bytes, fingerprint)
-        if self.kind == "mooncake":
-            t = self._request.getfixturevalue("mooncake_tier_factory")(chunk_bytes, fingerprint)
+        local_reads = self.kind == "mooncake"
+        if self.kind.startswith("mooncake") and not own:
+            return self._request.getfixturevalue("mooncake_clients")(chunk_bytes, fingerprint, local_reads)
+        if self.kind.startswith("mooncake"):
+            t = self._request.getfixturevalue("mooncake_tier_factory")(chunk_bytes, fingerprint,
+                                                                        local_reads=local_reads)
         elif self.kind == "filesystem":
             t = FilesystemTier(self._root, chunk_bytes, fingerprint, load_concurrency=2)
         else:

@@ -68,6 +68,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from bsr_kernels import host_crc
+
 from ..validation import check_int, check_text, check_timeout
 from .base import (
     CorruptObjectError,
@@ -88,6 +90,7 @@ from .mooncake_client import (
     per_key,
     split_hostport,
 )
+from .mooncake_local import LocalSegmentReader
 from .mooncake_object import HEADER_SIZE, LEGACY_META_SUFFIX, ObjectCodec, RegisteredBuffers, size_problem
 
 
@@ -116,6 +119,7 @@ class MooncakeTierOptions:
     verify_batch_bytes: int = 4 << 20  # sub-batch of a fetch verified while the next one lands
     verify_threads: int = 1
     put_batch_bytes: int = 64 << 20
+    local_reads: bool = True  # objects in this client's own segment: one checksumming copy (mooncake_local.py)
 
     def __post_init__(self) -> None:
         for name in ("protocol", "local_hostname", "device_name", "tenant_id"):
@@ -126,8 +130,9 @@ class MooncakeTierOptions:
             check_int(name, getattr(self, name), lo=0)
         for name in ("fetch_workers", "verify_threads", "verify_batch_bytes", "put_batch_bytes"):
             check_int(name, getattr(self, name), lo=1)
-        if not isinstance(self.verify, bool):
-            raise ValueError(f"verify must be a bool, got {self.verify!r}")
+        for name in ("verify", "local_reads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 class MooncakeTier(Tier):
@@ -160,7 +165,8 @@ class MooncakeTier(Tier):
         self._batch_objects = max(1, o.verify_batch_bytes // self.object_bytes)
         self._put_objects = max(1, o.put_batch_bytes // self.object_bytes)
         self._sizes = [HEADER_SIZE, chunk_bytes]
-        self.stats = {"fetches": 0, "get_calls": 0, "objects_verified": 0, "puts": 0, "temp_registrations": 0}
+        self.stats = {"fetches": 0, "get_calls": 0, "objects_verified": 0, "local_reads": 0, "puts": 0,
+                      "temp_registrations": 0}
         self._registrations = StoreRegistrations(lambda: self._store, self._registration_error, self.stats)
 
         store, self.rpc_timeout_s = connect_store(
@@ -170,6 +176,9 @@ class MooncakeTier(Tier):
             tenant_id=o.tenant_id,
         )
         self._store = store
+        # a pure client (no segment) holds no objects; without the CPU library there is no fused copy
+        local = o.local_reads and o.global_segment_size > 0 and host_crc.available()
+        self._local = LocalSegmentReader(store, self.object_bytes) if local else None
         self._headers = RegisteredBuffers(self._register_owned, self._unregister_owned)  # fetch header areas
         self._staging = RegisteredBuffers(self._register_owned, self._unregister_owned)  # put staging
         workers = o.fetch_workers
@@ -293,17 +302,38 @@ class MooncakeTier(Tier):
         ptrs = [v.data_ptr() for v in views]
         headers = self._headers.acquire(len(keys) * HEADER_SIZE)
         try:
-            taken = self._registrations.take(ptrs, self.chunk_bytes)
-            try:
-                self._transfer_and_verify(store, keys, views, ptrs, headers, deadline)
-            finally:
-                self._registrations.give_back(taken)
+            rest = self._read_local(keys, ptrs, headers) if self._local is not None else range(len(keys))
+            if rest:  # header rows [0, done) hold the local objects' headers
+                done, rest_ptrs = len(keys) - len(rest), [ptrs[i] for i in rest]
+                taken = self._registrations.take(rest_ptrs, self.chunk_bytes)  # a copy needs none
+                try:
+                    self._transfer_and_verify(store, [keys[i] for i in rest], rest_ptrs,
+                                              headers[done * HEADER_SIZE :], deadline)
+                finally:
+                    self._registrations.give_back(taken)
         finally:
             self._headers.release(headers)
         return len(keys) * self.chunk_bytes
 
-    def _transfer_and_verify(self, store, keys: list[str], views: list[torch.Tensor], ptrs: list[int],
-                             headers: torch.Tensor, deadline: float) -> None:
+    def _read_local(self, keys: list[str], ptrs: list[int], headers: torch.Tensor) -> list[int]:
+        """Copy + checksum the objects held in this client's segment (header rows 0..k-1), check
+        them, and return the indices of the other keys (for the get path)."""
+        local = self._local.addresses(keys)
+        if not local:
+            return list(range(len(keys)))
+        idx = sorted(local)
+        n, h, base = len(idx), HEADER_SIZE, headers.data_ptr()
+        dst = [ptrs[i] for i in idx]
+        crcs = self._local.copy([local[i] for i in idx], [base + j * h for j in range(n)], dst, h, self.chunk_bytes)
+        rows = headers[: n * h].numpy().reshape(n, h)
+        self.codec.check([keys[i] for i in idx], rows, dst, [self.chunk_bytes] * n, verify=self.verify,
+                         landed_crcs=crcs)
+        self.stats["local_reads"] += n
+        self.stats["objects_verified"] += n
+        return [i for i in range(len(keys)) if i not in local]
+
+    def _transfer_and_verify(self, store, keys: list[str], ptrs: list[int], headers: torch.Tensor,
+                             deadline: float) -> None:
         """Sub-batch by sub-batch: one round trip lands headers + payloads, then the sub-batch is
         verified, split across the verifier threads, while the next one is in flight. Returns (or
         raises) only after every transfer ended and every started verification finished."""

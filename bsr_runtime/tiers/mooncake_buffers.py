@@ -11,6 +11,8 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from .base import TierError
 
 
@@ -46,7 +48,11 @@ class StoreRegistrations:
         """Register the `size`-byte ranges at `ptrs` that no registration covers; returns what
         to hand to give_back()."""
         ranges: list[list[int]] = []
-        for p in sorted({p for p in ptrs if not self.covered(p, size)}):
+        lo = np.asarray(ptrs, dtype=np.int64)
+        inside = np.zeros(len(lo), dtype=bool)
+        for s, e in self.regions:  # one vectorized test per registration, not one Python call per view
+            inside |= (lo >= s) & (lo + size <= e)
+        for p in sorted(set(lo[~inside].tolist())):
             if ranges and p <= ranges[-1][1]:
                 ranges[-1][1] = max(ranges[-1][1], p + size)
             else:

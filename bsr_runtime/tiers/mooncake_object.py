@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from bsr_kernels import host_crc
+
 from ._common import CRC32, CRC32C, DEFAULT_CHECKSUM, crc_at
 from .base import CorruptObjectError
 from .fs_format import fingerprint_bytes as _fingerprint_bytes
@@ -95,34 +97,38 @@ class ObjectCodec:
         return exp
 
     def problems(self, keys: Sequence[str], headers: np.ndarray, ptrs: Sequence[int], lengths: Sequence[int],
-                 verify: bool = True, first_only: bool = True) -> dict[int, str]:
+                 verify: bool = True, first_only: bool = True, landed_crcs: np.ndarray | None = None) -> dict[int, str]:
         """{row: reason} for every object that must not be used (headers: (n, HEADER_SIZE) uint8;
         ptrs/lengths: where each payload landed). Empty when all are good. Headers are checked in
-        one vectorized compare; payload checksums are computed in place (no copy, GIL released)."""
+        one vectorized compare; payload checksums are computed in place (no copy, GIL released),
+        or taken from `landed_crcs` (CRC-32C of each payload as a checksumming copy landed it)."""
         n = len(keys)
         mism = headers[:, :_CRC_OFF] != self.expected(keys, lengths)
         mism[:, _ALGO] = False
-        bad_rows = mism.any(axis=1).tolist()
-        algos = np.ascontiguousarray(headers[:, _ALGO]).view("<u2").reshape(n).tolist()
-        crcs = np.ascontiguousarray(headers[:, _CRC_OFF:]).view("<u4").reshape(n).tolist()
+        bad_header = mism.any(axis=1)
+        algos = np.ascontiguousarray(headers[:, _ALGO]).view("<u2").reshape(n)
+        stored = np.ascontiguousarray(headers[:, _CRC_OFF:]).view("<u4").reshape(n)
+        bad_algo = ~np.isin(algos, (CRC32, CRC32C))
+        bad_crc = np.zeros(n, dtype=bool)
+        if verify:
+            usable = ~(bad_header | bad_algo)
+            bad_crc = usable & (payload_crcs(algos, ptrs, lengths, usable, landed_crcs) != stored)
         out: dict[int, str] = {}
-        for i in range(n):
-            if bad_rows[i]:
+        for i in np.flatnonzero(bad_header | bad_algo | bad_crc).tolist():
+            if bad_header[i]:
                 out[i] = self.diagnose(keys[i], headers[i], lengths[i])
-            elif algos[i] not in (CRC32, CRC32C):
-                out[i] = f"{keys[i]}: unknown checksum algorithm {algos[i]}"
-            elif verify and crc_at(algos[i], ptrs[i], lengths[i]) != crcs[i]:
-                out[i] = f"{keys[i]}: payload checksum (crc32c/crc32) mismatch"
+            elif bad_algo[i]:
+                out[i] = f"{keys[i]}: unknown checksum algorithm {int(algos[i])}"
             else:
-                continue
+                out[i] = f"{keys[i]}: payload checksum (crc32c/crc32) mismatch"
             if first_only:
                 break
         return out
 
     def check(self, keys: Sequence[str], headers: np.ndarray, ptrs: Sequence[int], lengths: Sequence[int],
-              verify: bool = True) -> None:
+              verify: bool = True, landed_crcs: np.ndarray | None = None) -> None:
         """Raise CorruptObjectError for the first object that must not be used."""
-        bad = self.problems(keys, headers, ptrs, lengths, verify)
+        bad = self.problems(keys, headers, ptrs, lengths, verify, landed_crcs=landed_crcs)
         if bad:
             raise CorruptObjectError(next(iter(bad.values())))
 
@@ -143,6 +149,26 @@ class ObjectCodec:
         if plen != length:
             return f"{key}: header declares {plen:,} B of payload, expected {length:,}"
         return f"{key}: damaged header"
+
+
+def payload_crcs(algos: np.ndarray, ptrs: Sequence[int], lengths: Sequence[int], rows: np.ndarray,
+                 landed: np.ndarray | None = None) -> np.ndarray:
+    """The checksum of each payload in `rows` (a bool mask; others are 0), by its header's algorithm.
+    CRC-32C rows come from `landed` when given, else from one native call over all of them (split
+    over the CPU library's threads) when the payloads have one length, else one call each."""
+    out = np.zeros(len(algos), dtype=np.uint32)
+    c32c = rows & (algos == CRC32C)
+    idx = np.flatnonzero(c32c)
+    if landed is not None:
+        out[idx] = landed[idx]
+    elif len(idx) > 1 and host_crc.available() and len({lengths[i] for i in idx.tolist()}) == 1:
+        out[idx] = host_crc.crc32c_many([ptrs[i] for i in idx.tolist()], lengths[int(idx[0])])
+    else:
+        for i in idx.tolist():
+            out[i] = crc_at(CRC32C, ptrs[i], lengths[i])
+    for i in np.flatnonzero(rows & (algos == CRC32)).tolist():
+        out[i] = crc_at(CRC32, ptrs[i], lengths[i])
+    return out
 
 
 def _text(b: bytes) -> str:

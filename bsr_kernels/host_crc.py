@@ -1,0 +1,79 @@
+"""CRC-32C of host memory, and a copy that checksums what it lands (csrc/bsr_crc32c.c, in libbsr_cpu.so).
+
+The tiers verify every object's payload against the CRC-32C in its header. These calls take raw
+addresses (a tensor's data_ptr, a numpy array's ctypes.data), so nothing is copied or exported,
+and ctypes releases the GIL for the call:
+- crc32c(address, nbytes): one buffer (the hardware instruction, three streams);
+- crc32c_many(ptrs, nbytes): many equal-size buffers in one call, split over the library's pool;
+- copy_crc32c(src, head_dst, body_dst, head_bytes, body_bytes): per object, copy a header and a
+  body to separate places and checksum the body piece by piece as it lands (while it is in cache),
+  one pass over memory instead of a copy pass plus a checksum pass.
+`available()` is False when the CPU library is not built; callers then use google_crc32c.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from . import cpu_backend
+
+
+def available() -> bool:
+    return cpu_backend.library() is not None
+
+
+def hardware() -> bool:
+    """True when the library uses the CPU's CRC-32C instruction (else a table, ~10x slower)."""
+    lib = cpu_backend.library()
+    return lib is not None and lib.bsr_crc32c_hardware() == 1
+
+
+def _lib():
+    lib = cpu_backend.library()
+    if lib is None:
+        raise RuntimeError(f"CRC-32C library unavailable: {cpu_backend.load_error()}")
+    return lib
+
+
+def crc32c(address: int, nbytes: int, crc: int = 0) -> int:
+    """CRC-32C of `nbytes` at `address`, continuing `crc` (0 to start)."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return int(_lib().bsr_crc32c(crc, address, nbytes))
+
+
+def _addresses(ptrs: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(ptrs, dtype=np.int64))
+
+
+def crc32c_many(ptrs: Sequence[int] | np.ndarray, nbytes: int, threads: int = 0) -> np.ndarray:
+    """uint32 CRC-32C of `nbytes` at each address (threads: 0 = the library's choice)."""
+    p = _addresses(ptrs)
+    out = np.empty(len(p), dtype=np.uint32)
+    if _lib().bsr_crc32c_many(len(p), p.ctypes.data, nbytes, out.ctypes.data, threads) != 0:
+        raise ValueError(f"bsr_crc32c_many: invalid arguments (n={len(p)}, nbytes={nbytes})")
+    return out
+
+
+def copy_crc32c(src: Sequence[int] | np.ndarray, head_dst: Sequence[int] | np.ndarray | None,
+                body_dst: Sequence[int] | np.ndarray, head_bytes: int, body_bytes: int,
+                threads: int = 0) -> np.ndarray:
+    """For each i: head_bytes from src[i] to head_dst[i], the next body_bytes to body_dst[i];
+    returns the uint32 CRC-32C of each body as it landed. The caller guarantees the ranges are
+    valid, writable where written, and do not overlap."""
+    s, b = _addresses(src), _addresses(body_dst)
+    h = _addresses(head_dst) if head_dst is not None else None
+    if len(b) != len(s) or (h is not None and len(h) != len(s)):
+        raise ValueError(f"copy_crc32c: {len(s)} sources but {len(b)} body / "
+                         f"{'-' if h is None else len(h)} header destinations")
+    if head_bytes > 0 and h is None:
+        raise ValueError("copy_crc32c: head_bytes > 0 needs header destinations")
+    out = np.empty(len(s), dtype=np.uint32)
+    rc = _lib().bsr_copy_crc32c(len(s), s.ctypes.data, None if h is None else h.ctypes.data, b.ctypes.data,
+                                head_bytes, body_bytes, out.ctypes.data, threads)
+    if rc != 0:
+        raise ValueError(f"bsr_copy_crc32c: invalid arguments (n={len(s)}, head={head_bytes}, body={body_bytes})")
+    return out
+

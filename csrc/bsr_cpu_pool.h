@@ -1,0 +1,24 @@
+/*
+ * bsr_cpu_pool.h: the host worker pool shared by the CPU library's entry points (install/gather
+ * in bsr_install_cpu.c, copy-and-checksum in bsr_crc32c.c).
+ *
+ * bsr_pool_run(tasks, n) runs tasks[1..n-1] on pool workers and tasks[0] in the caller's thread,
+ * and returns when all have run. Workers are started at first use and kept (creating a thread per
+ * call cost ~30 us); one call uses the pool at a time: a concurrent caller runs all its tasks in
+ * its own thread. A fork child starts with no workers (pthread_atfork).
+ */
+#ifndef BSR_CPU_POOL_H
+#define BSR_CPU_POOL_H
+
+#include <stdint.h>
+
+#define BSR_CPU_MAX_THREADS 16
+
+typedef struct bsr_task {
+    void (*run)(void* arg);
+    void* arg;
+} bsr_task;
+
+void bsr_pool_run(const bsr_task* tasks, int64_t n);
+
+#endif

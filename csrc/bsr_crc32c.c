@@ -1,0 +1,210 @@
+/*
+ * bsr_crc32c.c: CRC-32C (Castagnoli, the checksum of the tiers' object formats) on host memory,
+ * and a copy that checksums what it lands, behind the CPU library's C ABI (bsr_kernels/host_crc.py).
+ *
+ * CRC: SSE4.2 `crc32` on x86-64 when the CPU has it (checked at run time), three independent
+ * streams over 3 x 8 KiB (then 3 x 256 B) blocks so the instruction's 3-cycle latency is hidden,
+ * joined with a zeros-shift operator (the register update over n zero bytes is linear in the
+ * register, so it is 4 table lookups; tables built at first use). Else a byte-wise table.
+ *
+ * copy + CRC: each object's payload moves in 16 KiB pieces, and each piece is checksummed in the
+ * destination right after it landed, while it is still in L1/L2: one pass over memory instead of
+ * a copy pass and a checksum pass, and the checksum is of the bytes that landed. Objects are split
+ * over `threads` threads (0: 1, or 2 from BSR_CRC_PARALLEL_BYTES up) from the shared pool.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bsr_cpu_pool.h"
+
+#define BSR_CPU_API __attribute__((visibility("default")))
+#define POLY 0x82F63B78u /* reflected Castagnoli */
+#define LONG_BLOCK 8192
+#define SHORT_BLOCK 256
+#define PIECE (16 << 10)
+#define BSR_CRC_PARALLEL_BYTES (4LL << 20)
+
+static uint32_t g_table[256];
+static uint32_t g_long[4][256], g_short[4][256];
+static int g_hw = 0; /* set once by build() */
+
+static uint32_t sw_update(uint32_t r, const uint8_t* p, size_t n) {
+    while (n--) r = g_table[(r ^ *p++) & 0xff] ^ (r >> 8);
+    return r;
+}
+
+static uint32_t shift(const uint32_t t[4][256], uint32_t r) {
+    return t[0][r & 0xff] ^ t[1][(r >> 8) & 0xff] ^ t[2][(r >> 16) & 0xff] ^ t[3][r >> 24];
+}
+
+/* t[k][v]: the register after `zeros` zero bytes, from the register v << 8k (linear, so basis images suffice). */
+static void build_shift(uint32_t t[4][256], size_t zeros) {
+    uint32_t basis[32];
+    static const uint8_t z[64] = {0};
+    for (int b = 0; b < 32; ++b) {
+        uint32_t r = 1u << b;
+        for (size_t left = zeros; left > 0;) {
+            const size_t k = left < sizeof(z) ? left : sizeof(z);
+            r = sw_update(r, z, k);
+            left -= k;
+        }
+        basis[b] = r;
+    }
+    for (int k = 0; k < 4; ++k)
+        for (int v = 0; v < 256; ++v) {
+            uint32_t x = 0;
+            for (int j = 0; j < 8; ++j)
+                if (v >> j & 1) x ^= basis[8 * k + j];
+            t[k][v] = x;
+        }
+}
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+
+__attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t r32, const uint8_t* p, size_t n) {
+    uint64_t r = r32;
+    while (n > 0 && ((uintptr_t)p & 7)) {
+        r = _mm_crc32_u8((uint32_t)r, *p++);
+        --n;
+    }
+    for (int pass = 0; pass < 2; ++pass) {
+        const size_t blk = pass == 0 ? LONG_BLOCK : SHORT_BLOCK;
+        const uint32_t(*t)[256] = pass == 0 ? g_long : g_short;
+        while (n >= 3 * blk) {
+            uint64_t r1 = 0, r2 = 0;
+            const uint64_t* a = (const uint64_t*)p;
+            const uint64_t* b = (const uint64_t*)(p + blk);
+            const uint64_t* c = (const uint64_t*)(p + 2 * blk);
+            for (size_t i = 0; i < blk / 8; ++i) {
+                r = _mm_crc32_u64(r, a[i]);
+                r1 = _mm_crc32_u64(r1, b[i]);
+                r2 = _mm_crc32_u64(r2, c[i]);
+            }
+            r = shift(t, (uint32_t)r) ^ (uint32_t)r1;
+            r = shift(t, (uint32_t)r) ^ (uint32_t)r2;
+            p += 3 * blk;
+            n -= 3 * blk;
+        }
+    }
+    for (; n >= 8; n -= 8, p += 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        r = _mm_crc32_u64(r, w);
+    }
+    while (n--) r = _mm_crc32_u8((uint32_t)r, *p++);
+    return (uint32_t)r;
+}
+#endif
+
+static void build(void) {
+    for (uint32_t i = 0; i < 256; ++i) {
+        uint32_t r = i;
+        for (int k = 0; k < 8; ++k) r = r & 1 ? (r >> 1) ^ POLY : r >> 1;
+        g_table[i] = r;
+    }
+    build_shift(g_long, LONG_BLOCK);
+    build_shift(g_short, SHORT_BLOCK);
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    g_hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+#else
+    g_hw = 0;
+#endif
+}
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+static void init(void) { pthread_once(&g_once, build); }
+
+/* The raw register update (no pre/post inversion). */
+static uint32_t update(uint32_t r, const uint8_t* p, size_t n) {
+#if defined(__x86_64__)
+    if (g_hw == 1) return hw_update(r, p, n);
+#endif
+    return sw_update(r, p, n);
+}
+
+typedef struct copy_job {
+    int64_t begin, end;
+    const int64_t *src, *dst_head, *dst_body;
+    int64_t head_bytes, body_bytes;
+    uint32_t* crcs;
+} copy_job;
+
+static void copy_crc_range(void* arg) {
+    const copy_job* j = (const copy_job*)arg;
+    for (int64_t i = j->begin; i < j->end; ++i) {
+        const uint8_t* s = (const uint8_t*)(uintptr_t)j->src[i];
+        if (j->head_bytes > 0) memcpy((void*)(uintptr_t)j->dst_head[i], s, (size_t)j->head_bytes);
+        s += j->head_bytes;
+        uint8_t* d = (uint8_t*)(uintptr_t)j->dst_body[i];
+        uint32_t r = 0xFFFFFFFFu;
+        for (int64_t off = 0; off < j->body_bytes; off += PIECE) {
+            const size_t k = (size_t)(j->body_bytes - off < PIECE ? j->body_bytes - off : PIECE);
+            memcpy(d + off, s + off, k);
+            r = update(r, d + off, k); /* what landed, while it is in cache */
+        }
+        j->crcs[i] = ~r;
+    }
+}
+
+static void crc_range(void* arg) {
+    const copy_job* j = (const copy_job*)arg;
+    for (int64_t i = j->begin; i < j->end; ++i)
+        j->crcs[i] = ~update(0xFFFFFFFFu, (const uint8_t*)(uintptr_t)j->src[i], (size_t)j->body_bytes);
+}
+
+static void run_split(void (*fn)(void*), copy_job proto, int64_t n, int64_t threads) {
+    if (threads <= 0) threads = n * proto.body_bytes >= BSR_CRC_PARALLEL_BYTES ? 2 : 1;
+    if (threads > BSR_CPU_MAX_THREADS) threads = BSR_CPU_MAX_THREADS;
+    if (threads > n) threads = n;
+    copy_job jobs[BSR_CPU_MAX_THREADS];
+    bsr_task tasks[BSR_CPU_MAX_THREADS];
+    for (int64_t t = 0; t < threads; ++t) {
+        jobs[t] = proto;
+        jobs[t].begin = n * t / threads;
+        jobs[t].end = n * (t + 1) / threads;
+        tasks[t] = (bsr_task){fn, &jobs[t]};
+    }
+    bsr_pool_run(tasks, threads);
+}
+
+/* ---- C ABI ----------------------------------------------------------------------------------- */
+/* CRC-32C of n bytes at p, continuing `crc` (0 to start), like google_crc32c's extend. */
+BSR_CPU_API uint32_t bsr_crc32c(uint32_t crc, const void* p, int64_t n) {
+    init();
+    if (n <= 0) return crc;
+    return ~update(~crc, (const uint8_t*)p, (size_t)n);
+}
+
+/* 1 when the hardware instruction is used, 0 for the table. */
+BSR_CPU_API int bsr_crc32c_hardware(void) {
+    init();
+    return g_hw;
+}
+
+/* crcs[i] = CRC-32C of nbytes at ptrs[i], for i < n. Returns 0, or -1 for invalid arguments. */
+BSR_CPU_API int bsr_crc32c_many(int64_t n, const int64_t* ptrs, int64_t nbytes, uint32_t* crcs, int64_t threads) {
+    init();
+    if (n < 0 || nbytes < 0 || (n > 0 && (!ptrs || !crcs))) return -1;
+    if (n == 0) return 0;
+    copy_job proto = {0, 0, ptrs, NULL, NULL, 0, nbytes, crcs};
+    run_split(crc_range, proto, n, threads);
+    return 0;
+}
+
+/* For i < n: copy head_bytes from src[i] to dst_head[i] and the body_bytes after them to
+ * dst_body[i]; crcs[i] = CRC-32C of the body as it landed. Returns 0, or -1 for invalid arguments. */
+BSR_CPU_API int bsr_copy_crc32c(int64_t n, const int64_t* src, const int64_t* dst_head, const int64_t* dst_body,
+                                int64_t head_bytes, int64_t body_bytes, uint32_t* crcs, int64_t threads) {
+    init();
+    if (n < 0 || head_bytes < 0 || body_bytes < 0 || (n > 0 && (!src || !dst_body || !crcs)) ||
+        (n > 0 && head_bytes > 0 && !dst_head))
+        return -1;
+    if (n == 0) return 0;
+    copy_job proto = {0, 0, src, dst_head, dst_body, head_bytes, body_bytes, crcs};
+    run_split(copy_crc_range, proto, n, threads);
+    return 0;
+}

@@ -1,0 +1,103 @@
+"""CRC-32C and the checksumming copy of the CPU library (csrc/bsr_crc32c.c via bsr_kernels.host_crc),
+against google_crc32c on fresh random data: every length class of the three-stream loop, odd
+alignments, continuation; copies into poisoned destinations with guard bytes around them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import google_crc32c
+import numpy as np
+import pytest
+
+from bsr_harness.testdata import POISON
+from bsr_kernels import host_crc
+
+pytestmark = pytest.mark.skipif(not host_crc.available(), reason="libbsr_cpu.so not built (no C compiler)")
+
+# around the 3 x 8 KiB and 3 x 256 B block boundaries of the three-stream loop, and odd sizes
+LENGTHS = [0, 1, 7, 8, 9, 63, 767, 768, 769, 24575, 24576, 24577, 3 * 8192 + 3 * 256 + 13, 200_003]
+
+
+def ref(a: np.ndarray) -> int:
+    return google_crc32c.value(a.tobytes())
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+def test_uses_the_hardware_instruction_where_the_cpu_has_it():
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " sse4_2" not in flags:
+        pytest.skip("no SSE4.2 here")
+    assert host_crc.hardware()
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("offset", [0, 1, 5])
+def test_crc32c_matches_google(rng, n, offset):
+    buf = rng.integers(0, 256, n + 16, dtype=np.uint8)
+    a = buf[offset : offset + n]
+    assert host_crc.crc32c(a.ctypes.data, n) == ref(a)
+    half = n // 3
+    c = host_crc.crc32c(a.ctypes.data, half)
+    assert host_crc.crc32c(a.ctypes.data + half, n - half, c) == ref(a)  # continuation
+
+
+def test_crc32c_changes_with_any_flipped_bit(rng):
+    a = rng.integers(0, 256, 50_000, dtype=np.uint8)
+    good = host_crc.crc32c(a.ctypes.data, a.size)
+    for pos in rng.integers(0, a.size, 20).tolist():
+        b = a.copy()
+        b[pos] ^= 1 << int(rng.integers(0, 8))
+        assert host_crc.crc32c(b.ctypes.data, b.size) != good
+
+
+@pytest.mark.parametrize("threads", [0, 1, 2, 3])
+def test_crc32c_many_matches_one_by_one(rng, threads):
+    n, size = 37, 70_001
+    buf = rng.integers(0, 256, n * size + 3, dtype=np.uint8)
+    ptrs = [buf.ctypes.data + 3 + i * size for i in range(n)]
+    got = host_crc.crc32c_many(ptrs, size, threads=threads)
+    assert got.tolist() == [ref(buf[3 + i * size : 3 + (i + 1) * size]) for i in range(n)]
+    assert host_crc.crc32c_many([], size).size == 0
+
+
+@pytest.mark.parametrize("threads", [0, 1, 2])
+@pytest.mark.parametrize("head, body", [(128, 1 << 20), (128, 65_584), (0, 4096), (64, 1), (16, 0)])
+def test_copy_crc32c_lands_header_and_body_apart(rng, threads, head, body):
+    n, guard = 9, 64
+    src = rng.integers(0, 256, n * (head + body) + 1, dtype=np.uint8)[1:]  # odd source alignment
+    heads = np.full(n * (head + guard) + guard, POISON, dtype=np.uint8)
+    bodies = np.full(n * (body + guard) + guard, POISON, dtype=np.uint8)
+    order = rng.permutation(n)  # destinations in another order than the sources
+    hp = [heads.ctypes.data + guard + int(j) * (head + guard) for j in order]
+    bp = [bodies.ctypes.data + guard + int(j) * (body + guard) for j in order]
+    sp = [src.ctypes.data + i * (head + body) for i in range(n)]
+    crcs = host_crc.copy_crc32c(sp, hp, bp, head, body, threads=threads)
+    for i, j in enumerate(order.tolist()):
+        obj = src[i * (head + body) : (i + 1) * (head + body)]
+        h0, b0 = guard + j * (head + guard), guard + j * (body + guard)
+        assert np.array_equal(heads[h0 : h0 + head], obj[:head])
+        assert np.array_equal(bodies[b0 : b0 + body], obj[head:])
+        assert crcs[i] == ref(obj[head:])
+    for arr, size in ((heads, head), (bodies, body)):  # every guard byte is untouched
+        mask = np.ones(arr.size, dtype=bool)
+        for j in range(n):
+            mask[guard + j * (size + guard) : guard + j * (size + guard) + size] = False
+        assert (arr[mask] == POISON).all()
+
+
+def test_copy_crc32c_refuses_bad_arguments():
+    a = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match="sources"):
+        host_crc.copy_crc32c([a.ctypes.data], None, [], 0, 8)
+    with pytest.raises(ValueError, match="header destinations"):
+        host_crc.copy_crc32c([a.ctypes.data], None, [a.ctypes.data + 32], 8, 8)
+    with pytest.raises(ValueError, match="invalid arguments"):
+        host_crc.copy_crc32c([a.ctypes.data], [a.ctypes.data], [a.ctypes.data + 32], -1, 8)
+    with pytest.raises(ValueError, match="nbytes"):
+        host_crc.crc32c(a.ctypes.data, -1)
+    assert host_crc.copy_crc32c([], [], [], 8, 8).size == 0

@@ -1,0 +1,142 @@
+"""MooncakeTier's local reads (tiers/mooncake_local.py) against a real master and real clients:
+objects in the fetching client's own segment are copied and checksummed in one pass; damage made
+in the segment's memory itself, swapped objects and missing keys still fail closed; a window whose
+objects are spread over two clients' segments is served by both paths at once."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import pytest
+import torch
+
+from bsr_harness.testdata import POISON
+from bsr_kernels import host_crc
+from bsr_kernels.staging_pool import StagingPool
+from bsr_runtime.tiers.base import CorruptObjectError, MissingObjectError
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300),
+              pytest.mark.skipif(not host_crc.available(), reason="libbsr_cpu.so not built")]
+
+pytest.importorskip("mooncake.store", reason="mooncake.store cannot be imported (no Mooncake wheel)")
+
+from bsr_runtime.tiers.mooncake_object import HEADER_SIZE  # noqa: E402
+
+FP = "10ca1" * 8
+C = 96 * 1024 + 48  # not a power of two on purpose
+
+
+def payloads(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (C,), dtype=torch.uint8, generator=g) for _ in range(n)]
+
+
+def fetch(tier, keys: list[str], pool: StagingPool):
+    lease = pool.acquire(len(keys))
+    lease.view.fill_(POISON)
+    views = [lease.chunk(i) for i in range(len(keys))]
+    try:
+        tier.fetch(keys, views, time.monotonic() + 20).wait()
+        return [v.clone() for v in views]
+    finally:
+        pool.release(lease)
+
+
+@pytest.fixture
+def pool():
+    return StagingPool(C, capacity_chunks=32, num_slots=1)
+
+
+@pytest.fixture
+def tier(mooncake_tier_factory, pool):
+    t = mooncake_tier_factory(C, FP, global_segment_size=64 << 20)
+    t.register_staging(pool.buffer)
+    yield t
+    t.unregister_staging(pool.buffer)
+
+
+def segment_address(tier, key: str) -> int:
+    (addr,) = tier._local.addresses([key]).values()
+    return addr
+
+
+def test_local_objects_take_one_checksumming_copy(tier, pool):
+    n = 8
+    keys = [f"local/{i}" for i in range(n)]
+    data = payloads(n, seed=1)
+    tier.put(keys, data)
+    before = dict(tier.stats)
+    got = fetch(tier, keys, pool)
+    assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+    assert tier.stats["local_reads"] - before["local_reads"] == n
+    assert tier.stats["get_calls"] == before["get_calls"]  # no get: the copy served all
+
+
+def test_the_get_path_serves_when_local_reads_are_off(mooncake_tier_factory, pool):
+    t = mooncake_tier_factory(C, FP, global_segment_size=64 << 20, local_reads=False)
+    t.register_staging(pool.buffer)
+    keys = [f"off/{i}" for i in range(4)]
+    data = payloads(4, seed=2)
+    t.put(keys, data)
+    got = fetch(t, keys, pool)
+    t.unregister_staging(pool.buffer)
+    assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+    assert t.stats["local_reads"] == 0 and t.stats["get_calls"] == 1
+
+
+def test_a_pure_client_has_no_local_reader(mooncake_tier_factory):
+    assert mooncake_tier_factory(C, FP, global_segment_size=0)._local is None
+
+
+@pytest.mark.parametrize("offset", [0, 30, 60, 100, 124, HEADER_SIZE, HEADER_SIZE + C // 2, HEADER_SIZE + C - 1])
+def test_damage_in_the_segment_memory_is_refused(tier, pool, offset):
+    """A byte flipped in the store's own memory (header field, payload checksum or payload)."""
+    keys = [f"dmg{offset}/{i}" for i in range(3)]
+    tier.put(keys, payloads(3, seed=3))
+    addr = segment_address(tier, keys[1]) + offset
+    byte = ctypes.c_uint8.from_address(addr)
+    byte.value ^= 0x40
+    try:
+        with pytest.raises(CorruptObjectError, match=keys[1]):
+            fetch(tier, keys, pool)
+    finally:
+        byte.value ^= 0x40
+    assert len(fetch(tier, keys, pool)) == 3  # restored byte: good again
+
+
+def test_swapped_objects_in_the_segment_are_refused(tier, pool):
+    keys = ["swap/a", "swap/b"]
+    tier.put(keys, payloads(2, seed=4))
+    a, b = (segment_address(tier, k) for k in keys)
+    size = HEADER_SIZE + C
+    tmp = ctypes.create_string_buffer(size)
+    ctypes.memmove(tmp, a, size)
+    ctypes.memmove(a, b, size)
+    ctypes.memmove(b, tmp, size)
+    with pytest.raises(CorruptObjectError, match="another key's data"):
+        fetch(tier, keys, pool)
+
+
+def test_a_missing_key_among_local_ones_is_missing(tier, pool):
+    keys = ["miss/0", "miss/1", "miss/2"]
+    tier.put([keys[0], keys[2]], payloads(2, seed=5))
+    with pytest.raises(MissingObjectError, match="miss/1"):
+        fetch(tier, keys, pool)
+
+
+def test_a_window_over_two_segments_uses_both_paths(tier, mooncake_tier_factory, pool):
+    """The master places each object in a random segment: with two clients' segments a window
+    of 24 objects has some in each (the chance of all in one is 2^-23)."""
+    other = mooncake_tier_factory(C, FP, global_segment_size=64 << 20)
+    n = 24
+    keys = [f"mixed/{i}" for i in range(n)]
+    data = payloads(n, seed=6)
+    tier.put(keys, data)
+    local = len(tier._local.addresses(keys))
+    assert 0 < local < n and local + len(other._local.addresses(keys)) == n
+    before = dict(tier.stats)
+    got = fetch(tier, keys, pool)
+    assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+    assert tier.stats["local_reads"] - before["local_reads"] == local
+    assert tier.stats["get_calls"] - before["get_calls"] >= 1
