@@ -170,3 +170,19 @@ def test_fork_child_gets_a_fresh_pool():
         os.waitpid(pid, 0)
         pytest.fail("the fork child hung in install_window")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_first_use_build_compiles_every_source(monkeypatch, tmp_path):
+    """Without an installed library, csrc/*.c (install, pool, CRC-32C) is compiled into the cache."""
+    if cpu_backend.find_cc() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("BSR_CACHE_DIR", str(tmp_path))
+    src = cpu_backend.source_dir()
+    names = {p.rsplit("/", 1)[-1] for p in cpu_backend.c_sources(src)}
+    assert {"bsr_install_cpu.c", "bsr_cpu_pool.c", "bsr_crc32c.c"} <= names
+    built = cpu_backend._cached_build(src)
+    assert str(built).startswith(str(tmp_path))
+    lib = cpu_backend.load(built)
+    assert lib.bsr_cpu_abi_version() == cpu_backend.ABI_VERSION
+    data = b"123456789"
+    assert lib.bsr_crc32c(0, data, len(data)) == 0xE3069283  # the CRC-32C check value
