@@ -140,3 +140,42 @@ def test_a_window_over_two_segments_uses_both_paths(tier, mooncake_tier_factory,
     assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
     assert tier.stats["local_reads"] - before["local_reads"] == local
     assert tier.stats["get_calls"] - before["get_calls"] >= 1
+
+
+@pytest.mark.parametrize("land_whole", [True, False])
+def test_damage_in_another_clients_segment_is_refused_by_both_get_paths(tier, mooncake_tier_factory, pool,
+                                                                        land_whole):
+    """A pure client reads what `tier` holds: whole objects into a landing buffer + copy, or a
+    multi-buffer get; a byte flipped in the holder's segment fails the window either way."""
+    reader = mooncake_tier_factory(C, FP, global_segment_size=0, land_whole=land_whole)
+    reader.register_staging(pool.buffer)
+    keys = [f"remote{land_whole}/{i}" for i in range(6)]
+    data = payloads(6, seed=7)
+    tier.put(keys, data)
+    got = fetch(reader, keys, pool)
+    assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+    byte = ctypes.c_uint8.from_address(segment_address(tier, keys[4]) + HEADER_SIZE + 1000)
+    byte.value ^= 0x01
+    try:
+        with pytest.raises(CorruptObjectError, match="checksum"):
+            fetch(reader, keys, pool)
+    finally:
+        byte.value ^= 0x01
+        reader.unregister_staging(pool.buffer)
+    assert reader.stats["local_reads"] == 0
+
+
+def test_landing_buffers_are_two_and_reused(tier, mooncake_tier_factory, pool):
+    """Sub-batches of 2 objects: a 20-object window takes 10 gets through two landing buffers."""
+    reader = mooncake_tier_factory(C, FP, global_segment_size=0, land_whole=True,
+                                   verify_batch_bytes=2 * (HEADER_SIZE + C))
+    reader.register_staging(pool.buffer)
+    keys = [f"ring/{i}" for i in range(20)]
+    data = payloads(20, seed=8)
+    tier.put(keys, data)
+    for _ in range(3):
+        got = fetch(reader, keys, pool)
+        assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+    reader.unregister_staging(pool.buffer)
+    assert reader.stats["get_calls"] == 30
+    assert not reader._landing._busy and len(reader._landing._free) == 2

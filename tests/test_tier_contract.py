@@ -33,10 +33,13 @@ FP_OTHER = "fedcba9876543210fedcba9876543210"
 C = 4096 + 16 * 5  # not a power of two on purpose
 
 _MOONCAKE = [pytest.mark.mooncake, pytest.mark.timeout(300)]
-# "mooncake": objects in the client's own segment are read by the checksumming copy (mooncake_local.py);
-# "mooncake-get": the same store read through batch_get_into_multi_buffers only (local_reads=False)
-KINDS = ["memory", "filesystem", pytest.param("mooncake", marks=_MOONCAKE),
-         pytest.param("mooncake-get", marks=_MOONCAKE)]
+# Mooncake's three read paths, each under the whole contract (tiers/mooncake.py):
+# "mooncake": objects in the client's own segment by one checksumming copy (mooncake_local.py);
+# "mooncake-landed": every object by a whole-object get into a landing buffer + checksumming copy;
+# "mooncake-multi": every object by a multi-buffer get (header and payload apart, the rdma default)
+MOONCAKE_PATHS = {"mooncake": {}, "mooncake-landed": {"local_reads": False, "land_whole": True},
+                  "mooncake-multi": {"local_reads": False, "land_whole": False}}
+KINDS = ["memory", "filesystem", *(pytest.param(k, marks=_MOONCAKE) for k in MOONCAKE_PATHS)]
 
 
 def payloads(n: int, chunk_bytes: int = C, seed: int = 0) -> list[torch.Tensor]:
@@ -56,17 +59,17 @@ def deadline(s: float = 20.0) -> float:
 def mooncake_clients(request):
     """Mooncake clients shared by the module, one per (chunk_bytes, fingerprint): a client
     takes 1-2 s to close. Tests keep apart by their keys (see Store.keys)."""
-    made: dict[tuple[int, str, bool], Tier] = {}
+    made: dict[tuple[int, str, str], Tier] = {}
 
-    def get(chunk_bytes: int, fingerprint: str, local_reads: bool) -> Tier:
-        if (chunk_bytes, fingerprint, local_reads) not in made:
+    def get(chunk_bytes: int, fingerprint: str, kind: str) -> Tier:
+        if (chunk_bytes, fingerprint, kind) not in made:
             from bsr_runtime.tiers.mooncake import MooncakeTier
 
             m = request.getfixturevalue("mooncake_master")
-            made[chunk_bytes, fingerprint, local_reads] = MooncakeTier(
+            made[chunk_bytes, fingerprint, kind] = MooncakeTier(
                 chunk_bytes, fingerprint, m.master_address, m.metadata_server, global_segment_size=128 << 20,
-                local_reads=local_reads)
-        return made[chunk_bytes, fingerprint, local_reads]
+                **MOONCAKE_PATHS[kind])
+        return made[chunk_bytes, fingerprint, kind]
 
     yield get
     for t in made.values():
@@ -90,12 +93,11 @@ class Store:
 
     def tier(self, chunk_bytes: int = C, fingerprint: str = FP, own: bool = False) -> Tier:
         """A tier on this store; `own`: a fresh one the test may close (closed at teardown anyway)."""
-        local_reads = self.kind == "mooncake"
-        if self.kind.startswith("mooncake") and not own:
-            return self._request.getfixturevalue("mooncake_clients")(chunk_bytes, fingerprint, local_reads)
-        if self.kind.startswith("mooncake"):
+        if self.kind in MOONCAKE_PATHS and not own:
+            return self._request.getfixturevalue("mooncake_clients")(chunk_bytes, fingerprint, self.kind)
+        if self.kind in MOONCAKE_PATHS:
             t = self._request.getfixturevalue("mooncake_tier_factory")(chunk_bytes, fingerprint,
-                                                                        local_reads=local_reads)
+                                                                        **MOONCAKE_PATHS[self.kind])
         elif self.kind == "filesystem":
             t = FilesystemTier(self._root, chunk_bytes, fingerprint, load_concurrency=2)
         else:

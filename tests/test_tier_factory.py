@@ -41,6 +41,7 @@ def test_bad_specs_are_one_line_errors(spec, needle):
 @pytest.mark.parametrize("option,value", [
     ("connect_timeout_s", float("inf")), ("rpc_timeout_s", float("nan")), ("connect_timeout_s", 0),
     ("fetch_workers", 0), ("verify_threads", 1.5), ("global_segment_size", -1), ("verify", "yes"),
+    ("local_reads", 1), ("land_whole", "tcp"),
 ])
 def test_mooncake_options_are_checked_before_connecting(option, value):
     # 127.0.0.1:1 is never contacted: the options are refused first

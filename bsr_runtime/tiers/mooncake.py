@@ -1,53 +1,35 @@
 """MooncakeTier: chunks in a Mooncake store (`mooncake.store.MooncakeDistributedStore`).
 
-Data path
-- register_staging(buffer) registers the staging pool's buffer once (`register_buffer`), and
-  fetch() runs `batch_get_into(keys, ptrs, sizes)` straight into the slot views on a worker
-  thread (the call releases the GIL), so a fetch is asynchronous and never copies a window.
-- A view (fetch target or put source) that does not lie inside a registered buffer is
-  registered for the duration of the call and unregistered afterwards (contiguous views are
-  coalesced into one registration). Over TCP the client would also accept unregistered local
-  memory, but over RDMA it must be registered, so the tier always registers.
-- put() uses `batch_upsert_from` (zero copy from registered memory). `batch_put_from` on an
-  existing key returns 0 but keeps the old object; upsert replaces it, which is the overwrite
-  the Tier contract asks for.
+One chunk is one store object under one key: a 128-byte header (mooncake_object.py: magic,
+version, registration fingerprint, sha256 of the key, tenant, payload length, CRC-32C), then the
+payload. Mooncake does not check what it returns; the tier checks every object before the fetch
+handle completes, so nothing unverified is handed on.
 
-Integrity. Mooncake does not check what it returns, so every object carries a 128-byte header
-(mooncake_object.py): magic, version, registration fingerprint, sha256 of the key, tenant,
-payload length and CRC-32C. One chunk is one store object under one key:
-- put() stages header + payload in a registered buffer and writes them with one
-  `batch_upsert_from` per batch (`batch_put_from_multi_buffers` would gather without the copy,
-  but on an existing key it returns 0 and keeps the old object);
-- fetch() reads header + payload in one `batch_get_into_multi_buffers` round trip: the header
-  into a registered header area, the payload exactly into the caller's view. A window is
-  fetched in sub-batches of about `verify_batch_bytes`; each sub-batch's headers are compared
-  with what its keys expect in one vectorized step and its payload CRCs are computed in place
-  on another thread (ctypes releases the GIL) while the next sub-batch is in flight. The handle
-  completes only after every object of the window was verified: nothing unverified is handed on;
-- probe() asks `batch_is_exist` once, one key per chunk.
-An object under the wrong key (swapped, or another tenant's copied under these keys), of
-another registration or tenant, damaged, or in the old two-key format is a CorruptObjectError.
-`verify=False` skips the payload CRC (headers are still checked).
+Reads (fetch(), on a worker thread; the Mooncake calls and the native copies release the GIL).
+A window is read in sub-batches of about `verify_batch_bytes`, by one of three paths:
+- local: objects in this client's own segment (global_segment_size > 0) are found with one
+  `batch_get_replica_desc` (which leases them as a get does) and moved by one checksumming copy
+  (mooncake_local.py, bsr_kernels.host_crc): header to a header area, payload to its view, the
+  CRC of each piece computed as it lands; one pass over memory instead of a get plus a CRC pass;
+- landed (tcp default): the others land whole, one transfer each, via `batch_get_into` into one
+  of two registered landing buffers, then the same checksumming copy, on a verifier thread,
+  while the next sub-batch lands in the other buffer (a multi-buffer get is one tcp request per
+  buffer: 2 per object, measured 1.5x slower at 256 KB objects);
+- multi (rdma default): `batch_get_into_multi_buffers` lands the header in the header area and
+  the payload straight into the view (zero copy), and the verifier computes the CRCs in place
+  (one native call per sub-batch) while the next sub-batch is in flight.
+Each landed header is compared with what its key expects in one vectorized step. An object
+under the wrong key (swapped, or another tenant's copied under these keys), of another
+registration or tenant, damaged, or in the old two-key format is a CorruptObjectError.
+`verify=False` skips the payload CRC comparison (headers are still checked).
 
-Mooncake return codes seen with 0.3.13 over tcp (see the report in the tests):
-- batch_get_into[_multi_buffers]: bytes read per key, -704 OBJECT_NOT_FOUND for a missing key,
-  -600 INVALID_PARAMS when the object is larger than the buffers (and when the client is not
-  set up), -800 when it is smaller (multi buffers), -900 RPC_FAIL / -901 RPC_TIMEOUT when the
-  master is gone or hung
-- batch_is_exist: 1 / 0 per key, negative error codes (e.g. -900) per key on failure
-- remove: -706 OBJECT_HAS_LEASE for 10 s after a read unless force=True (delete forces)
-- setup() with no master: retries MC_STORE_CLIENT_SETUP_RETRIES (default 20) times, ~4.4 s
-  each (~90 s), then returns -1; it holds the GIL while it does. The tier first connects to
-  the master and metadata ports (a refused connection fails at once) and bounds setup by
-  (2 retries) x MC_RPC_TIMEOUT_MS <= connect_timeout_s
-- master RPCs wait up to MC_RPC_TIMEOUT_MS (default 30 s) on a hung master; the tier uses
-  `rpc_timeout_s` (5 s) instead
+Writes: put() stages header + payload in a registered buffer and writes them with one
+`batch_upsert_from` per batch (upsert replaces an existing key, which the Tier contract asks for;
+`batch_put_from[_multi_buffers]` on an existing key returns 0 and keeps the old object). Views
+the multi path writes into are registered once (register_staging) or for one call.
+probe() asks `batch_is_exist` once, one key per chunk.
 
-Process-wide settings. The client reads a few environment variables when it is created; the
-tier sets these for the duration of setup() unless the user has set them: MC_TCP_BIND_ADDRESS
-(the address the client advertises to peers: `local_hostname`, so tcp traffic stays on
-loopback in tests; the client still listens on all interfaces, which the library does not
-let us change), MC_RPC_TIMEOUT_MS and MC_RPC_CONNECT_TIMEOUT_MS, MC_STORE_CLIENT_SETUP_RETRIES.
+Mooncake's return codes and process-wide settings: see mooncake_client.py.
 
 Threads: two pools of `fetch_workers` Python threads, transfers and verification (joined by
 close()); the Mooncake client
@@ -63,14 +45,12 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from bsr_kernels import host_crc
 
-from ..validation import check_int, check_text, check_timeout
 from .base import (
     CorruptObjectError,
     FetchHandle,
@@ -92,6 +72,7 @@ from .mooncake_client import (
 )
 from .mooncake_local import LocalSegmentReader
 from .mooncake_object import HEADER_SIZE, LEGACY_META_SUFFIX, ObjectCodec, RegisteredBuffers, size_problem
+from .mooncake_options import MooncakeTierOptions
 
 
 def _split(start: int, end: int, ways: int) -> list[tuple[int, int]]:
@@ -100,39 +81,6 @@ def _split(start: int, end: int, ways: int) -> list[tuple[int, int]]:
     ways = max(1, min(ways, n))
     cuts = [start + (n * i) // ways for i in range(ways + 1)]
     return list(zip(cuts[:-1], cuts[1:], strict=True))
-
-
-@dataclass(frozen=True)
-class MooncakeTierOptions:
-    """How a MooncakeTier's client connects and moves data; every field is checked here."""
-
-    protocol: str = "tcp"  # "rdma" on real clusters
-    local_hostname: str = "127.0.0.1"
-    global_segment_size: int = 512 << 20  # this client's segment of the store (0: a pure client)
-    local_buffer_size: int = 16 << 20
-    device_name: str = ""
-    connect_timeout_s: float = 10.0
-    rpc_timeout_s: float = 5.0
-    tenant_id: str = "default"
-    verify: bool = True  # CRC-32C of every payload on fetch
-    fetch_workers: int = 2
-    verify_batch_bytes: int = 4 << 20  # sub-batch of a fetch verified while the next one lands
-    verify_threads: int = 1
-    put_batch_bytes: int = 64 << 20
-    local_reads: bool = True  # objects in this client's own segment: one checksumming copy (mooncake_local.py)
-
-    def __post_init__(self) -> None:
-        for name in ("protocol", "local_hostname", "device_name", "tenant_id"):
-            check_text(name, getattr(self, name))
-        for name in ("connect_timeout_s", "rpc_timeout_s"):
-            check_timeout(name, getattr(self, name))
-        for name in ("global_segment_size", "local_buffer_size"):
-            check_int(name, getattr(self, name), lo=0)
-        for name in ("fetch_workers", "verify_threads", "verify_batch_bytes", "put_batch_bytes"):
-            check_int(name, getattr(self, name), lo=1)
-        for name in ("verify", "local_reads"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 class MooncakeTier(Tier):
@@ -179,6 +127,9 @@ class MooncakeTier(Tier):
         # a pure client (no segment) holds no objects; without the CPU library there is no fused copy
         local = o.local_reads and o.global_segment_size > 0 and host_crc.available()
         self._local = LocalSegmentReader(store, self.object_bytes) if local else None
+        land = o.protocol == "tcp" if o.land_whole is None else o.land_whole
+        self._land_whole = land and host_crc.available()
+        self._landing = RegisteredBuffers(self._register_owned, self._unregister_owned)  # whole objects
         self._headers = RegisteredBuffers(self._register_owned, self._unregister_owned)  # fetch header areas
         self._staging = RegisteredBuffers(self._register_owned, self._unregister_owned)  # put staging
         workers = o.fetch_workers
@@ -305,7 +256,8 @@ class MooncakeTier(Tier):
             rest = self._read_local(keys, ptrs, headers) if self._local is not None else range(len(keys))
             if rest:  # header rows [0, done) hold the local objects' headers
                 done, rest_ptrs = len(keys) - len(rest), [ptrs[i] for i in rest]
-                taken = self._registrations.take(rest_ptrs, self.chunk_bytes)  # a copy needs none
+                # only a multi-buffer get writes into the views (a copy lands the others)
+                taken = [] if self._land_whole else self._registrations.take(rest_ptrs, self.chunk_bytes)
                 try:
                     self._transfer_and_verify(store, [keys[i] for i in rest], rest_ptrs,
                                               headers[done * HEADER_SIZE :], deadline)
@@ -322,21 +274,27 @@ class MooncakeTier(Tier):
         if not local:
             return list(range(len(keys)))
         idx = sorted(local)
-        n, h, base = len(idx), HEADER_SIZE, headers.data_ptr()
-        dst = [ptrs[i] for i in idx]
-        crcs = self._local.copy([local[i] for i in idx], [base + j * h for j in range(n)], dst, h, self.chunk_bytes)
-        rows = headers[: n * h].numpy().reshape(n, h)
-        self.codec.check([keys[i] for i in idx], rows, dst, [self.chunk_bytes] * n, verify=self.verify,
-                         landed_crcs=crcs)
-        self.stats["local_reads"] += n
-        self.stats["objects_verified"] += n
+        self._copy_and_check([keys[i] for i in idx], [local[i] for i in idx], headers, [ptrs[i] for i in idx])
+        self.stats["local_reads"] += len(idx)
         return [i for i in range(len(keys)) if i not in local]
+
+    def _copy_and_check(self, keys: list[str], objects: list[int], headers: torch.Tensor, ptrs: list[int]) -> None:
+        """One checksumming copy: object i's header to header row i, its payload to ptrs[i]; then
+        the headers are checked and the CRCs of what landed compared with theirs."""
+        n, h = len(keys), HEADER_SIZE
+        base = headers.data_ptr()
+        crcs = host_crc.copy_crc32c(objects, [base + j * h for j in range(n)], ptrs, h, self.chunk_bytes)
+        rows = headers[: n * h].numpy().reshape(n, h)
+        self.codec.check(keys, rows, ptrs, [self.chunk_bytes] * n, verify=self.verify, landed_crcs=crcs)
+        self.stats["objects_verified"] += n
 
     def _transfer_and_verify(self, store, keys: list[str], ptrs: list[int], headers: torch.Tensor,
                              deadline: float) -> None:
         """Sub-batch by sub-batch: one round trip lands headers + payloads, then the sub-batch is
         verified, split across the verifier threads, while the next one is in flight. Returns (or
         raises) only after every transfer ended and every started verification finished."""
+        if self._land_whole:
+            return self._land_and_copy(store, keys, ptrs, headers, deadline)
         n, step, h = len(keys), self._batch_objects, HEADER_SIZE
         hbase = headers.data_ptr()
         rows = headers[: n * h].numpy().reshape(n, h)
@@ -350,10 +308,7 @@ class MooncakeTier(Tier):
                 bufs = [[hbase + i * h, ptrs[i]] for i in range(s, e)]
                 codes = per_key(store.batch_get_into_multi_buffers(keys[s:e], bufs, [self._sizes] * (e - s)),
                                 e - s, "batch_get_into_multi_buffers")
-                self.stats["get_calls"] += 1
-                for k, code in zip(keys[s:e], codes, strict=True):
-                    if code != self.object_bytes:
-                        raise self._error_for(k, code)
+                self._check_codes(keys[s:e], codes)
                 for a, b in _split(s, e, self._verify_ways):
                     checks.append(self._verifiers.submit(self._verify, keys[a:b], rows[a:b], ptrs[a:b]))
                 landed = e
@@ -361,6 +316,46 @@ class MooncakeTier(Tier):
             wait_all(checks)
         for f in checks:
             f.result()  # the first failed part raises
+        if landed < n:
+            raise FetchTimeoutError(f"fetch of {n} objects passed its deadline after {landed} had landed")
+
+    def _check_codes(self, keys: list[str], codes: list[int]) -> None:
+        self.stats["get_calls"] += 1
+        for k, code in zip(keys, codes, strict=True):
+            if code != self.object_bytes:
+                raise self._error_for(k, code)
+
+    def _land_and_copy(self, store, keys: list[str], ptrs: list[int], headers: torch.Tensor,
+                       deadline: float) -> None:
+        """Each object lands whole (one transfer) in one of two landing buffers; the sub-batch is
+        then copied into its views, checksummed as it lands, and checked on a verifier thread
+        while the next one lands in the other buffer. A buffer is reused only after its copy
+        ended; returns (or raises) only after every transfer and copy ended."""
+        n, step, h, ob = len(keys), self._batch_objects, HEADER_SIZE, self.object_bytes
+        bufs = [self._landing.acquire(min(n, step) * ob) for _ in range(1 if n <= step else 2)]
+        pending: Future | None = None
+        landed = 0
+        try:
+            for k, s in enumerate(range(0, n, step)):
+                e = min(n, s + step)
+                if s and time.monotonic() >= deadline:
+                    break  # the caller stopped waiting
+                base = bufs[k % len(bufs)].data_ptr()
+                objects = [base + j * ob for j in range(e - s)]
+                codes = per_key(store.batch_get_into(keys[s:e], objects, [ob] * (e - s)), e - s, "batch_get_into")
+                self._check_codes(keys[s:e], codes)
+                if pending is not None:
+                    pending.result()  # sub-batch k-1 checked (or the window fails here): its buffer is free
+                pending = self._verifiers.submit(self._copy_and_check, keys[s:e], objects, headers[s * h :],
+                                                 ptrs[s:e])
+                landed = e
+        finally:
+            if pending is not None:
+                wait_all([pending])
+            for b in bufs:
+                self._landing.release(b)
+        if pending is not None:
+            pending.result()
         if landed < n:
             raise FetchTimeoutError(f"fetch of {n} objects passed its deadline after {landed} had landed")
 
@@ -439,7 +434,7 @@ class MooncakeTier(Tier):
                 h.set_error(TierUnavailableError("Mooncake tier closed before the fetch ran"))
             self._pending.clear()
         self._closed = True
-        for owned in (self._headers, self._staging):  # unregistered through self._store
+        for owned in (self._headers, self._staging, self._landing):  # unregistered through self._store
             owned.close()
         store, self._store = self._store, None
         if store is None:

@@ -1,8 +1,26 @@
 """Connecting a Mooncake store client (`mooncake.store.MooncakeDistributedStore`) in bounded time.
 
-Shared by MooncakeTier and the LMCache Mooncake L2 plugin. See tiers/mooncake.py for the
-quirks this works around (setup() retrying for ~90 s while holding the GIL, RPC timeouts, the
-tcp bind address) and the Mooncake error codes below.
+Shared by MooncakeTier and the LMCache Mooncake L2 plugin.
+
+Mooncake return codes seen with 0.3.13 over tcp (see the report in the tests):
+- batch_get_into[_multi_buffers]: bytes read per key, -704 OBJECT_NOT_FOUND for a missing key,
+  -600 INVALID_PARAMS when the object is larger than the buffers (and when the client is not
+  set up), -800 when it is smaller (multi buffers), -900 RPC_FAIL / -901 RPC_TIMEOUT when the
+  master is gone or hung
+- batch_is_exist: 1 / 0 per key, negative error codes (e.g. -900) per key on failure
+- remove: -706 OBJECT_HAS_LEASE for 10 s after a read unless force=True (delete forces)
+- setup() with no master: retries MC_STORE_CLIENT_SETUP_RETRIES (default 20) times, ~4.4 s
+  each (~90 s), then returns -1; it holds the GIL while it does. The tier first connects to
+  the master and metadata ports (a refused connection fails at once) and bounds setup by
+  (2 retries) x MC_RPC_TIMEOUT_MS <= connect_timeout_s
+- master RPCs wait up to MC_RPC_TIMEOUT_MS (default 30 s) on a hung master; the tier uses
+  `rpc_timeout_s` (5 s) instead
+
+Process-wide settings. The client reads a few environment variables when it is created; the
+tier sets these for the duration of setup() unless the user has set them: MC_TCP_BIND_ADDRESS
+(the address the client advertises to peers: `local_hostname`, so tcp traffic stays on
+loopback in tests; the client still listens on all interfaces, which the library does not
+let us change), MC_RPC_TIMEOUT_MS and MC_RPC_CONNECT_TIMEOUT_MS, MC_STORE_CLIENT_SETUP_RETRIES.
 """
 
 from __future__ import annotations
