@@ -76,12 +76,10 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
     views = [lease.chunk(i) for i in range(n)]
     raw_ptrs = [raw_dst.data_ptr() + i * ob for i in range(n)]
     tier.put(keys, src_views)
-    hdr = tier._headers.acquire(n * HEADER_SIZE)
     fns = {  # raw_upsert writes back what raw_get just read (valid objects)
         "raw_get": lambda: tier._store.batch_get_into(keys, raw_ptrs, [ob] * n),
         "tier_fetch": lambda: tier.fetch(keys, views, time.monotonic() + 60).wait(),
-        "get_path": lambda: tier._transfer_and_verify(tier._store, keys, [v.data_ptr() for v in views], hdr,
-                                                      time.monotonic() + 60),
+        "get_path": lambda: get_path(tier, keys, [v.data_ptr() for v in views], c),
         "raw_upsert": lambda: tier._store.batch_upsert_from(keys, raw_ptrs, [ob] * n),
     }
     if plugin is not None:
@@ -92,7 +90,6 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
         vptrs = [v.data_ptr() for v in views]
         fns["plugin_load"] = lambda: _check_all(plugin._load_verified(pnames, vptrs, [c] * n), n)
     t = interleaved(fns, reps)
-    tier._headers.release(hdr)
     t_put = interleaved({"tier_put": lambda: tier.put(keys, src_views)}, max(3, reps // 2))["tier_put"]
     tier.fetch(keys, views, time.monotonic() + 60).wait()
     assert torch.equal(lease.view, src)
@@ -114,6 +111,15 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
     if plugin is not None:
         plugin._tier._live_store().batch_remove(pnames, True)
     return out
+
+
+def get_path(tier: MooncakeTier, keys: list[str], ptrs: list[int], c: int) -> None:
+    """The tier's read without its local path (what a client without local objects does)."""
+    local, tier._reads.local = tier._reads.local, None
+    try:
+        tier._reads.read(tier.codec, keys, ptrs, [c] * len(keys), time.monotonic() + 60)
+    finally:
+        tier._reads.local = local
 
 
 class _Obj:

@@ -57,7 +57,7 @@ def tier(mooncake_tier_factory, pool):
 
 
 def segment_address(tier, key: str) -> int:
-    (addr,) = tier._local.addresses([key]).values()
+    (addr,) = tier._reads.local.addresses([key], [C]).values()
     return addr
 
 
@@ -86,7 +86,7 @@ def test_the_get_path_serves_when_local_reads_are_off(mooncake_tier_factory, poo
 
 
 def test_a_pure_client_has_no_local_reader(mooncake_tier_factory):
-    assert mooncake_tier_factory(C, FP, global_segment_size=0)._local is None
+    assert mooncake_tier_factory(C, FP, global_segment_size=0)._reads.local is None
 
 
 @pytest.mark.parametrize("offset", [0, 30, 60, 100, 124, HEADER_SIZE, HEADER_SIZE + C // 2, HEADER_SIZE + C - 1])
@@ -133,8 +133,8 @@ def test_a_window_over_two_segments_uses_both_paths(tier, mooncake_tier_factory,
     keys = [f"mixed/{i}" for i in range(n)]
     data = payloads(n, seed=6)
     tier.put(keys, data)
-    local = len(tier._local.addresses(keys))
-    assert 0 < local < n and local + len(other._local.addresses(keys)) == n
+    local = len(tier._reads.local.addresses(keys, [C] * n))
+    assert 0 < local < n and local + len(other._reads.local.addresses(keys, [C] * n)) == n
     before = dict(tier.stats)
     got = fetch(tier, keys, pool)
     assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
@@ -178,4 +178,4 @@ def test_landing_buffers_are_two_and_reused(tier, mooncake_tier_factory, pool):
         assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
     reader.unregister_staging(pool.buffer)
     assert reader.stats["get_calls"] == 30
-    assert not reader._landing._busy and len(reader._landing._free) == 2
+    assert not reader._reads.landing._busy and len(reader._reads.landing._free) == 2

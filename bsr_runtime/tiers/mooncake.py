@@ -43,10 +43,8 @@ import dataclasses
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
+from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 from bsr_kernels import host_crc
@@ -73,14 +71,7 @@ from .mooncake_client import (
 from .mooncake_local import LocalSegmentReader
 from .mooncake_object import HEADER_SIZE, LEGACY_META_SUFFIX, ObjectCodec, RegisteredBuffers, size_problem
 from .mooncake_options import MooncakeTierOptions
-
-
-def _split(start: int, end: int, ways: int) -> list[tuple[int, int]]:
-    """[start, end) in up to `ways` contiguous, nearly equal parts."""
-    n = end - start
-    ways = max(1, min(ways, n))
-    cuts = [start + (n * i) // ways for i in range(ways + 1)]
-    return list(zip(cuts[:-1], cuts[1:], strict=True))
+from .mooncake_reads import ReadPaths
 
 
 class MooncakeTier(Tier):
@@ -110,9 +101,7 @@ class MooncakeTier(Tier):
         self._pending_lock = threading.Lock()
         self.object_bytes = HEADER_SIZE + chunk_bytes
         self.codec = ObjectCodec(fingerprint, o.tenant_id)
-        self._batch_objects = max(1, o.verify_batch_bytes // self.object_bytes)
         self._put_objects = max(1, o.put_batch_bytes // self.object_bytes)
-        self._sizes = [HEADER_SIZE, chunk_bytes]
         self.stats = {"fetches": 0, "get_calls": 0, "objects_verified": 0, "local_reads": 0, "puts": 0,
                       "temp_registrations": 0}
         self._registrations = StoreRegistrations(lambda: self._store, self._registration_error, self.stats)
@@ -126,17 +115,17 @@ class MooncakeTier(Tier):
         self._store = store
         # a pure client (no segment) holds no objects; without the CPU library there is no fused copy
         local = o.local_reads and o.global_segment_size > 0 and host_crc.available()
-        self._local = LocalSegmentReader(store, self.object_bytes) if local else None
-        land = o.protocol == "tcp" if o.land_whole is None else o.land_whole
-        self._land_whole = land and host_crc.available()
-        self._landing = RegisteredBuffers(self._register_owned, self._unregister_owned)  # whole objects
-        self._headers = RegisteredBuffers(self._register_owned, self._unregister_owned)  # fetch header areas
-        self._staging = RegisteredBuffers(self._register_owned, self._unregister_owned)  # put staging
         workers = o.fetch_workers
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bsr-mooncake-fetch")
-        self._verify_ways = o.verify_threads
-        self._verifiers = ThreadPoolExecutor(max_workers=workers * self._verify_ways,
+        self._verifiers = ThreadPoolExecutor(max_workers=workers * o.verify_threads,
                                              thread_name_prefix="bsr-mooncake-verify")
+        self._reads = ReadPaths(
+            self._live_store, local=LocalSegmentReader(store) if local else None,
+            land_whole=o.protocol == "tcp" if o.land_whole is None else o.land_whole,
+            batch_bytes=o.verify_batch_bytes, verifiers=self._verifiers, verify_ways=o.verify_threads,
+            registrations=self._registrations, register=self._register_owned, unregister=self._unregister_owned,
+            error_for=self._error_for, stats=self.stats)
+        self._staging = RegisteredBuffers(self._register_owned, self._unregister_owned)  # put staging
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bsr-mooncake-fetch")
 
     # -- helpers ---------------------------------------------------------------------------
     def _live_store(self):
@@ -167,7 +156,8 @@ class MooncakeTier(Tier):
             return TierUnavailableError(f"register_buffer({size} B) returned {rc}: the Mooncake master is down")
         return TierError(f"register_buffer({size} B) returned {rc}")
 
-    def _error_for(self, key: str, code: int) -> TierError:
+    def _error_for(self, key: str, code: int, payload_bytes: int | None = None) -> TierError:
+        payload_bytes = self.chunk_bytes if payload_bytes is None else payload_bytes
         if code == OBJECT_NOT_FOUND:
             return MissingObjectError(f"{key}: not in the Mooncake store")
         if code in UNREACHABLE:
@@ -176,11 +166,11 @@ class MooncakeTier(Tier):
         if store is not None:  # a size mismatch (-600 larger, -800 smaller, or a short read)
             with contextlib.suppress(Exception):
                 size = store.get_size(key)
-                if size >= 0 and size != self.object_bytes:
-                    legacy = size == self.chunk_bytes and store.is_exist(key + LEGACY_META_SUFFIX) == 1
-                    return size_problem(key, size, self.chunk_bytes, legacy)
+                if size >= 0 and size != HEADER_SIZE + payload_bytes:
+                    legacy = size == payload_bytes and store.is_exist(key + LEGACY_META_SUFFIX) == 1
+                    return size_problem(key, size, payload_bytes, legacy)
         if code >= 0:
-            return CorruptObjectError(f"{key}: read {code} B, expected {self.object_bytes} B")
+            return CorruptObjectError(f"{key}: read {code} B, expected {HEADER_SIZE + payload_bytes} B")
         return TierError(f"{key}: Mooncake error {code}")
 
     def _register_owned(self, ptr: int, size: int) -> None:
@@ -248,120 +238,11 @@ class MooncakeTier(Tier):
         if time.monotonic() >= deadline:
             # Never start a transfer the caller has stopped waiting for (its slot may be reused).
             raise FetchTimeoutError(f"fetch of {len(keys)} objects started after its deadline")
-        store = self._live_store()
+        self._live_store()
         self.stats["fetches"] += 1
-        ptrs = [v.data_ptr() for v in views]
-        headers = self._headers.acquire(len(keys) * HEADER_SIZE)
-        try:
-            rest = self._read_local(keys, ptrs, headers) if self._local is not None else range(len(keys))
-            if rest:  # header rows [0, done) hold the local objects' headers
-                done, rest_ptrs = len(keys) - len(rest), [ptrs[i] for i in rest]
-                # only a multi-buffer get writes into the views (a copy lands the others)
-                taken = [] if self._land_whole else self._registrations.take(rest_ptrs, self.chunk_bytes)
-                try:
-                    self._transfer_and_verify(store, [keys[i] for i in rest], rest_ptrs,
-                                              headers[done * HEADER_SIZE :], deadline)
-                finally:
-                    self._registrations.give_back(taken)
-        finally:
-            self._headers.release(headers)
+        self._reads.read(self.codec, keys, [v.data_ptr() for v in views], [self.chunk_bytes] * len(keys),
+                         deadline, verify=self.verify)
         return len(keys) * self.chunk_bytes
-
-    def _read_local(self, keys: list[str], ptrs: list[int], headers: torch.Tensor) -> list[int]:
-        """Copy + checksum the objects held in this client's segment (header rows 0..k-1), check
-        them, and return the indices of the other keys (for the get path)."""
-        local = self._local.addresses(keys)
-        if not local:
-            return list(range(len(keys)))
-        idx = sorted(local)
-        self._copy_and_check([keys[i] for i in idx], [local[i] for i in idx], headers, [ptrs[i] for i in idx])
-        self.stats["local_reads"] += len(idx)
-        return [i for i in range(len(keys)) if i not in local]
-
-    def _copy_and_check(self, keys: list[str], objects: list[int], headers: torch.Tensor, ptrs: list[int]) -> None:
-        """One checksumming copy: object i's header to header row i, its payload to ptrs[i]; then
-        the headers are checked and the CRCs of what landed compared with theirs."""
-        n, h = len(keys), HEADER_SIZE
-        base = headers.data_ptr()
-        crcs = host_crc.copy_crc32c(objects, [base + j * h for j in range(n)], ptrs, h, self.chunk_bytes)
-        rows = headers[: n * h].numpy().reshape(n, h)
-        self.codec.check(keys, rows, ptrs, [self.chunk_bytes] * n, verify=self.verify, landed_crcs=crcs)
-        self.stats["objects_verified"] += n
-
-    def _transfer_and_verify(self, store, keys: list[str], ptrs: list[int], headers: torch.Tensor,
-                             deadline: float) -> None:
-        """Sub-batch by sub-batch: one round trip lands headers + payloads, then the sub-batch is
-        verified, split across the verifier threads, while the next one is in flight. Returns (or
-        raises) only after every transfer ended and every started verification finished."""
-        if self._land_whole:
-            return self._land_and_copy(store, keys, ptrs, headers, deadline)
-        n, step, h = len(keys), self._batch_objects, HEADER_SIZE
-        hbase = headers.data_ptr()
-        rows = headers[: n * h].numpy().reshape(n, h)
-        checks: list[Future] = []
-        landed = 0
-        try:
-            for s in range(0, n, step):
-                e = min(n, s + step)
-                if s and (time.monotonic() >= deadline or any(f.done() and f.exception() for f in checks)):
-                    break  # the caller stopped waiting, or the window already failed
-                bufs = [[hbase + i * h, ptrs[i]] for i in range(s, e)]
-                codes = per_key(store.batch_get_into_multi_buffers(keys[s:e], bufs, [self._sizes] * (e - s)),
-                                e - s, "batch_get_into_multi_buffers")
-                self._check_codes(keys[s:e], codes)
-                for a, b in _split(s, e, self._verify_ways):
-                    checks.append(self._verifiers.submit(self._verify, keys[a:b], rows[a:b], ptrs[a:b]))
-                landed = e
-        finally:
-            wait_all(checks)
-        for f in checks:
-            f.result()  # the first failed part raises
-        if landed < n:
-            raise FetchTimeoutError(f"fetch of {n} objects passed its deadline after {landed} had landed")
-
-    def _check_codes(self, keys: list[str], codes: list[int]) -> None:
-        self.stats["get_calls"] += 1
-        for k, code in zip(keys, codes, strict=True):
-            if code != self.object_bytes:
-                raise self._error_for(k, code)
-
-    def _land_and_copy(self, store, keys: list[str], ptrs: list[int], headers: torch.Tensor,
-                       deadline: float) -> None:
-        """Each object lands whole (one transfer) in one of two landing buffers; the sub-batch is
-        then copied into its views, checksummed as it lands, and checked on a verifier thread
-        while the next one lands in the other buffer. A buffer is reused only after its copy
-        ended; returns (or raises) only after every transfer and copy ended."""
-        n, step, h, ob = len(keys), self._batch_objects, HEADER_SIZE, self.object_bytes
-        bufs = [self._landing.acquire(min(n, step) * ob) for _ in range(1 if n <= step else 2)]
-        pending: Future | None = None
-        landed = 0
-        try:
-            for k, s in enumerate(range(0, n, step)):
-                e = min(n, s + step)
-                if s and time.monotonic() >= deadline:
-                    break  # the caller stopped waiting
-                base = bufs[k % len(bufs)].data_ptr()
-                objects = [base + j * ob for j in range(e - s)]
-                codes = per_key(store.batch_get_into(keys[s:e], objects, [ob] * (e - s)), e - s, "batch_get_into")
-                self._check_codes(keys[s:e], codes)
-                if pending is not None:
-                    pending.result()  # sub-batch k-1 checked (or the window fails here): its buffer is free
-                pending = self._verifiers.submit(self._copy_and_check, keys[s:e], objects, headers[s * h :],
-                                                 ptrs[s:e])
-                landed = e
-        finally:
-            if pending is not None:
-                wait_all([pending])
-            for b in bufs:
-                self._landing.release(b)
-        if pending is not None:
-            pending.result()
-        if landed < n:
-            raise FetchTimeoutError(f"fetch of {n} objects passed its deadline after {landed} had landed")
-
-    def _verify(self, keys: list[str], rows: np.ndarray, ptrs: list[int]) -> None:
-        self.codec.check(keys, rows, ptrs, [self.chunk_bytes] * len(keys), verify=self.verify)
-        self.stats["objects_verified"] += len(keys)
 
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
         """Header + payload per object, staged in a registered buffer, one upsert per batch."""
@@ -434,8 +315,8 @@ class MooncakeTier(Tier):
                 h.set_error(TierUnavailableError("Mooncake tier closed before the fetch ran"))
             self._pending.clear()
         self._closed = True
-        for owned in (self._headers, self._staging, self._landing):  # unregistered through self._store
-            owned.close()
+        self._reads.close()  # header and landing buffers, unregistered through self._store
+        self._staging.close()
         store, self._store = self._store, None
         if store is None:
             return

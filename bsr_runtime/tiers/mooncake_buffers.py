@@ -44,19 +44,20 @@ class StoreRegistrations:
             if store is not None:
                 store.unregister_buffer(ptr)
 
-    def take(self, ptrs: Sequence[int], size: int) -> list[int]:
-        """Register the `size`-byte ranges at `ptrs` that no registration covers; returns what
-        to hand to give_back()."""
+    def take(self, ptrs: Sequence[int], size: int | Sequence[int]) -> list[int]:
+        """Register the ranges at `ptrs` (of `size` bytes, one size or one each) that no
+        registration covers; returns what to hand to give_back()."""
         ranges: list[list[int]] = []
         lo = np.asarray(ptrs, dtype=np.int64)
+        hi = lo + np.asarray(size, dtype=np.int64)
         inside = np.zeros(len(lo), dtype=bool)
         for s, e in self.regions:  # one vectorized test per registration, not one Python call per view
-            inside |= (lo >= s) & (lo + size <= e)
-        for p in sorted(set(lo[~inside].tolist())):
+            inside |= (lo >= s) & (hi <= e)
+        for p, q in sorted(set(zip(lo[~inside].tolist(), hi[~inside].tolist(), strict=True))):
             if ranges and p <= ranges[-1][1]:
-                ranges[-1][1] = max(ranges[-1][1], p + size)
+                ranges[-1][1] = max(ranges[-1][1], q)
             else:
-                ranges.append([p, p + size])
+                ranges.append([p, q])
         taken: list[int] = []
         with self._lock:
             try:

@@ -19,45 +19,37 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
-from bsr_kernels import host_crc
+from .mooncake_object import HEADER_SIZE
 
 
 class LocalSegmentReader:
-    """Finds the objects of a window held in this client's segment and copies + checksums them."""
+    """Finds the objects of a window held in this client's segment (mooncake_reads.py copies them)."""
 
-    def __init__(self, store, object_bytes: int) -> None:
+    def __init__(self, store) -> None:
         self._store = store
         self.endpoint = store.get_hostname()
-        self.object_bytes = object_bytes
         from mooncake.store import ReplicaStatus  # the client is up, so the package is there
 
         self._complete = ReplicaStatus.COMPLETE  # (comparing enums: .name costs 2.6 us a call)
 
-    def addresses(self, keys: Sequence[str]) -> dict[int, int]:
+    def addresses(self, keys: Sequence[str], payload_sizes: Sequence[int]) -> dict[int, int]:
         """{index in keys: address of the object} for keys with a complete memory replica in this
-        client's segment; any failure of the lookup means {} (the normal path reports it)."""
+        client's segment of HEADER_SIZE + payload_sizes[i] bytes; any failure of the lookup means
+        {} (the get path reports it)."""
         try:
             descs = self._store.batch_get_replica_desc(list(keys))
         except Exception:  # noqa: BLE001 - the get path reports unreachable masters and missing keys
             return {}
         out: dict[int, int] = {}
-        me, size, complete, get = self.endpoint, self.object_bytes, self._complete, descs.get
+        me, complete, get = self.endpoint, self._complete, descs.get
         try:  # ~3 us a key with the RPC: this loop is the path's Python cost, so it stays flat
             for i, key in enumerate(keys):
                 for replica in get(key, ()):
                     if replica.status == complete and replica.is_memory_replica():
                         buf = replica.get_memory_descriptor().buffer_descriptor
-                        if buf.transport_endpoint == me and buf.size == size:
+                        if buf.transport_endpoint == me and buf.size == HEADER_SIZE + payload_sizes[i]:
                             out[i] = buf.buffer_address
                             break
         except Exception:  # noqa: BLE001 - an unexpected descriptor: the get path serves everything
             return {}
         return out
-
-    @staticmethod
-    def copy(src: Sequence[int], header_ptrs: Sequence[int], payload_ptrs: Sequence[int], header_bytes: int,
-             payload_bytes: int) -> np.ndarray:
-        """Copy each object's header and payload apart; the CRC-32C of each payload as it landed."""
-        return host_crc.copy_crc32c(src, header_ptrs, payload_ptrs, header_bytes, payload_bytes)

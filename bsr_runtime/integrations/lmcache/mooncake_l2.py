@@ -18,14 +18,14 @@ Object format and data path: the MooncakeTier's (bsr_runtime/tiers/mooncake_obje
 object is a 128-byte header (magic, version, `fingerprint`, sha256 of the store key, tenant,
 payload length, CRC-32C) followed by the L1 object's bytes, under one key. The whole L1 arena
 described by `l1_memory_desc` is registered with the store once (`register_buffer`; required over
-RDMA). Loads are `batch_get_into_multi_buffers` in sub-batches of about `verify_batch_bytes`: the
-header into a registered header area, the payload straight into the L1 object the prefetch
-controller reserved; each sub-batch is verified (headers compared in one step, CRC-32C in place on
-a verifier thread) while the next is in flight, and an object that fails (another key's, another
-tenant's or registration's, damaged, headerless) is a clear bit, i.e. a miss. Stores stage header
-+ payload in a registered buffer and `batch_upsert_from` them; lookups are one `batch_is_exist`.
-Every operation runs on a small thread pool and completes through the adapter's three event fds,
-as LMCache requires.
+RDMA). Loads take the MooncakeTier's read paths (tiers/mooncake_reads.py) into the L1 objects the
+prefetch controller reserved: objects in this client's own segment by one checksumming copy, the
+others whole into a landing buffer + checksumming copy (tcp) or header and payload apart (rdma),
+sub-batch by sub-batch, checked while the next sub-batch lands; an object that fails (another
+key's, another tenant's or registration's, damaged, headerless, missing) is a clear bit, i.e. a
+miss. Stores stage header + payload in a registered buffer and `batch_upsert_from` them; lookups
+are one `batch_is_exist`. Every operation runs on a small thread pool and completes through the
+adapter's three event fds, as LMCache requires.
 
 Locks. Mooncake has no pin for readers (a get leaves only a short lease), so "lookup and lock" is a
 client-side refcount per key, like LMCache's NativeConnectorL2Adapter; `submit_unlock` drops it and
@@ -40,7 +40,6 @@ bind address); every store operation goes through that tier's `_live_store()`.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import ctypes
 import threading
@@ -55,6 +54,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
+from bsr_runtime.tiers.base import TierError
 from bsr_runtime.tiers.mooncake import MooncakeTier
 from bsr_runtime.tiers.mooncake_object import HEADER_SIZE, ObjectCodec
 
@@ -146,13 +146,14 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
         self._registered: int | None = None
         try:
             if config.register_l1 and l1_memory_desc is not None and l1_memory_desc.ptr and l1_memory_desc.size > 0:
-                rc = self._tier._live_store().register_buffer(l1_memory_desc.ptr, l1_memory_desc.size)
-                if rc == 0:
+                # through the tier's registrations, so its reads know the L1 objects are covered
+                try:
+                    self._tier._registrations.add(l1_memory_desc.ptr, l1_memory_desc.size)
                     self._registered = l1_memory_desc.ptr
-                elif config.protocol != "tcp":
-                    raise RuntimeError(f"register_buffer of the L1 arena ({l1_memory_desc.size} B) returned {rc}")
-                else:
-                    logger.warning("register_buffer of the L1 arena returned %d; tcp works without it", rc)
+                except TierError as e:
+                    if config.protocol != "tcp":
+                        raise RuntimeError(f"registering the L1 arena ({l1_memory_desc.size} B): {e}") from e
+                    logger.warning("registering the L1 arena failed (%s); tcp works without it", e)
             elif config.protocol != "tcp":
                 raise ValueError(f"protocol {config.protocol!r} needs the L1 memory descriptor to register L1")
         except BaseException:
@@ -310,36 +311,12 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
         self._load_efd.notify()
 
     def _load_verified(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        """Indices of the objects that landed and passed their checks. One multi-buffer get per
-        sub-batch; a sub-batch is verified on a verifier thread while the next is in flight."""
-        store, n, h = self._tier._live_store(), len(names), HEADER_SIZE
-        step = max(1, self.config.verify_batch_bytes // (h + max(sizes, default=1)))
-        headers = self._tier._headers.acquire(n * h)
-        try:
-            rows, base = headers[: n * h].numpy().reshape(n, h), headers.data_ptr()
-            landed, checks = [], []
-            try:
-                for s in range(0, n, step):
-                    e = min(n, s + step)
-                    codes = store.batch_get_into_multi_buffers(
-                        names[s:e], [[base + i * h, ptrs[i]] for i in range(s, e)],
-                        [[h, sizes[i]] for i in range(s, e)])
-                    idx = [i for i, c in zip(range(s, e), codes, strict=False) if c == h + sizes[i]]
-                    landed.append(idx)
-                    checks.append(self._tier._verifiers.submit(
-                        self._codec.problems, [names[i] for i in idx], rows[idx], [ptrs[i] for i in idx],
-                        [sizes[i] for i in idx], True, False))
-            finally:
-                concurrent.futures.wait(checks)
-            good = []
-            for idx, f in zip(landed, checks, strict=True):
-                bad = f.result()
-                if bad:
-                    logger.warning("Mooncake L2: %d objects refused, first: %s", len(bad), next(iter(bad.values())))
-                good += [i for j, i in enumerate(idx) if j not in bad]
-            return good
-        finally:
-            self._tier._headers.release(headers)
+        """Indices of the objects that landed and passed their checks: the MooncakeTier's read
+        paths (tiers/mooncake_reads.py), collecting per-object problems instead of failing all."""
+        bad = self._tier._reads.read(self._codec, names, ptrs, sizes, float("inf"), collect=True)
+        if bad:
+            logger.warning("Mooncake L2: %d objects refused, first: %s", len(bad), bad[min(bad)])
+        return [i for i in range(len(names)) if i not in bad]
 
     def query_load_result(self, task_id: int):
         with self._lock:
@@ -376,10 +353,9 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
             return
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
-        store = getattr(self._tier, "_store", None)  # even while a fault makes _live_store() raise
-        if self._registered is not None and store is not None:
+        if self._registered is not None:  # even while a fault makes _live_store() raise
             with contextlib.suppress(Exception):
-                store.unregister_buffer(self._registered)
+                self._tier._registrations.remove(self._registered)
         self._registered = None
         self._tier.close()
         for efd in (self._store_efd, self._lookup_efd, self._load_efd):
