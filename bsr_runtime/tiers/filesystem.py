@@ -54,15 +54,15 @@ from .base import (
     TierError,
     TierUnavailableError,
 )
-from .fs_format import (  # noqa: F401 - HEADER_SIZE, pack_header, key_digest: public here too
+from .fs_format import (  # noqa: F401 - HEADER_SIZE, HEADER_STRUCT, pack_header, key_digest: public here too
     DIR_FLAGS,
     ENV_LOAD_CONCURRENCY,
     FILE_FLAGS,
     HEADER_SIZE,
     HEADER_STRUCT,
-    MAGIC,
     SUFFIX,
     TMP_FLAGS,
+    bad_size_error,
     check_header,
     fingerprint_bytes,
     io_full,
@@ -294,7 +294,7 @@ class FilesystemTier(Tier):
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptObjectError(f"filesystem tier: object {key} is not a regular file")
             if st.st_size != self.object_size:
-                self._raise_bad_size(fd, key, st.st_size)
+                raise bad_size_error(fd, key, st.st_size, self._fp, self.fingerprint, self.chunk_bytes)
             header = bytearray(HEADER_SIZE)
             n = os.preadv(fd, [header, arr], 0)
             if n != self.object_size:  # a short read: again from the start, until EOF
@@ -307,20 +307,6 @@ class FilesystemTier(Tier):
         if crc_at(algo, addr, self.chunk_bytes) != crc:
             raise CorruptObjectError(f"filesystem tier: checksum mismatch for {key}")
         return self.chunk_bytes
-
-    def _raise_bad_size(self, fd: int, key: str, size: int) -> None:
-        head = os.pread(fd, HEADER_SIZE, 0) if size >= HEADER_SIZE else b""
-        if len(head) == HEADER_SIZE and head[:4] == MAGIC:
-            fp = HEADER_STRUCT.unpack(head)[8]
-            if fp != self._fp:
-                raise CorruptObjectError(
-                    f"filesystem tier: registration mismatch for {key}: written under "
-                    f"{fp.rstrip(bytes(1)).decode('ascii', 'replace')}, this tier is {self.fingerprint}"
-                )
-        raise CorruptObjectError(
-            f"filesystem tier: object {key} has {size:,} B, expected {self.object_size:,} "
-            f"({'truncated' if size < self.object_size else 'trailing bytes'})"
-        )
 
     # -- put / delete ----------------------------------------------------------------------
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
