@@ -9,6 +9,7 @@ keys to file names hash them again and never use a key as a path.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -89,20 +90,34 @@ class PrefixKeys:
             )
         if first_chunk < self._cursor:
             self._cursor, self._hash = 0, _CHAIN_START
+        prefix = self.space._prefix  # once per window, not per key
+        ct = self.chunk_tokens
         out = []
-        while self._cursor < end:
-            k = self._cursor
-            self._hash = _h(self._hash, _token_bytes(self.tokens[k * self.chunk_tokens : (k + 1) * self.chunk_tokens]))
-            self._cursor += 1
-            if k >= first_chunk:
-                out.append(self.space.key(self._hash))
+        while self._cursor < end:  # the chain walked in blocks of at most _BLOCK chunks
+            start = self._cursor
+            stop = min(end, start + _BLOCK)
+            data = memoryview(_token_bytes(self.tokens[start * ct : stop * ct]))
+            step = len(data) // (stop - start)
+            h = self._hash
+            for k in range(start, stop):
+                h = _h(h, data[(k - start) * step : (k - start + 1) * step])
+                if k >= first_chunk:
+                    out.append(f"{prefix}-{h.hex()}")
+            self._cursor, self._hash = stop, h
         return out
 
 
+_BLOCK = 64  # chunks whose token ids are packed at once (transient: 64 * chunk_tokens * 8 B)
 _CHAIN_START = b"\0" * 16
 
 
 def _token_bytes(chunk: Sequence[int]) -> bytes:
+    """The ids as native-order int64 bytes (what numpy's int64 `tobytes` gives)."""
+    if type(chunk) in (list, tuple):  # the common case: struct packs a list ~3x faster than numpy
+        try:
+            return struct.pack(f"={len(chunk)}q", *chunk)
+        except struct.error:
+            pass  # out of range or not ints: the path below raises the precise error
     try:
         import numpy as np
 

@@ -6,24 +6,25 @@ Writes are atomic: header+payload go to a temp file `.<hash>.<pid>.<tid>.<rand>.
 object's directory (optionally fsync'ed), then `os.replace` onto the final name. A crash leaves
 at most a temp file, which probe and fetch never look at (`sweep_temp_files` removes stale ones).
 
-Reads are confined to the root without resolving any path: the root directory is opened once,
-and every component below it (two fan-out dirs, the object file) is opened relative to its
-parent's descriptor with O_NOFOLLOW (and O_DIRECTORY for the dirs). A symlink anywhere below
-the root fails with ELOOP/ENOTDIR, so nothing outside the root is ever opened; a directory,
+Reads are confined to the root without resolving any path (`fs_open.py`): the root directory
+is opened once, and every object is opened relative to it with one openat2 that refuses a
+symlink in any component (or, without openat2, component by component with O_NOFOLLOW). A
+symlink anywhere below the root fails, so nothing outside the root is ever opened; a directory,
 FIFO or device in an object's place fails the fstat S_ISREG check. Both surface as
-CorruptObjectError. The payload is read with one preadv straight into the staging view.
+CorruptObjectError. Header and payload are read with one preadv, the payload straight into
+the staging view, and its checksum is computed in place with the GIL released.
 
 A fetch completes its handle only after every read it started has ended (on the first error,
 reads not yet started are skipped, as are reads whose deadline passed). `wait()` can still raise
 FetchTimeoutError with reads in flight; `handle.quiesce()` returns once none can land.
 
 Reads and writes run on one thread pool of `load_concurrency` workers per tier (LMCache's
-LMCACHE_FS_LOAD_CONCURRENCY knob): more workers, more reads in flight, same staging.
+LMCACHE_FS_LOAD_CONCURRENCY knob): more workers, more reads in flight, same staging. A fetch
+is one task per worker (up to one per object), each taking the next unread object in turn.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import secrets
 import stat
@@ -41,6 +42,7 @@ from ._common import (
     DEFAULT_CHECKSUM,
     HAVE_CRC32C,
     SettledFetchHandle,
+    crc_at,
     host_views,
     payload_crc,
 )
@@ -52,15 +54,15 @@ from .base import (
     TierError,
     TierUnavailableError,
 )
-from .fs_format import (  # noqa: F401 - HEADER_SIZE, pack_header, key_digest: public here too
+from .fs_format import (  # noqa: F401 - HEADER_SIZE, HEADER_STRUCT, pack_header, key_digest: public here too
     DIR_FLAGS,
     ENV_LOAD_CONCURRENCY,
     FILE_FLAGS,
     HEADER_SIZE,
     HEADER_STRUCT,
-    MAGIC,
     SUFFIX,
     TMP_FLAGS,
+    bad_size_error,
     check_header,
     fingerprint_bytes,
     io_full,
@@ -68,10 +70,12 @@ from .fs_format import (  # noqa: F401 - HEADER_SIZE, pack_header, key_digest: p
     object_relpath,
     pack_header,
 )
+from .fs_open import open_dir, open_object, openat2_works
 
 
 class _FetchState:
-    __slots__ = ("handle", "deadline", "total", "landed", "nbytes", "started", "finished", "error", "final", "lock")
+    __slots__ = ("handle", "deadline", "total", "landed", "nbytes", "started", "finished", "error", "final", "lock",
+                 "next", "dsts")
 
     def __init__(self, handle: SettledFetchHandle) -> None:
         self.handle = handle
@@ -84,6 +88,8 @@ class _FetchState:
         self.error: BaseException | None = None
         self.final = False
         self.lock = threading.Lock()
+        self.next = 0  # the next object a worker takes
+        self.dsts: list[tuple[np.ndarray, int]] = []
 
 
 class FilesystemTier(Tier):
@@ -148,6 +154,7 @@ class FilesystemTier(Tier):
         self.object_size = HEADER_SIZE + chunk_bytes
         self._fp = fingerprint_bytes(fingerprint)
         self._root_fd = os.open(self.root, DIR_FLAGS)
+        self._openat2 = openat2_works(self._root_fd)
         self._pool = ThreadPoolExecutor(max_workers=load_concurrency, thread_name_prefix="bsr-fs")
         self._lock = threading.Lock()
         self._inflight: set[_FetchState] = set()
@@ -159,57 +166,11 @@ class FilesystemTier(Tier):
         return os.path.join(self.root, object_relpath(key))
 
     def _open_dir(self, digest_hex: str, create: bool) -> int:
-        """fd of the object's leaf directory `ab/cd`, opened component by component under the
-        root fd with O_NOFOLLOW. Raises FileNotFoundError (absent), CorruptObjectError (a
-        component is a symlink or not a directory)."""
-        fd = self._root_fd
-        opened = []
-        try:
-            for part in (digest_hex[0:2], digest_hex[2:4]):
-                if create:
-                    try:
-                        os.mkdir(part, 0o755, dir_fd=fd)
-                        if self.fsync:
-                            os.fsync(fd)  # make the new directory entry durable
-                    except FileExistsError:
-                        pass
-                try:
-                    fd = os.open(part, DIR_FLAGS, dir_fd=fd)
-                except OSError as e:
-                    if e.errno in (errno.ENOTDIR, errno.ELOOP):
-                        raise CorruptObjectError(
-                            f"filesystem tier: {part!r} under {self.root} is not a plain directory "
-                            f"(symlink or file): refusing to follow it"
-                        ) from e
-                    raise
-                opened.append(fd)
-        except BaseException:
-            for f in opened:
-                os.close(f)
-            raise
-        os.close(opened[0])
-        return opened[1]
+        return open_dir(self._root_fd, self.root, digest_hex, create, self.fsync)
 
     def _open_object(self, key: str) -> tuple[int, bytes]:
         digest = key_digest(key)
-        h = digest.hex()
-        try:
-            dfd = self._open_dir(h, create=False)
-        except FileNotFoundError:
-            raise MissingObjectError(f"filesystem tier: object {key} is not present") from None
-        try:
-            fd = os.open(h + SUFFIX, FILE_FLAGS, dir_fd=dfd)
-        except FileNotFoundError:
-            raise MissingObjectError(f"filesystem tier: object {key} is not present") from None
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise CorruptObjectError(
-                    f"filesystem tier: object {key} is a symlink: refusing to follow it"
-                ) from e
-            raise
-        finally:
-            os.close(dfd)
-        return fd, digest
+        return open_object(self._root_fd, self.root, key, digest.hex(), self._openat2), digest
 
     # -- probe -----------------------------------------------------------------------------
     def _check(self, op: str) -> None:
@@ -249,41 +210,46 @@ class FilesystemTier(Tier):
         if not keys:
             self._finish(state)
             return handle
+        state.dsts = [(a, v.data_ptr()) for a, v in zip(arrays, views, strict=True)]
         with self._lock:
             self._inflight.add(state)
         try:
-            for key, arr in zip(keys, arrays, strict=True):
-                self._pool.submit(self._fetch_one, state, key, arr)
+            for _ in range(min(self.load_concurrency, len(keys))):
+                self._pool.submit(self._fetch_some, state)
         except RuntimeError as e:  # pool shut down by a concurrent close()
             self._fail(state, TierUnavailableError(f"filesystem tier closed: {e}"))
         return handle
 
-    def _fetch_one(self, state: _FetchState, key: str, arr: np.ndarray) -> None:
-        with state.lock:
-            if state.error is not None:
-                skip = True
-            elif time.monotonic() > state.deadline:
-                state.error = FetchTimeoutError(f"filesystem tier: deadline passed before {key} was read")
-                skip = True
-            else:
-                skip = False
+    def _fetch_some(self, state: _FetchState) -> None:
+        """One worker's share of a fetch: read the next unclaimed object until none is left,
+        the fetch has failed, its deadline has passed or the tier is closing."""
+        keys, dsts = state.handle.keys, state.dsts
+        i, err = -1, None
+        while True:
+            with state.lock:
+                if i >= 0:  # account for the read this worker just ended
+                    state.finished += 1
+                    if err is None:
+                        state.landed += 1
+                        state.nbytes += self.chunk_bytes
+                    elif state.error is None:
+                        state.error = err
+                i = state.next
+                if i >= state.total or state.error is not None:
+                    break
+                if self._closed:
+                    state.error = TierUnavailableError("filesystem tier closed before the fetch completed")
+                    break
+                if time.monotonic() > state.deadline:
+                    state.error = FetchTimeoutError(f"filesystem tier: deadline passed before {keys[i]} was read")
+                    break
+                state.next = i + 1
                 state.started += 1
-        if skip:
-            self._maybe_finish(state)
-            return
-        err = None
-        try:
-            self._read_into(key, arr)
-        except BaseException as e:
-            err = e
-        with state.lock:
-            state.finished += 1
-            if err is not None:
-                if state.error is None:
-                    state.error = err
-            else:
-                state.landed += 1
-                state.nbytes += self.chunk_bytes
+            err = None
+            try:
+                self._read_into(keys[i], dsts[i])
+            except BaseException as e:
+                err = e
         self._maybe_finish(state)
 
     def _fail(self, state: _FetchState, err: BaseException) -> None:
@@ -319,38 +285,28 @@ class FilesystemTier(Tier):
         else:
             handle.set_result(state.nbytes)
 
-    def _read_into(self, key: str, arr: np.ndarray) -> int:
+    def _read_into(self, key: str, dst: tuple[np.ndarray, int]) -> int:
+        """Read the object into `dst` (the staging view as an array, and its address)."""
+        arr, addr = dst
         fd, digest = self._open_object(key)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptObjectError(f"filesystem tier: object {key} is not a regular file")
             if st.st_size != self.object_size:
-                self._raise_bad_size(fd, key, st.st_size)
+                raise bad_size_error(fd, key, st.st_size, self._fp, self.fingerprint, self.chunk_bytes)
             header = bytearray(HEADER_SIZE)
-            n = io_full(os.preadv, fd, [header, arr], 0)
+            n = os.preadv(fd, [header, arr], 0)
+            if n != self.object_size:  # a short read: again from the start, until EOF
+                n = io_full(os.preadv, fd, [header, arr], 0)
         finally:
             os.close(fd)
         if n != self.object_size:
             raise CorruptObjectError(f"filesystem tier: object {key} is truncated ({n:,} of {self.object_size:,} B)")
         algo, crc = check_header(key, bytes(header), digest, self._fp, self.fingerprint, self.chunk_bytes)
-        if payload_crc(algo, arr) != crc:
+        if crc_at(algo, addr, self.chunk_bytes) != crc:
             raise CorruptObjectError(f"filesystem tier: checksum mismatch for {key}")
         return self.chunk_bytes
-
-    def _raise_bad_size(self, fd: int, key: str, size: int) -> None:
-        head = os.pread(fd, HEADER_SIZE, 0) if size >= HEADER_SIZE else b""
-        if len(head) == HEADER_SIZE and head[:4] == MAGIC:
-            fp = HEADER_STRUCT.unpack(head)[8]
-            if fp != self._fp:
-                raise CorruptObjectError(
-                    f"filesystem tier: registration mismatch for {key}: written under "
-                    f"{fp.rstrip(bytes(1)).decode('ascii', 'replace')}, this tier is {self.fingerprint}"
-                )
-        raise CorruptObjectError(
-            f"filesystem tier: object {key} has {size:,} B, expected {self.object_size:,} "
-            f"({'truncated' if size < self.object_size else 'trailing bytes'})"
-        )
 
     # -- put / delete ----------------------------------------------------------------------
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:

@@ -120,3 +120,23 @@ def check_header(key: str, header: bytes, digest: bytes, fp_bytes: bytes, finger
     if kd != digest:
         raise CorruptObjectError(f"filesystem tier: object file for {key} holds another key (misplaced file)")
     return algo, crc
+
+
+def bad_size_error(fd: int, key: str, size: int, fp_bytes: bytes, fingerprint: str,
+                   chunk_bytes: int) -> CorruptObjectError:
+    """The error for an object file of `size` bytes (not HEADER_SIZE + chunk_bytes) open at `fd`:
+    a registration mismatch when its header says so (another registration's chunk size), else
+    truncated / trailing bytes."""
+    head = os.pread(fd, HEADER_SIZE, 0) if size >= HEADER_SIZE else b""
+    if len(head) == HEADER_SIZE and head[:4] == MAGIC:
+        fp = HEADER_STRUCT.unpack(head)[8]
+        if fp != fp_bytes:
+            return CorruptObjectError(
+                f"filesystem tier: registration mismatch for {key}: written under "
+                f"{fp.rstrip(bytes(1)).decode('ascii', 'replace')}, this tier is {fingerprint}"
+            )
+    expected = HEADER_SIZE + chunk_bytes
+    return CorruptObjectError(
+        f"filesystem tier: object {key} has {size:,} B, expected {expected:,} "
+        f"({'truncated' if size < expected else 'trailing bytes'})"
+    )

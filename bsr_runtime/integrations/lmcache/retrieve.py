@@ -3,10 +3,11 @@
 Each window of at most W chunks is an `L1RestoreStage`: `submit_prefetch_task` of the window's keys
 (L2 -> L1 loads by LMCache's prefetch controller), `wait_prefetch_status` + `query_prefetch_status`
 (every key must be a hit, or the retrieve fails), `read_prefetched_results` (the staged L1
-objects), `install_window` straight from L1 memory (zero copy: each run of objects that are
-contiguous in the L1 arena is one launch), synchronize, `finish_read_prefetched` (temporary objects
-are freed by LMCache) and `delete_l1_keys` of the L2-loaded keys a retaining prefetch policy kept.
-Then the next window. W = 0 is LMCache's whole-plan prefetch: one window of N chunks.
+objects), the install straight from L1 memory (zero copy: each run of objects that are contiguous
+in the L1 arena is one launch of the retrieve's one WindowInstaller), synchronize,
+`finish_read_prefetched` (temporary objects are freed by LMCache) and `delete_l1_keys` of the
+L2-loaded keys a retaining prefetch policy kept. Then the next window. W = 0 is LMCache's
+whole-plan prefetch: one window of N chunks.
 
 Admission: the retrieve runs under the adapter's admission, SerialAdmission (process-wide, shared
 with BoundedRestorer) by default or a ByteBudget B from which the loop reserves each window's W*c
@@ -34,8 +35,7 @@ import torch
 from lmcache.v1.distributed.api import GroupedObjectKeys, ObjectKey, PrefetchHandle, PrefetchTaskSpec
 from lmcache.v1.distributed.storage_manager import StorageManager
 
-from bsr_kernels import install_window
-from bsr_kernels.validate import check_destinations
+from bsr_kernels import WindowInstaller
 from bsr_runtime.plan import Window, count_windows, plan_windows
 from bsr_runtime.restore import MAX_WINDOW_CHUNKS, RestoreReport, RestoreRequest
 from bsr_runtime.retrieve import request_block_ids
@@ -221,7 +221,11 @@ def retrieve(ad: LMCacheAdapter, req: RestoreRequest, num_chunks: int, window_ch
     if num_chunks < 0 or num_chunks * reg.chunk_tokens > len(req.tokens):
         raise ValueError(f"confirmed prefix of {num_chunks} chunks exceeds the request's {len(req.tokens)} tokens")
     keys = ad.keys(req.keyspace, req.tokens)
-    kv, tables = check_destinations(reg, req.kv, req.block_tables, 0, num_chunks)
+    # destinations, tables and fingerprint checked once, before any byte moves; each run of L1
+    # objects then only has its staging and chunk range checked (not a descriptor table per run)
+    installer = WindowInstaller(reg, req.kv, req.block_tables, num_chunks, backend=cfg.install_backend,
+                                stream=ad.stream, fingerprint=reg.fingerprint)
+    kv = installer.kv
     rep = _new_report(ad, req, num_chunks, w)
     loop = WindowLoop(ad.admission, reg.chunk_bytes, ad.stream, admission_timeout_s=admission_timeout_s)
 
@@ -234,8 +238,7 @@ def retrieve(ad: LMCacheAdapter, req: RestoreRequest, num_chunks: int, window_ch
 
     def install(view: torch.Tensor, first: int, count: int) -> str | None:
         try:
-            return install_window(view, reg, kv, tables, first, count, backend=cfg.install_backend,
-                                  stream=ad.stream, fingerprint=reg.fingerprint)
+            return installer.install(view, first, count)
         except Exception as e:
             index = first // w if w else 0  # plan_windows at depth 1: window i starts at chunk i*W
             raise L1WindowError(f"{_label(index, index * w, min(w or num_chunks, num_chunks - index * w))}: "
