@@ -21,7 +21,7 @@ class MooncakeTierOptions:
     tenant_id: str = "default"
     verify: bool = True  # CRC-32C of every payload on fetch
     fetch_workers: int = 2
-    verify_batch_bytes: int = 4 << 20  # sub-batch of a fetch verified while the next one lands
+    verify_batch_bytes: int = 8 << 20  # sub-batch of a fetch checked while the next one lands
     verify_threads: int = 1
     put_batch_bytes: int = 64 << 20
     local_reads: bool = True  # objects in this client's own segment: one checksumming copy (mooncake_local.py)

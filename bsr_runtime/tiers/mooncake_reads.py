@@ -142,10 +142,14 @@ class ReadPaths:
                 good = self._check_codes(keys, sizes, s, e, codes, collect, problems)
                 if pending is not None:
                     pending.result()  # sub-batch k-1 checked (or the read stops here): its buffer is free
-                pending = self._verifiers.submit(
-                    self._copy_and_check, codec, [keys[i] for i in good], [objects[i - s] for i in good],
-                    headers[s * H :], [ptrs[i] for i in good], [sizes[i] for i in good], verify, collect,
-                    problems, good, [(i - s) * H for i in good])
+                    pending = None
+                args = (codec, [keys[i] for i in good], [objects[i - s] for i in good], headers[s * H :],
+                        [ptrs[i] for i in good], [sizes[i] for i in good], verify, collect, problems, good,
+                        [(i - s) * H for i in good])
+                if k == len(batches) - 1:  # nothing lands after it: copy here, no hand-off
+                    self._copy_and_check(*args)
+                else:
+                    pending = self._verifiers.submit(self._copy_and_check, *args)
         finally:
             if pending is not None:
                 wait_all([pending])

@@ -141,6 +141,7 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
             local_buffer_size=config.local_buffer_size, device_name=config.device_name,
             connect_timeout_s=config.connect_timeout_s, rpc_timeout_s=config.rpc_timeout_s,
             tenant_id=config.tenant_id, fetch_workers=config.num_workers,
+            verify_batch_bytes=int(config.verify_batch_bytes),
         )
         self._codec = ObjectCodec(config.fingerprint, config.tenant_id)
         self._registered: int | None = None
