@@ -9,8 +9,11 @@
    bytes, W*c bytes per install): CUDA install zero-copy (kernel reads pinned host memory),
    CUDA with one H2D copy then the kernel, CUDA device-staged (kernel only), Triton (host
    staging: bulk copy + kernel; device staging: kernel only), a bulk cudaMemcpyAsync H2D of
-   the same bytes (torch copy_ from pinned host), and a cudaMemcpyAsync per tensor per block
-   (torch copy_ per tensor per block), with the ratios CUDA/bulk, Triton/bulk, CUDA/loop.
+   the same bytes (torch copy_ from pinned host), a cudaMemcpyAsync per tensor per block
+   (torch copy_ per tensor per block), and the same runs by the copy engines from C
+   (libbsr_cuda.so): one cudaMemcpyBatchAsync (CUDA >= 12.8; dma-batch) and one cudaMemcpyAsync
+   per run (dma-loop), checked once per W to write what the kernel writes; with the ratios
+   CUDA/bulk, Triton/bulk, CUDA/loop, CUDA/dma-batch.
 
 Writes the report to benchmarks/results/gpu_check_<date>.txt (rewritten after each row, so
 a run cut short keeps what it measured). Exit status 1 when a correctness check fails or the
@@ -205,10 +208,11 @@ def throughput(dev: torch.device, rep: Report, deadline: float) -> None:
     have_triton = install_triton.available(dev)
 
     cols = ("W", "MiB", "cuda-zc", "cuda-h2d+k", "cuda-dev", "triton-host", "triton-dev", "bulk-H2D", "loop-H2D",
-            "copies", "cuda/bulk", "triton/bulk", "cuda/loop")
+            "dma-batch", "dma-loop", "copies", "cuda/bulk", "triton/bulk", "cuda/loop", "cuda/batch")
     rep.add("GB/s = W*c bytes / time per install (10^9 B/s); cuda-zc: kernel reads pinned host memory;")
     rep.add("cuda-h2d+k / triton-host: one bulk H2D copy then the kernel; -dev: staging already on the GPU;")
-    rep.add("loop-H2D: torch copy_ (cudaMemcpyAsync) per tensor per block; ratios use cuda-zc and triton-host.")
+    rep.add("loop-H2D: torch copy_ (cudaMemcpyAsync) per tensor per block; dma-batch: the same runs in one")
+    rep.add("cudaMemcpyBatchAsync; dma-loop: one cudaMemcpyAsync per run from C; ratios use cuda-zc and triton-host.")
     rep.add(" ".join(f"{c:>11}" for c in cols))
     ctx = dict(reg=reg, host=host, devs=devs, bulk_dst=bulk_dst, kv=kv, tables=tables, tables_cpu=tables_cpu,
                stream=stream, have_cuda=have_cuda, have_triton=have_triton, rep=rep)
@@ -250,6 +254,8 @@ def window_row(w, cols, *, reg, host, devs, bulk_dst, kv, tables, tables_cpu, st
             d.copy_(s, non_blocking=True)
 
     run("loop-H2D", loop)
+    if have_cuda:
+        dma_runs(reg, pairs, kv, a_host, stream, run, rep, w)
 
     def ratio(a, b):
         x, y = res.get(a), res.get(b)
@@ -259,8 +265,42 @@ def window_row(w, cols, *, reg, host, devs, bulk_dst, kv, tables, tables_cpu, st
         v = res.get(name)
         return f"{v:.1f}" if v else "-"
 
-    return [str(w), f"{nbytes / 2**20:.0f}", *(gbs(c) for c in cols[2:9]), str(len(pairs)),
-            ratio("cuda-zc", "bulk-H2D"), ratio("triton-host", "bulk-H2D"), ratio("cuda-zc", "loop-H2D")]
+    return [str(w), f"{nbytes / 2**20:.0f}", *(gbs(c) for c in cols[2:11]), str(len(pairs)),
+            ratio("cuda-zc", "bulk-H2D"), ratio("triton-host", "bulk-H2D"), ratio("cuda-zc", "loop-H2D"),
+            ratio("cuda-zc", "dma-batch")]
+
+
+def dma_runs(reg, pairs, kv, a_host, stream, run, rep, w) -> None:
+    """Time the copy-engine baselines over the kernel's runs, after checking once that the batched
+    copy writes exactly what the CUDA kernel writes (poisoned destinations compared byte for byte)."""
+    lib = cuda_backend.library()
+    dst = torch.tensor([d.data_ptr() for d, _ in pairs], dtype=torch.int64)
+    src = torch.tensor([s.data_ptr() for _, s in pairs], dtype=torch.int64)
+    size = torch.tensor([d.numel() for d, _ in pairs], dtype=torch.int64)
+
+    def dma(name: str) -> None:
+        fn = getattr(lib, name)
+        if fn(dst.data_ptr(), src.data_ptr(), size.data_ptr(), len(pairs), stream.cuda_stream) != 0:
+            raise RuntimeError(f"{name}: {lib.bsr_last_error().decode(errors='replace')}")
+
+    try:
+        for t in kv:
+            t.view(torch.uint8).fill_(POISON)
+        dma("bsr_copy_batch")
+        stream.synchronize()
+        by_dma = [t.clone() for t in kv]
+        for t in kv:
+            t.view(torch.uint8).fill_(POISON)
+        cuda_backend.install(reg, a_host, stream, True)
+        stream.synchronize()
+        if not all(torch.equal(a, b) for a, b in zip(by_dma, kv, strict=True)):
+            rep.add(f"  W={w} dma-batch: writes differ from the CUDA kernel's (timing skipped)")
+            return
+    except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+        rep.add(f"  W={w} dma-batch check: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        return
+    run("dma-batch", lambda: dma("bsr_copy_batch"))
+    run("dma-loop", lambda: dma("bsr_copy_loop"))
 
 
 # -- main ----------------------------------------------------------------------------------------

@@ -65,6 +65,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bsr_host_access_width.restype = ctypes.c_int
     lib.bsr_host_access_width.argtypes = [_i64, _i64, _i64, _i64, ctypes.c_uint64, ctypes.c_uint64,
                                           ctypes.POINTER(ctypes.c_int)]
+    for name in ("bsr_copy_batch", "bsr_copy_loop"):  # DMA baselines of benchmarks/gpu_check.py
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_ptr, _ptr, _ptr, ctypes.c_size_t, _ptr]
 
 
 def load(path: str | os.PathLike) -> ctypes.CDLL:

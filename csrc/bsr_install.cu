@@ -466,3 +466,40 @@ BSR_API int bsr_host_run_width(uint64_t src_addr, uint64_t dst_addr, int64_t nby
     *width = bsr_run_width(src_addr, dst_addr, nbytes);
     return BSR_OK;
 }
+
+// ---- DMA baselines for benchmarks/gpu_check.py ------------------------------------------------
+// The same contiguous runs the kernel moves, by the copy engines instead: one batched call
+// (cudaMemcpyBatchAsync, CUDA >= 12.8), or one cudaMemcpyAsync per run from C (no Python per
+// run). `count` runs of sizes[i] bytes from srcs[i] to dsts[i], on `stream`.
+BSR_API int bsr_copy_batch(void** dsts, void** srcs, size_t* sizes, size_t count, void* stream) {
+    if (count == 0) return BSR_OK;
+    if (!dsts || !srcs || !sizes) return set_error(BSR_ERR_INVALID, "bsr_copy_batch: null array");
+#if CUDART_VERSION >= 12080
+    cudaMemcpyAttributes attr;
+    memset(&attr, 0, sizeof(attr));
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t attr_index = 0;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+#if CUDART_VERSION >= 13000
+    cudaError_t e = cudaMemcpyBatchAsync(dsts, const_cast<const void* const*>(srcs), sizes, count, &attr,
+                                         &attr_index, 1, s);
+#else
+    size_t fail_index = 0;
+    cudaError_t e = cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attr, &attr_index, 1, &fail_index, s);
+#endif
+    if (e != cudaSuccess) return cuda_error("cudaMemcpyBatchAsync", e);
+    return BSR_OK;
+#else
+    return set_error(BSR_ERR_CUDA, "cudaMemcpyBatchAsync needs CUDA 12.8 or newer (built with %d)", CUDART_VERSION);
+#endif
+}
+
+BSR_API int bsr_copy_loop(void** dsts, void** srcs, size_t* sizes, size_t count, void* stream) {
+    if (count > 0 && (!dsts || !srcs || !sizes)) return set_error(BSR_ERR_INVALID, "bsr_copy_loop: null array");
+    for (size_t i = 0; i < count; ++i) {
+        cudaError_t e = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault,
+                                        static_cast<cudaStream_t>(stream));
+        if (e != cudaSuccess) return cuda_error("cudaMemcpyAsync", e);
+    }
+    return BSR_OK;
+}

@@ -43,7 +43,8 @@ CSRC = ROOT / "csrc"
 NVCC_FLAGS = ["-O3", "-Xcompiler", "-fPIC", "-shared",
               "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90"]
 EXPORTS = ("bsr_last_error", "bsr_abi_version", "bsr_device_count", "bsr_install", "bsr_gather",
-           "bsr_host_install", "bsr_host_gather", "bsr_host_access_width", "bsr_host_run_width")
+           "bsr_host_install", "bsr_host_gather", "bsr_host_access_width", "bsr_host_run_width",
+           "bsr_copy_batch", "bsr_copy_loop")
 
 
 # -- the library -----------------------------------------------------------------------------
@@ -80,6 +81,15 @@ def test_library_builds_and_loads(built_lib):
     for name in EXPORTS:
         assert hasattr(lib, name), name
     assert seconds < 300
+
+
+@pytest.mark.parametrize("name", ["bsr_copy_batch", "bsr_copy_loop"])
+def test_dma_baselines_refuse_null_arrays_before_any_cuda_call(lib, name):
+    """gpu_check.py's copy-engine baselines: an empty batch is a no-op, null arrays are refused."""
+    fn = getattr(lib, name)
+    assert fn(None, None, None, 0, None) == 0
+    assert fn(None, None, None, 3, None) == 1  # BSR_ERR_INVALID
+    assert b"null array" in lib.bsr_last_error()
 
 
 def test_setup_py_uses_the_same_flags():
