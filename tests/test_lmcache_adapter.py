@@ -344,18 +344,24 @@ def test_store_gather_error_aborts_the_batch_and_releases_everything(stored, tmp
     aborted (L1 usage back to 0) and the budget is whole again."""
     import bsr_runtime.integrations.lmcache.store as lm_store
 
-    real = lm_store.gather_window
+    made: list = []
 
-    def flaky(view, reg, kv, tables, first, count, **kw):
-        if first >= 4:
-            raise KeyError("gather")
-        return real(view, reg, kv, tables, first, count, **kw)
+    class Flaky(lm_store.WindowInstaller):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
 
-    monkeypatch.setattr(lm_store, "gather_window", flaky)
+        def gather(self, out, first, count):
+            if first >= 4:
+                raise KeyError("gather")
+            return super().gather(out, first, count)
+
+    monkeypatch.setattr(lm_store, "WindowInstaller", Flaky)
     budget = ByteBudget(4 * C)
     with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(str(tmp_path))], config(), admission=budget) as ad:
         with pytest.raises(KeyError, match="gather"):
             ad.store(stored.space, stored.tokens, stored.kv, stored.tables, 12)
+        assert len(made) == 2  # one installer per store (and one for the hash scratch), not one per run
         assert ad.l1_usage()[0] == 0 and budget.used_bytes == 0
         assert ad.probe(stored.space, stored.tokens, 12).prefix_chunks == 4  # batch 0 was stored
         monkeypatch.undo()

@@ -1,10 +1,11 @@
 """The store path through LMCache's L1, on BSR's one window loop (bsr_runtime/window_loop.py).
 
-Each batch is an `L1StoreStage`: `reserve_write` of its keys -> `gather_window` into the reserved L1
-objects -> `finish_write`; LMCache's store controller writes them to every L2 adapter; the path
-waits until the L2 adapters hold them and (flush_l1) deletes them from L1, batch by batch, so any
-length fits a small L1. A batch is at most W (or 32) chunks that also fit the free L1 and the
-admission's byte budget, planned lazily from the L1 left free by the previous batch.
+Each batch is an `L1StoreStage`: `reserve_write` of its keys -> `gather` (of the store's one
+`WindowInstaller`) into the reserved L1 objects -> `finish_write`; LMCache's store controller
+writes them to every L2 adapter; the path waits until the L2 adapters hold them and (flush_l1)
+deletes them from L1, batch by batch, so any length fits a small L1. A batch is at most W (or
+32) chunks that also fit the free L1 and the admission's byte budget, planned lazily from the
+L1 left free by the previous batch.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ import torch
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.storage_manager import StorageManager
 
-from bsr_kernels import gather_window
-from bsr_kernels.validate import check_destinations
+from bsr_kernels import WindowInstaller
 from bsr_runtime.keys import KeySpace
 from bsr_runtime.plan import Window
 from bsr_runtime.state_hash import ChunkHasher
@@ -103,7 +103,12 @@ def store(ad: LMCacheAdapter, keyspace: KeySpace, tokens: Sequence[int], kv: Seq
     n_total = keys.num_chunks if num_chunks is None else num_chunks
     if not 0 <= n_total <= keys.num_chunks:
         raise ValueError(f"{n_total} chunks requested, the tokens hold {keys.num_chunks}")
-    kv, tables = check_destinations(reg, kv, block_tables, 0, n_total)
+    # destinations and tables checked once, before any byte moves; each run of L1 objects then
+    # only has its staging and chunk range checked (not a descriptor table per run)
+    installer = WindowInstaller(reg, kv, block_tables, n_total, backend=ad.config.install_backend,
+                                stream=ad.stream, fingerprint=reg.fingerprint)
+    kv = installer.kv
+    scratch_installer = WindowInstaller(reg, kv, block_tables, n_total, backend="torch")
     has_l2 = bool(ad.sm.l2_adapters())
     if flush_l1 and not has_l2:
         raise ValueError("flush_l1 needs an L2 adapter (the objects would be lost)")
@@ -114,11 +119,11 @@ def store(ad: LMCacheAdapter, keyspace: KeySpace, tokens: Sequence[int], kv: Seq
     scratch = torch.empty(reg.chunk_bytes, dtype=torch.uint8)
 
     def gather_scratch(chunk: int) -> torch.Tensor:
-        gather_window(scratch, reg, kv, tables, chunk, 1, backend="torch")
+        scratch_installer.gather(scratch, chunk, 1)
         return scratch
 
     def gather(view: torch.Tensor, first: int, count: int) -> str:
-        return gather_window(view, reg, kv, tables, first, count, backend=ad.config.install_backend)
+        return installer.gather(view, first, count)
 
     job = StoreJob(ad, keys, kv, ChunkHasher(), gather_scratch, has_l2, flush_l1, timeout_s)
     loop = WindowLoop(ad.admission, reg.chunk_bytes, ad.stream, admission_timeout_s=timeout_s)
