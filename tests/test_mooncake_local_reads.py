@@ -179,3 +179,29 @@ def test_landing_buffers_are_two_and_reused(tier, mooncake_tier_factory, pool):
     reader.unregister_staging(pool.buffer)
     assert reader.stats["get_calls"] == 30
     assert not reader._reads.landing._busy and len(reader._reads.landing._free) == 2
+
+
+def test_without_the_cpu_library_the_multi_path_serves_with_google_crc32c(mooncake_tier_factory, pool,
+                                                                           monkeypatch):
+    """No libbsr_cpu.so (no compiler at install): no local copy, no landing copy; the tier reads
+    with multi-buffer gets and checks CRCs one by one, and damage is still refused."""
+    monkeypatch.setattr(host_crc, "available", lambda: False)
+    t = mooncake_tier_factory(C, FP, global_segment_size=64 << 20)
+    assert t._reads.local is None and not t._reads.land_whole
+    t.register_staging(pool.buffer)
+    keys = [f"nolib/{i}" for i in range(5)]
+    data = payloads(5, seed=9)
+    t.put(keys, data)
+    got = fetch(t, keys, pool)
+    assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+    assert t.stats["local_reads"] == 0 and t.stats["get_calls"] == 1
+    (addr,) = t._store.batch_get_replica_desc([keys[2]])[keys[2]][:1]
+    byte = ctypes.c_uint8.from_address(addr.get_memory_descriptor().buffer_descriptor.buffer_address
+                                       + HEADER_SIZE + 77)
+    byte.value ^= 0x10
+    try:
+        with pytest.raises(CorruptObjectError, match="checksum"):
+            fetch(t, keys, pool)
+    finally:
+        byte.value ^= 0x10
+        t.unregister_staging(pool.buffer)
