@@ -24,6 +24,7 @@ import socket
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from bsr_harness.mooncake_launcher import MooncakeMaster, MooncakeStoreHost, free_port
@@ -39,13 +40,28 @@ def gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
+_FLUSH = None
+
+
+def _flush_caches() -> None:
+    """Write 128 MiB (4x the L3 here) so no timed call finds the previous call's bytes in cache.
+    numpy, one thread: a torch fill would leave OpenMP workers spinning on a core after it."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = np.empty(128 << 20, dtype=np.uint8)
+    _FLUSH.fill(1)
+
+
 def interleaved(fns: dict, reps: int) -> dict[str, float]:
-    """Median seconds per function, the functions run round-robin so load drift hits all alike."""
+    """Median seconds per function, the functions run round-robin so load drift hits all alike,
+    each timed call after a cache flush (otherwise a call reading what the one before it wrote,
+    e.g. a get after an upsert, starts warm and the others cold)."""
     for fn in fns.values():
         fn()  # warm-up
     ts: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for k, fn in fns.items():
+            _flush_caches()
             t = time.perf_counter()
             fn()
             ts[k].append(time.perf_counter() - t)
