@@ -3,7 +3,8 @@
 The tiers verify every object's payload against the CRC-32C in its header. These calls take raw
 addresses (a tensor's data_ptr, a numpy array's ctypes.data), so nothing is copied or exported,
 and ctypes releases the GIL for the call:
-- crc32c(address, nbytes): one buffer (the hardware instruction, three streams);
+- crc32c(address, nbytes): one buffer (AVX-512 VPCLMULQDQ folding where the CPU has it, else
+  the SSE4.2 instruction in three streams);
 - crc32c_many(ptrs, nbytes): many equal-size buffers in one call, split over the library's pool;
 - copy_crc32c(src, head_dst, body_dst, head_bytes, body_bytes): per object, copy a header and a
   body to separate places and checksum the body piece by piece as it lands (while it is in cache),
@@ -24,10 +25,18 @@ def available() -> bool:
     return cpu_backend.library() is not None
 
 
-def hardware() -> bool:
-    """True when the library uses the CPU's CRC-32C instruction (else a table, ~10x slower)."""
+def implementation() -> str:
+    """"fold" (AVX-512 carry-less multiply folding, from 1 KiB up), "crc32" (the SSE4.2
+    instruction in three streams), "table" (~10x slower) or "none" (no library)."""
     lib = cpu_backend.library()
-    return lib is not None and lib.bsr_crc32c_hardware() == 1
+    if lib is None:
+        return "none"
+    return {0: "table", 1: "crc32", 2: "fold"}[int(lib.bsr_crc32c_hardware())]
+
+
+def hardware() -> bool:
+    """True when the library uses the CPU's CRC-32C instructions (not the table)."""
+    return implementation() in ("crc32", "fold")
 
 
 def _lib():

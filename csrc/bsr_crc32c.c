@@ -14,6 +14,7 @@
  */
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bsr_cpu_pool.h"
@@ -24,6 +25,7 @@
 #define SHORT_BLOCK 256
 #define PIECE (16 << 10)
 #define BSR_CRC_PARALLEL_BYTES (4LL << 20)
+#define FOLD_MIN 1024 /* below it the 3-stream crc32 loop is as fast */
 
 static uint32_t g_table[256];
 static uint32_t g_long[4][256], g_short[4][256];
@@ -96,6 +98,84 @@ __attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t r32, const 
     while (n--) r = _mm_crc32_u8((uint32_t)r, *p++);
     return (uint32_t)r;
 }
+
+/* Folding with carry-less multiplies (AVX-512 VPCLMULQDQ): 256 B per step in four 512-bit
+ * accumulators. A 16-byte chunk A (bytes 0-7 = A_H, the higher-degree half) standing D bits
+ * before the data it is folded into is replaced by A_H * (x^(D+64) mod P) + A_L * (x^D mod P),
+ * which is congruent mod P and fits 128 bits; the folded 16 bytes then have the message's CRC
+ * (the CRC depends only on the message mod P), taken with two crc32 instructions. Constants
+ * are x^(N-1) mod P as bit-reflected 64-bit lanes (the reflected product comes out one degree
+ * low); they are computed at first use, not copied from a table. */
+static uint64_t g_k2048[2], g_k512[2], g_k384[2], g_k256[2], g_k128[2];
+static int g_fold = 0; /* 1 when the CPU and OS have AVX-512 + VPCLMULQDQ */
+
+static uint32_t xpow_mod(uint64_t n) { /* x^n mod P, bit i = coefficient of x^i */
+    uint32_t r = 1;
+    for (uint64_t i = 0; i < n; ++i) r = (r << 1) ^ ((r >> 31) ? 0x1EDC6F41u : 0u);
+    return r;
+}
+
+static void fold_constants(uint64_t k[2], uint64_t d) { /* k[0] for A_H (lo lane), k[1] for A_L */
+    for (int half = 0; half < 2; ++half) {
+        const uint32_t poly = xpow_mod(d + (half == 0 ? 64 : 0) - 1);
+        uint64_t v = 0;
+        for (int deg = 0; deg < 32; ++deg)
+            if (poly >> deg & 1) v |= 1ULL << (63 - deg);
+        k[half] = v;
+    }
+}
+
+#include <cpuid.h>
+#include <immintrin.h>
+
+static int have_fold(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 1)) || !(c & (1u << 27))) return 0; /* PCLMUL, OSXSAVE */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & (1u << 16)) || !(c & (1u << 10))) return 0;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (lo & 0xE6u) == 0xE6u; /* the OS saves SSE, AVX, opmask and ZMM state */
+}
+
+__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2")))
+static inline __m512i fold512(__m512i x, __m512i k, __m512i next) {
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11),
+                                     next, 0x96);
+}
+
+__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2")))
+static inline __m128i fold128(__m128i x, const uint64_t k[2]) {
+    const __m128i kk = _mm_set_epi64x((long long)k[1], (long long)k[0]);
+    return _mm_xor_si128(_mm_clmulepi64_si128(x, kk, 0x00), _mm_clmulepi64_si128(x, kk, 0x11));
+}
+
+/* The raw register after n >= 256 bytes (then the 3-stream loop for the tail). */
+__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2")))
+static uint32_t fold_update(uint32_t r, const uint8_t* p, size_t n) {
+    const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)g_k2048[1], (long long)g_k2048[0]));
+    const __m512i k512 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)g_k512[1], (long long)g_k512[0]));
+    /* update(r, M) == update(0, M with r xor-ed into its first 4 bytes) */
+    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)r)));
+    __m512i x1 = _mm512_loadu_si512(p + 64), x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
+    p += 256;
+    n -= 256;
+    for (; n >= 256; p += 256, n -= 256) {
+        x0 = fold512(x0, k2048, _mm512_loadu_si512(p));
+        x1 = fold512(x1, k2048, _mm512_loadu_si512(p + 64));
+        x2 = fold512(x2, k2048, _mm512_loadu_si512(p + 128));
+        x3 = fold512(x3, k2048, _mm512_loadu_si512(p + 192));
+    }
+    x1 = fold512(x0, k512, x1);
+    x2 = fold512(x1, k512, x2);
+    x3 = fold512(x2, k512, x3);
+    __m128i x = _mm_xor_si128(fold128(_mm512_extracti32x4_epi32(x3, 0), g_k384),
+                              fold128(_mm512_extracti32x4_epi32(x3, 1), g_k256));
+    x = _mm_xor_si128(x, fold128(_mm512_extracti32x4_epi32(x3, 2), g_k128));
+    x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(x3, 3));
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
+    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(x, 1));
+    return hw_update((uint32_t)c, p, n);
+}
 #endif
 
 static void build(void) {
@@ -109,6 +189,12 @@ static void build(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     g_hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+    fold_constants(g_k2048, 2048);
+    fold_constants(g_k512, 512);
+    fold_constants(g_k384, 384);
+    fold_constants(g_k256, 256);
+    fold_constants(g_k128, 128);
+    g_fold = g_hw && have_fold() && !getenv("BSR_CRC_NO_FOLD");
 #else
     g_hw = 0;
 #endif
@@ -121,6 +207,7 @@ static void init(void) { pthread_once(&g_once, build); }
 /* The raw register update (no pre/post inversion). */
 static uint32_t update(uint32_t r, const uint8_t* p, size_t n) {
 #if defined(__x86_64__)
+    if (g_fold && n >= FOLD_MIN) return fold_update(r, p, n);
     if (g_hw == 1) return hw_update(r, p, n);
 #endif
     return sw_update(r, p, n);
@@ -179,10 +266,10 @@ BSR_CPU_API uint32_t bsr_crc32c(uint32_t crc, const void* p, int64_t n) {
     return ~update(~crc, (const uint8_t*)p, (size_t)n);
 }
 
-/* 1 when the hardware instruction is used, 0 for the table. */
+/* 0: the table; 1: the crc32 instruction; 2: also carry-less multiply folding (AVX-512 VPCLMULQDQ). */
 BSR_CPU_API int bsr_crc32c_hardware(void) {
     init();
-    return g_hw;
+    return g_hw ? 1 + g_fold : 0;
 }
 
 /* crcs[i] = CRC-32C of nbytes at ptrs[i], for i < n. Returns 0, or -1 for invalid arguments. */

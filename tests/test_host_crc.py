@@ -15,8 +15,10 @@ from bsr_kernels import host_crc
 
 pytestmark = pytest.mark.skipif(not host_crc.available(), reason="libbsr_cpu.so not built (no C compiler)")
 
-# around the 3 x 8 KiB and 3 x 256 B block boundaries of the three-stream loop, and odd sizes
-LENGTHS = [0, 1, 7, 8, 9, 63, 767, 768, 769, 24575, 24576, 24577, 3 * 8192 + 3 * 256 + 13, 200_003]
+# around the 3 x 8 KiB and 3 x 256 B block boundaries of the three-stream loop, the 1 KiB
+# threshold and 256 B steps of the folding, and odd sizes
+LENGTHS = [0, 1, 7, 8, 9, 63, 767, 768, 769, 1023, 1024, 1025, 1279, 1280, 1535, 4096 + 13, 24575, 24576,
+           24577, 3 * 8192 + 3 * 256 + 13, 200_003]
 
 
 def ref(a: np.ndarray) -> int:
@@ -28,11 +30,29 @@ def rng():
     return np.random.default_rng()
 
 
-def test_uses_the_hardware_instruction_where_the_cpu_has_it():
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if " sse4_2" not in flags:
+def test_uses_the_fastest_implementation_the_cpu_has():
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if "sse4_2" not in flags:
         pytest.skip("no SSE4.2 here")
-    assert host_crc.hardware()
+    want = "fold" if {"avx512f", "vpclmulqdq", "pclmulqdq"} <= flags else "crc32"
+    assert host_crc.hardware() and host_crc.implementation() == want
+
+
+@pytest.mark.parametrize("n", [1024, 1025, 4096 + 13, 200_003])
+def test_the_three_stream_loop_matches_too(rng, n, tmp_path):
+    """BSR_CRC_NO_FOLD=1 keeps a process on the crc32 loop: checked in a child process."""
+    import subprocess
+    import sys
+
+    a = rng.integers(0, 256, n, dtype=np.uint8)
+    f = tmp_path / "a.bin"
+    f.write_bytes(a.tobytes())
+    code = ("import sys, numpy as np; from bsr_kernels import host_crc; "
+            "a = np.fromfile(sys.argv[1], dtype=np.uint8); "
+            "print(host_crc.implementation(), host_crc.crc32c(a.ctypes.data, a.size))")
+    out = subprocess.run([sys.executable, "-c", code, str(f)], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "BSR_CRC_NO_FOLD": "1"}).stdout.split()
+    assert out[0] in ("crc32", "table") and int(out[1]) == ref(a)
 
 
 @pytest.mark.parametrize("n", LENGTHS)

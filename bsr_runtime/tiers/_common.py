@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from bsr_kernels import host_crc
+
 from .base import CorruptObjectError, FetchHandle, TierError
 
 
@@ -100,7 +102,11 @@ _CRC32C_AT = _load_crc32c_lib()
 
 
 def crc_at(algo: int, address: int, nbytes: int) -> int:
-    """Checksum of `nbytes` of host memory at `address` (a tensor's data_ptr), read in place."""
+    """Checksum of `nbytes` of host memory at `address` (a tensor's data_ptr), read in place:
+    CRC-32C by the CPU library where it is built (folding with AVX-512 VPCLMULQDQ: ~2x
+    google_crc32c here), else google_crc32c's own library; both release the GIL."""
+    if algo == CRC32C and host_crc.available():
+        return host_crc.crc32c(address, nbytes)
     if algo == CRC32C and _CRC32C_AT is not None:
         return _CRC32C_AT(0, address, nbytes)
     import ctypes
