@@ -32,7 +32,8 @@
 
 static uint32_t g_table[256];
 static uint32_t g_long[4][256], g_short[4][256];
-static int g_hw = 0; /* set once by build() */
+static int g_hw = 0;   /* set once by build(): the crc32 instruction */
+static int g_fold = 0; /* and AVX-512 + VPCLMULQDQ folding (x86-64 only) */
 
 static uint32_t sw_update(uint32_t r, const uint8_t* p, size_t n) {
     while (n--) r = g_table[(r ^ *p++) & 0xff] ^ (r >> 8);
@@ -110,7 +111,6 @@ __attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t r32, const 
  * are x^(N-1) mod P as bit-reflected 64-bit lanes (the reflected product comes out one degree
  * low); they are computed at first use, not copied from a table. */
 static uint64_t g_k2048[2], g_k512[2], g_k384[2], g_k256[2], g_k128[2];
-static int g_fold = 0; /* 1 when the CPU and OS have AVX-512 + VPCLMULQDQ */
 
 static uint32_t xpow_mod(uint64_t n) { /* x^n mod P, bit i = coefficient of x^i */
     uint32_t r = 1;
