@@ -10,6 +10,7 @@ and ctypes releases the GIL for the call:
   body to separate places and checksum the body piece by piece as it lands (while it is in cache),
   one pass over memory instead of a copy pass plus a checksum pass.
 `available()` is False when the CPU library is not built; callers then use google_crc32c.
+BSR_CRC_NO_FOLD=1 (read when the library first computes a CRC) keeps it on the crc32 loop.
 """
 
 from __future__ import annotations
