@@ -5,6 +5,7 @@ objects are spread over two clients' segments is served by both paths at once.""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
 
@@ -57,8 +58,24 @@ def tier(mooncake_tier_factory, pool):
 
 
 def segment_address(tier, key: str) -> int:
+    """Where `key`'s object lies in `tier`'s own segment (fails unless it is there)."""
     (addr,) = tier._reads.local.addresses([key], [C]).values()
     return addr
+
+
+@contextlib.contextmanager
+def flipped(address: int, mask: int):
+    """The byte at `address` (in a store segment of this process) xor-ed with mask, then restored."""
+    byte = ctypes.c_uint8.from_address(address)
+    byte.value ^= mask
+    try:
+        yield
+    finally:
+        byte.value ^= mask
+
+
+def assert_same(got: list[torch.Tensor], data: list[torch.Tensor]) -> None:
+    assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
 
 
 def test_local_objects_take_one_checksumming_copy(tier, pool):
@@ -67,8 +84,7 @@ def test_local_objects_take_one_checksumming_copy(tier, pool):
     data = payloads(n, seed=1)
     tier.put(keys, data)
     before = dict(tier.stats)
-    got = fetch(tier, keys, pool)
-    assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+    assert_same(fetch(tier, keys, pool), data)
     assert tier.stats["local_reads"] - before["local_reads"] == n
     assert tier.stats["get_calls"] == before["get_calls"]  # no get: the copy served all
 
@@ -79,9 +95,8 @@ def test_the_get_path_serves_when_local_reads_are_off(mooncake_tier_factory, poo
     keys = [f"off/{i}" for i in range(4)]
     data = payloads(4, seed=2)
     t.put(keys, data)
-    got = fetch(t, keys, pool)
+    assert_same(fetch(t, keys, pool), data)
     t.unregister_staging(pool.buffer)
-    assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
     assert t.stats["local_reads"] == 0 and t.stats["get_calls"] == 1
 
 
@@ -94,14 +109,8 @@ def test_damage_in_the_segment_memory_is_refused(tier, pool, offset):
     """A byte flipped in the store's own memory (header field, payload checksum or payload)."""
     keys = [f"dmg{offset}/{i}" for i in range(3)]
     tier.put(keys, payloads(3, seed=3))
-    addr = segment_address(tier, keys[1]) + offset
-    byte = ctypes.c_uint8.from_address(addr)
-    byte.value ^= 0x40
-    try:
-        with pytest.raises(CorruptObjectError, match=keys[1]):
-            fetch(tier, keys, pool)
-    finally:
-        byte.value ^= 0x40
+    with flipped(segment_address(tier, keys[1]) + offset, 0x40), pytest.raises(CorruptObjectError, match=keys[1]):
+        fetch(tier, keys, pool)
     assert len(fetch(tier, keys, pool)) == 3  # restored byte: good again
 
 
@@ -136,8 +145,7 @@ def test_a_window_over_two_segments_uses_both_paths(tier, mooncake_tier_factory,
     local = len(tier._reads.local.addresses(keys, [C] * n))
     assert 0 < local < n and local + len(other._reads.local.addresses(keys, [C] * n)) == n
     before = dict(tier.stats)
-    got = fetch(tier, keys, pool)
-    assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+    assert_same(fetch(tier, keys, pool), data)
     assert tier.stats["local_reads"] - before["local_reads"] == local
     assert tier.stats["get_calls"] - before["get_calls"] >= 1
 
@@ -152,16 +160,11 @@ def test_damage_in_another_clients_segment_is_refused_by_both_get_paths(tier, mo
     keys = [f"remote{land_whole}/{i}" for i in range(6)]
     data = payloads(6, seed=7)
     tier.put(keys, data)
-    got = fetch(reader, keys, pool)
-    assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
-    byte = ctypes.c_uint8.from_address(segment_address(tier, keys[4]) + HEADER_SIZE + 1000)
-    byte.value ^= 0x01
-    try:
-        with pytest.raises(CorruptObjectError, match="checksum"):
-            fetch(reader, keys, pool)
-    finally:
-        byte.value ^= 0x01
-        reader.unregister_staging(pool.buffer)
+    assert_same(fetch(reader, keys, pool), data)
+    with flipped(segment_address(tier, keys[4]) + HEADER_SIZE + 1000, 0x01), \
+            pytest.raises(CorruptObjectError, match="checksum"):
+        fetch(reader, keys, pool)
+    reader.unregister_staging(pool.buffer)
     assert reader.stats["local_reads"] == 0
 
 
@@ -174,8 +177,7 @@ def test_landing_buffers_are_two_and_reused(tier, mooncake_tier_factory, pool):
     data = payloads(20, seed=8)
     tier.put(keys, data)
     for _ in range(3):
-        got = fetch(reader, keys, pool)
-        assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+        assert_same(fetch(reader, keys, pool), data)
     reader.unregister_staging(pool.buffer)
     assert reader.stats["get_calls"] == 30
     assert not reader._reads.landing._busy and len(reader._reads.landing._free) == 2
@@ -192,16 +194,10 @@ def test_without_the_cpu_library_the_multi_path_serves_with_google_crc32c(moonca
     keys = [f"nolib/{i}" for i in range(5)]
     data = payloads(5, seed=9)
     t.put(keys, data)
-    got = fetch(t, keys, pool)
-    assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
+    assert_same(fetch(t, keys, pool), data)
     assert t.stats["local_reads"] == 0 and t.stats["get_calls"] == 1
-    (addr,) = t._store.batch_get_replica_desc([keys[2]])[keys[2]][:1]
-    byte = ctypes.c_uint8.from_address(addr.get_memory_descriptor().buffer_descriptor.buffer_address
-                                       + HEADER_SIZE + 77)
-    byte.value ^= 0x10
-    try:
-        with pytest.raises(CorruptObjectError, match="checksum"):
-            fetch(t, keys, pool)
-    finally:
-        byte.value ^= 0x10
-        t.unregister_staging(pool.buffer)
+    (replica,) = t._store.batch_get_replica_desc([keys[2]])[keys[2]][:1]  # (this tier reads no segment)
+    address = replica.get_memory_descriptor().buffer_descriptor.buffer_address
+    with flipped(address + HEADER_SIZE + 77, 0x10), pytest.raises(CorruptObjectError, match="checksum"):
+        fetch(t, keys, pool)
+    t.unregister_staging(pool.buffer)
