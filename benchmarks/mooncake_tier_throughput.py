@@ -9,10 +9,12 @@ Two placements per object size, in one run (ratios are of medians over interleav
   client has no segment, so every byte crosses loopback tcp (the paper's external store host).
 "raw" = `batch_get_into` of the same stored objects (header + payload, no checks) into one
 registered buffer; "tier" = MooncakeTier.fetch(...).wait() into a registered staging slot: objects
-in the client's own segment by one checksumming copy (mooncake_local.py), others by one
-multi-buffer get per sub-batch, headers checked, CRC-32C of every payload; "get_path" = the
-tier's get path alone (what a client without local objects does; local_reads=False), called
-directly on the fetching thread. GB/s count payload bytes.
+in the client's own segment by one checksumming copy (mooncake_local.py), others landed whole
+and copied (tcp default), headers checked, CRC-32C of every payload. Called directly on the
+fetching thread, without the local path (what a client without local objects does):
+"get_path" = the landed path (whole-object gets + checksumming copy), "multi_path" = the
+multi-buffer path (header and payload apart, CRC in place; the rdma default). GB/s count
+payload bytes.
 Numbers are loopback tcp on this host, not RDMA.
 """
 
@@ -95,7 +97,8 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
     fns = {  # raw_upsert writes back what raw_get just read (valid objects)
         "raw_get": lambda: tier._store.batch_get_into(keys, raw_ptrs, [ob] * n),
         "tier_fetch": lambda: tier.fetch(keys, views, time.monotonic() + 60).wait(),
-        "get_path": lambda: get_path(tier, keys, [v.data_ptr() for v in views], c),
+        "get_path": lambda: get_path(tier, keys, [v.data_ptr() for v in views], c, land_whole=True),
+        "multi_path": lambda: get_path(tier, keys, [v.data_ptr() for v in views], c, land_whole=False),
         "raw_upsert": lambda: tier._store.batch_upsert_from(keys, raw_ptrs, [ob] * n),
     }
     if plugin is not None:
@@ -114,6 +117,7 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
     out.update({f"{k}_GBps": gbps(total, v) for k, v in t.items() if k != "raw_upsert"})
     out["tier_vs_raw"] = round(t["raw_get"] / t["tier_fetch"], 3)
     out["get_path_vs_raw"] = round(t["raw_get"] / t["get_path"], 3)
+    out["multi_path_vs_raw"] = round(t["raw_get"] / t["multi_path"], 3)
     if "plugin_load" in t:
         out["plugin_vs_tier"] = round(t["tier_fetch"] / t["plugin_load"], 3)
     out["tier_put_GBps"] = gbps(total, t_put)
@@ -129,13 +133,15 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
     return out
 
 
-def get_path(tier: MooncakeTier, keys: list[str], ptrs: list[int], c: int) -> None:
-    """The tier's read without its local path (what a client without local objects does)."""
-    local, tier._reads.local = tier._reads.local, None
+def get_path(tier: MooncakeTier, keys: list[str], ptrs: list[int], c: int, land_whole: bool) -> None:
+    """The tier's read without its local path, by the landed or the multi-buffer path."""
+    reads = tier._reads
+    saved = reads.local, reads.land_whole
+    reads.local, reads.land_whole = None, land_whole
     try:
-        tier._reads.read(tier.codec, keys, ptrs, [c] * len(keys), time.monotonic() + 60)
+        reads.read(tier.codec, keys, ptrs, [c] * len(keys), time.monotonic() + 60)
     finally:
-        tier._reads.local = local
+        reads.local, reads.land_whole = saved
 
 
 class _Obj:
@@ -215,6 +221,7 @@ def run(args) -> dict:
 
 def table(out: dict) -> str:
     cols = ["object_KiB", "objects", "raw_get_GBps", "tier_fetch_GBps", "tier_vs_raw", "get_path_vs_raw",
+            "multi_path_vs_raw",
             "plugin_load_GBps",
             "plugin_vs_tier", "tier_put_GBps", "raw_upsert_GBps"]
     lines = ["placement   " + " ".join(f"{c:>16}" for c in cols)]

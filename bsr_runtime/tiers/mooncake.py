@@ -14,7 +14,8 @@ A window is read in sub-batches of about `verify_batch_bytes`, by one of three p
 - landed (tcp default): the others land whole, one transfer each, via `batch_get_into` into one
   of two registered landing buffers, then the same checksumming copy, on a verifier thread,
   while the next sub-batch lands in the other buffer (a multi-buffer get is one tcp request per
-  buffer: 2 per object, measured 1.5x slower at 256 KB objects);
+  buffer, 2 per object: about as fast from 256 KB up, slower at 64 KB, 0.65 vs 0.74 of a raw
+  get in benchmarks/results/mooncake_tier.txt);
 - multi (rdma default): `batch_get_into_multi_buffers` lands the header in the header area and
   the payload straight into the view (zero copy), and the verifier computes the CRCs in place
   (one native call per sub-batch) while the next sub-batch is in flight.
