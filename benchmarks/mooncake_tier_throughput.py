@@ -12,9 +12,9 @@ registered buffer; "tier" = MooncakeTier.fetch(...).wait() into a registered sta
 in the client's own segment by one checksumming copy (mooncake_local.py), others landed whole
 and copied (tcp default), headers checked, CRC-32C of every payload. Called directly on the
 fetching thread, without the local path (what a client without local objects does):
-"get_path" = the landed path (whole-object gets + checksumming copy), "multi_path" = the
-multi-buffer path (header and payload apart, CRC in place; the rdma default). GB/s count
-payload bytes.
+"get_path" = the landed path (whole-object gets + checksumming copy), "in_place_path" = the
+in-place path (each object whole where its payload goes, header in the bytes before it, CRC in
+place; the default for adjacent views). GB/s count payload bytes.
 Numbers are loopback tcp on this host, not RDMA.
 """
 
@@ -98,7 +98,7 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
         "raw_get": lambda: tier._store.batch_get_into(keys, raw_ptrs, [ob] * n),
         "tier_fetch": lambda: tier.fetch(keys, views, time.monotonic() + 60).wait(),
         "get_path": lambda: get_path(tier, keys, [v.data_ptr() for v in views], c, land_whole=True),
-        "multi_path": lambda: get_path(tier, keys, [v.data_ptr() for v in views], c, land_whole=False),
+        "in_place_path": lambda: get_path(tier, keys, [v.data_ptr() for v in views], c, land_whole=False),
         "raw_upsert": lambda: tier._store.batch_upsert_from(keys, raw_ptrs, [ob] * n),
     }
     if plugin is not None:
@@ -117,7 +117,7 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
     out.update({f"{k}_GBps": gbps(total, v) for k, v in t.items() if k != "raw_upsert"})
     out["tier_vs_raw"] = round(t["raw_get"] / t["tier_fetch"], 3)
     out["get_path_vs_raw"] = round(t["raw_get"] / t["get_path"], 3)
-    out["multi_path_vs_raw"] = round(t["raw_get"] / t["multi_path"], 3)
+    out["in_place_path_vs_raw"] = round(t["raw_get"] / t["in_place_path"], 3)
     if "plugin_load" in t:
         out["plugin_vs_tier"] = round(t["tier_fetch"] / t["plugin_load"], 3)
     out["tier_put_GBps"] = gbps(total, t_put)
@@ -134,7 +134,7 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
 
 
 def get_path(tier: MooncakeTier, keys: list[str], ptrs: list[int], c: int, land_whole: bool) -> None:
-    """The tier's read without its local path, by the landed or the multi-buffer path."""
+    """The tier's read without its local path, by the landed or the in-place path."""
     reads = tier._reads
     saved = reads.local, reads.land_whole
     reads.local, reads.land_whole = None, land_whole
@@ -221,7 +221,7 @@ def run(args) -> dict:
 
 def table(out: dict) -> str:
     cols = ["object_KiB", "objects", "raw_get_GBps", "tier_fetch_GBps", "tier_vs_raw", "get_path_vs_raw",
-            "multi_path_vs_raw",
+            "in_place_path_vs_raw",
             "plugin_load_GBps",
             "plugin_vs_tier", "tier_put_GBps", "raw_upsert_GBps"]
     lines = ["placement   " + " ".join(f"{c:>16}" for c in cols)]

@@ -5,12 +5,13 @@ objects are spread over two clients' segments is served by both paths at once.""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import time
 
+import mooncake_util
 import pytest
 import torch
+from mooncake_util import assert_same, flipped
 
 from bsr_harness.testdata import POISON
 from bsr_kernels import host_crc
@@ -29,8 +30,11 @@ C = 96 * 1024 + 48  # not a power of two on purpose
 
 
 def payloads(n: int, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (C,), dtype=torch.uint8, generator=g) for _ in range(n)]
+    return mooncake_util.payloads(n, seed, C)
+
+
+def segment_address(tier, key: str) -> int:
+    return mooncake_util.segment_address(tier, key, C)
 
 
 def fetch(tier, keys: list[str], pool: StagingPool):
@@ -57,27 +61,6 @@ def tier(mooncake_tier_factory, pool):
     t.unregister_staging(pool.buffer)
 
 
-def segment_address(tier, key: str) -> int:
-    """Where `key`'s object lies in `tier`'s own segment (fails unless it is there)."""
-    (addr,) = tier._reads.local.addresses([key], [C]).values()
-    return addr
-
-
-@contextlib.contextmanager
-def flipped(address: int, mask: int):
-    """The byte at `address` (in a store segment of this process) xor-ed with mask, then restored."""
-    byte = ctypes.c_uint8.from_address(address)
-    byte.value ^= mask
-    try:
-        yield
-    finally:
-        byte.value ^= mask
-
-
-def assert_same(got: list[torch.Tensor], data: list[torch.Tensor]) -> None:
-    assert all(torch.equal(g, d) for g, d in zip(got, data, strict=True))
-
-
 def test_local_objects_take_one_checksumming_copy(tier, pool):
     n = 8
     keys = [f"local/{i}" for i in range(n)]
@@ -97,7 +80,8 @@ def test_the_get_path_serves_when_local_reads_are_off(mooncake_tier_factory, poo
     t.put(keys, data)
     assert_same(fetch(t, keys, pool), data)
     t.unregister_staging(pool.buffer)
-    assert t.stats["local_reads"] == 0 and t.stats["get_calls"] == 1
+    # in place: adjacent views land in two phases (even positions, then odd), one get each
+    assert t.stats["local_reads"] == 0 and t.stats["get_calls"] == 2
 
 
 def test_a_pure_client_has_no_local_reader(mooncake_tier_factory):
@@ -154,8 +138,8 @@ def test_a_window_over_two_segments_uses_both_paths(tier, mooncake_tier_factory,
 @pytest.mark.parametrize("land_whole", [True, False])
 def test_damage_in_another_clients_segment_is_refused_by_both_get_paths(tier, mooncake_tier_factory, pool,
                                                                         land_whole):
-    """A pure client reads what `tier` holds: whole objects into a landing buffer + copy, or a
-    multi-buffer get; a byte flipped in the holder's segment fails the window either way."""
+    """A pure client reads what `tier` holds: whole objects into a landing buffer + copy, or in
+    place (tiers/mooncake_reads.py); a byte flipped in the holder's segment fails the window either way."""
     reader = mooncake_tier_factory(C, FP, global_segment_size=0, land_whole=land_whole)
     reader.register_staging(pool.buffer)
     keys = [f"remote{land_whole}/{i}" for i in range(6)]
@@ -184,10 +168,10 @@ def test_landing_buffers_are_two_and_reused(tier, mooncake_tier_factory, pool):
     assert not reader._reads.landing._busy and len(reader._reads.landing._free) == 2
 
 
-def test_without_the_cpu_library_the_multi_path_serves_with_google_crc32c(mooncake_tier_factory, pool,
+def test_without_the_cpu_library_the_in_place_path_serves_with_google_crc32c(mooncake_tier_factory, pool,
                                                                            monkeypatch):
     """No libbsr_cpu.so (no compiler at install): no local copy, no landing copy; the tier reads
-    with multi-buffer gets and checks CRCs one by one, and damage is still refused."""
+    in place and checks CRCs one by one, and damage is still refused."""
     monkeypatch.setattr(host_crc, "available", lambda: False)
     t = mooncake_tier_factory(C, FP, global_segment_size=64 << 20)
     assert t._reads.local is None and not t._reads.land_whole
@@ -196,7 +180,7 @@ def test_without_the_cpu_library_the_multi_path_serves_with_google_crc32c(moonca
     data = payloads(5, seed=9)
     t.put(keys, data)
     assert_same(fetch(t, keys, pool), data)
-    assert t.stats["local_reads"] == 0 and t.stats["get_calls"] == 1
+    assert t.stats["local_reads"] == 0 and t.stats["get_calls"] == 2  # in place: two phases
     (replica,) = t._store.batch_get_replica_desc([keys[2]])[keys[2]][:1]  # (this tier reads no segment)
     address = replica.get_memory_descriptor().buffer_descriptor.buffer_address
     with flipped(address + HEADER_SIZE + 77, 0x10), pytest.raises(CorruptObjectError, match="checksum"):

@@ -96,9 +96,10 @@ def test_roundtrip_into_registered_staging_slot(tier, pool):
 
 
 def test_one_round_trip_per_window_and_one_key_per_chunk(tier, pool):
-    """No companion records: a fetch of a window smaller than verify_batch_bytes is one
-    batch_get_into_multi_buffers call for the objects outside this client's segment (those in it
-    are copied after one replica lookup); the store holds exactly one object per chunk."""
+    """No companion records: a fetch of a window smaller than verify_batch_bytes takes at most two
+    gets for the objects outside this client's segment (in place: even positions, then odd ones;
+    landed: one), and none when all are in it (copied after one replica lookup); the store holds
+    exactly one object per chunk."""
     n = 8
     keys = keys_for(n, seed=2)
     tier.put(keys, payloads(n, seed=2))
@@ -108,7 +109,8 @@ def test_one_round_trip_per_window_and_one_key_per_chunk(tier, pool):
     lease = pool.acquire(4)
     tier.fetch(keys[:4], [lease.chunk(i) for i in range(4)], deadline()).wait()
     local = tier.stats["local_reads"] - before["local_reads"]
-    assert tier.stats["get_calls"] - before["get_calls"] == (1 if local < 4 else 0)
+    gets = tier.stats["get_calls"] - before["get_calls"]
+    assert gets == 0 if local == 4 else 1 <= gets <= 2
     assert tier.stats["objects_verified"] - before["objects_verified"] == 4
     pool.release(lease)
 

@@ -36,9 +36,9 @@ _MOONCAKE = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 # Mooncake's three read paths, each under the whole contract (tiers/mooncake.py):
 # "mooncake": objects in the client's own segment by one checksumming copy (mooncake_local.py);
 # "mooncake-landed": every object by a whole-object get into a landing buffer + checksumming copy;
-# "mooncake-multi": every object by a multi-buffer get (header and payload apart, the rdma default)
+# "mooncake-in-place": every object in place (header in the bytes before its payload, the default)
 MOONCAKE_PATHS = {"mooncake": {}, "mooncake-landed": {"local_reads": False, "land_whole": True},
-                  "mooncake-multi": {"local_reads": False, "land_whole": False}}
+                  "mooncake-in-place": {"local_reads": False, "land_whole": False}}
 KINDS = ["memory", "filesystem", *(pytest.param(k, marks=_MOONCAKE) for k in MOONCAKE_PATHS)]
 
 

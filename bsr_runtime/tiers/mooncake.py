@@ -6,19 +6,24 @@ payload. Mooncake does not check what it returns; the tier checks every object b
 handle completes, so nothing unverified is handed on.
 
 Reads (fetch(), on a worker thread; the Mooncake calls and the native copies release the GIL).
-A window is read in sub-batches of about `verify_batch_bytes`, by one of three paths:
+A window is read by one of three paths:
 - local: objects in this client's own segment (global_segment_size > 0) are found with one
   `batch_get_replica_desc` (which leases them as a get does) and moved by one checksumming copy
   (mooncake_local.py, bsr_kernels.host_crc): header to a header area, payload to its view, the
   CRC of each piece computed as it lands; one pass over memory instead of a get plus a CRC pass;
-- landed (tcp default): the others land whole, one transfer each, via `batch_get_into` into one
-  of two registered landing buffers, then the same checksumming copy, on a verifier thread,
-  while the next sub-batch lands in the other buffer (a multi-buffer get is one tcp request per
-  buffer, 2 per object: about as fast from 256 KB up, slower at 64 KB, 0.65 vs 0.74 of a raw
-  get in benchmarks/results/mooncake_tier.txt);
-- multi (rdma default): `batch_get_into_multi_buffers` lands the header in the header area and
-  the payload straight into the view (zero copy), and the verifier computes the CRCs in place
-  (one native call per sub-batch) while the next sub-batch is in flight.
+- in place (the default): each object lands whole, by one transfer, where its payload goes, its
+  header in the 128 bytes before the payload. For adjacent views (a staging slot's window) those
+  bytes belong to the view before, so the window lands in two phases (even positions, then odd
+  ones; the tails the second phase borrows are saved and put back) and a run's first object
+  lands its header in the header area. CRCs are computed in place, the even views' on a verifier
+  thread while the odd phase lands. No copy, and one transfer per object (0.86-0.99 of a raw get
+  from a store host over tcp, against 0.56-0.75 for the landed path:
+  benchmarks/results/mooncake_tier.txt);
+- landed: objects land whole in one of two registered landing buffers of `verify_batch_bytes`
+  (one sub-batch while the previous one is copied into the views by the checksumming copy on a
+  verifier thread). Used over tcp when no two views are adjacent (a view starting no run needs a
+  two-buffer get, slower over tcp for small objects than the landing copy), or when asked
+  (`land_whole=True`).
 Each landed header is compared with what its key expects in one vectorized step. An object
 under the wrong key (swapped, or another tenant's copied under these keys), of another
 registration or tenant, damaged, or in the old two-key format is a CorruptObjectError.
@@ -27,7 +32,7 @@ registration or tenant, damaged, or in the old two-key format is a CorruptObject
 Writes: put() stages header + payload in a registered buffer and writes them with one
 `batch_upsert_from` per batch (upsert replaces an existing key, which the Tier contract asks for;
 `batch_put_from[_multi_buffers]` on an existing key returns 0 and keeps the old object). Views
-the multi path writes into are registered once (register_staging) or for one call.
+read in place are registered once (register_staging) or for one call.
 probe() asks `batch_is_exist` once, one key per chunk.
 
 Mooncake's return codes and process-wide settings: see mooncake_client.py.
@@ -121,7 +126,7 @@ class MooncakeTier(Tier):
                                              thread_name_prefix="bsr-mooncake-verify")
         self._reads = ReadPaths(
             self._live_store, local=LocalSegmentReader(store) if local else None,
-            land_whole=o.protocol == "tcp" if o.land_whole is None else o.land_whole,
+            land_whole=o.land_whole if o.land_whole is not None else (None if o.protocol == "tcp" else False),
             batch_bytes=o.verify_batch_bytes, verifiers=self._verifiers, verify_ways=o.verify_threads,
             registrations=self._registrations, register=self._register_owned, unregister=self._unregister_owned,
             error_for=self._error_for, stats=self.stats)

@@ -25,9 +25,10 @@ class MooncakeTierOptions:
     verify_threads: int = 1
     put_batch_bytes: int = 64 << 20
     local_reads: bool = True  # objects in this client's own segment: one checksumming copy (mooncake_local.py)
-    # objects from other segments land whole (one transfer each) in 2 registered landing buffers
-    # of verify_batch_bytes, then one checksumming copy; None: on for tcp (a multi-buffer get is
-    # one request per buffer there), off for rdma (header and payload land apart, zero copy)
+    # objects from other segments: True = land whole in 2 registered landing buffers of
+    # verify_batch_bytes, then one checksumming copy; False = in place (header in the 128 B before
+    # the payload, tiers/mooncake_reads.py); None = in place, except over tcp when no two views
+    # are adjacent (a two-buffer get per object is slower there than the landing copy)
     land_whole: bool | None = None
 
     def __post_init__(self) -> None:

@@ -6,7 +6,10 @@ of about `batch_bytes`, by one of three paths (see tiers/mooncake.py for why eac
 - local: objects in this client's own segment, one checksumming copy (mooncake_local.py);
 - landed: whole objects into one of two registered landing buffers, one checksumming copy each
   sub-batch on a verifier thread while the next lands in the other buffer;
-- multi: header and payload apart in one multi-buffer get, CRCs in place on a verifier thread.
+- in place: each object whole, by one transfer, where its payload goes, its header in the H bytes
+  before the payload (the tail of the view before it, borrowed and put back: _in_place), CRCs in
+  place.
+Nothing outside the views and this object's own buffers is ever written.
 `collect=False` (the tier) raises the first problem and stops; `collect=True` (the plugin) reads
 everything it can and returns {index: TierError} for the objects that must not be used.
 Every path returns (or raises) only after every transfer and copy it started has ended.
@@ -14,6 +17,7 @@ Every path returns (or raises) only after every transfer and copy it started has
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -65,15 +69,59 @@ def copy_and_checksum(objects: Sequence[int], header_ptrs: Sequence[int], ptrs: 
     return crcs
 
 
+def run_positions(ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    """Each view's place in its run of adjacent views (0: the view before it is not adjacent, or is
+    smaller than a header)."""
+    pos = [0] * len(ptrs)
+    for i in range(1, len(ptrs)):
+        if ptrs[i] == ptrs[i - 1] + sizes[i - 1] and sizes[i - 1] >= H:
+            pos[i] = pos[i - 1] + 1
+    return pos
+
+
+class _Tails:
+    """The H bytes before each of the views at ptrs[i] for i in `index` (read as an (n, H) array)."""
+
+    def __init__(self, ptrs: Sequence[int], index: Sequence[int]) -> None:
+        starts = np.asarray([ptrs[i] - H for i in index], dtype=np.int64)
+        self._lo = int(starts.min()) if len(starts) else 0
+        span = int(starts.max()) + H - self._lo if len(starts) else 0
+        self._mem = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(self._lo)) if span else None
+        self._at = (starts - self._lo)[:, None] + np.arange(H)
+
+    def read(self) -> np.ndarray:
+        return self._mem[self._at] if self._mem is not None else np.empty((0, H), dtype=np.uint8)
+
+    def write(self, rows: np.ndarray) -> None:
+        if self._mem is not None:
+            self._mem[self._at] = rows
+
+
+def _crcs_into(crcs: np.ndarray, index: Sequence[int], ptrs: Sequence[int], sizes: Sequence[int],
+               tails: np.ndarray, tail_of: dict[int, int]) -> None:
+    """crcs[i] = CRC-32C of payload i for i in `index`; for i in `tail_of`, the last H bytes are
+    taken from tails[tail_of[i]] (the view's own tail, saved while another transfer borrows it)."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i in index:
+        groups[sizes[i] - (H if i in tail_of else 0)].append(i)
+    for nbytes, idx in groups.items():
+        crcs[idx] = host_crc.crc32c_many([ptrs[i] for i in idx], nbytes)
+    base = tails.ctypes.data
+    for i in index:
+        if i in tail_of:
+            crcs[i] = host_crc.crc32c(base + tail_of[i] * H, H, int(crcs[i]))
+
+
 class ReadPaths:
-    def __init__(self, store: Callable[[], object], *, local: LocalSegmentReader | None, land_whole: bool,
+    def __init__(self, store: Callable[[], object], *, local: LocalSegmentReader | None, land_whole: bool | None,
                  batch_bytes: int, verifiers: ThreadPoolExecutor, verify_ways: int,
                  registrations: StoreRegistrations, register: Callable[[int, int], None],
                  unregister: Callable[[int], None], error_for: Callable[[str, int, int], TierError],
                  stats: dict[str, int]) -> None:
         self._store = store  # the live client (raises once closed)
         self.local = local
-        self.land_whole = land_whole and host_crc.available()
+        self.can_land = host_crc.available()  # the landed path's copy is the CPU library's
+        self.land_whole = land_whole and self.can_land if land_whole is not None else None
         self.batch_bytes = batch_bytes
         self._verifiers = verifiers
         self._ways = verify_ways
@@ -86,6 +134,13 @@ class ReadPaths:
     def close(self) -> None:
         self.headers.close()
         self.landing.close()
+
+    def _lands_whole(self, ptrs: Sequence[int], sizes: Sequence[int]) -> bool:
+        """land_whole None: land whole only when no two views are adjacent (nothing to land in place;
+        over tcp a two-buffer get per object is slower than a landing copy for small objects)."""
+        if self.land_whole is None:
+            return self.can_land and not any(run_positions(ptrs, sizes))
+        return self.land_whole
 
     def read(self, codec: ObjectCodec, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
              deadline: float, *, verify: bool = True, collect: bool = False) -> Problems:
@@ -100,7 +155,7 @@ class ReadPaths:
                 done = len(keys) - len(rest)  # header rows [0, done) hold the local objects' headers
                 sub = (keys, ptrs, sizes) = ([keys[i] for i in rest], [ptrs[i] for i in rest],
                                              [sizes[i] for i in rest])
-                path = self._landed if self.land_whole else self._multi
+                path = self._landed if self._lands_whole(sub[1], sub[2]) else self._in_place
                 found: Problems = {}
                 try:
                     path(codec, *sub, headers[done * H :], deadline, verify, collect, found)
@@ -133,13 +188,13 @@ class ReadPaths:
         pending: Future | None = None
         try:
             for k, (s, e) in enumerate(batches):
-                if self._stopped(s, deadline, pending, collect, problems, len(keys)):
+                if k and self._stopped(deadline, pending, collect, problems, list(range(s, len(keys)))):
                     break
                 offsets = np.cumsum([0] + [H + sizes[i] for i in range(s, e - 1)]).tolist()
                 objects = [bufs[k % len(bufs)].data_ptr() + off for off in offsets]
                 codes = per_key(self._store().batch_get_into(keys[s:e], objects, [H + sizes[i] for i in range(s, e)]),
                                 e - s, "batch_get_into")
-                good = self._check_codes(keys, sizes, s, e, codes, collect, problems)
+                good = self._check_codes(keys, sizes, range(s, e), codes, collect, problems)
                 if pending is not None:
                     pending.result()  # sub-batch k-1 checked (or the read stops here): its buffer is free
                     pending = None
@@ -158,49 +213,93 @@ class ReadPaths:
         if pending is not None:
             pending.result()
 
-    def _multi(self, codec, keys, ptrs, sizes, headers, deadline, verify, collect, problems) -> None:
-        taken = self._registrations.take(ptrs, sizes)  # the payloads land straight in the views
-        rows = headers[: len(keys) * H].numpy().reshape(len(keys), H)
-        base = headers.data_ptr()
+    def _in_place(self, codec, keys, ptrs, sizes, headers, deadline, verify, collect, problems) -> None:
+        """Each object lands whole, by one transfer, where its payload goes: its header in the H
+        bytes before the payload. Inside a run of adjacent views those bytes are the tail of the view
+        before, so a run lands in two phases, even positions first, then odd ones; the tails the odd
+        phase overwrites (even views, landed) are saved before it and put back after it whatever
+        happened. A run's first object has no bytes of its own before it: its header lands in the
+        header area (a two-buffer get). The CRCs of the even views are computed (from the saved
+        tails) on a verifier thread while the odd phase lands."""
+        pos = run_positions(ptrs, sizes)
+        n, base = len(keys), headers.data_ptr()
+        hdr = headers[: n * H].numpy().reshape(n, H)
+        even = [i for i in range(n) if pos[i] % 2 == 0]
+        odd = [i for i in range(n) if pos[i] % 2 == 1]
+        crcs = np.zeros(n, dtype=np.uint32) if verify and host_crc.available() else None
+        taken = self._registrations.take(ptrs, sizes)
         checks: list[Future] = []
         try:
-            for s, e in sub_batches(sizes, self.batch_bytes):
-                if self._stopped(s, deadline, None, collect, problems, len(keys), checks):
-                    break
-                bufs = [[base + i * H, ptrs[i]] for i in range(s, e)]
-                codes = per_key(self._store().batch_get_into_multi_buffers(
-                    keys[s:e], bufs, [[H, sizes[i]] for i in range(s, e)]), e - s, "batch_get_into_multi_buffers")
-                good = self._check_codes(keys, sizes, s, e, codes, collect, problems)
-                for part in np.array_split(np.asarray(good, dtype=np.int64), min(self._ways, max(1, len(good)))):
-                    part = part.tolist()
-                    checks.append(self._verifiers.submit(
-                        self._check, codec, [keys[i] for i in part], rows[part], [ptrs[i] for i in part],
-                        [sizes[i] for i in part], verify, collect, problems, part, None))
+            landed, stopped = self._land(keys, ptrs, sizes, pos, base, hdr, even, odd, True, deadline, collect,
+                                         problems, checks)
+            if not stopped:
+                tails = _Tails(ptrs, odd)  # odd i lands its header in the tail of view i - 1
+                saved = tails.read()
+                if crcs is not None:
+                    after = {i - 1: j for j, i in enumerate(odd)}  # even view -> row of its saved tail
+                    checks.append(self._verifiers.submit(_crcs_into, crcs, landed, ptrs, sizes, saved, after))
+                    landed = []
+                try:
+                    more, _ = self._land(keys, ptrs, sizes, pos, base, hdr, odd, [], False, deadline, collect,
+                                         problems, checks)
+                finally:
+                    tails.write(saved)  # the even views whole again
+                landed += more
+            if crcs is not None:
+                _crcs_into(crcs, landed, ptrs, sizes, np.empty((0, H), dtype=np.uint8), {})
+            wait_all(checks)
+            for f in checks:
+                f.result()
+            good = [i for i in range(n) if i not in problems]
+            self._check(codec, [keys[i] for i in good], hdr[good], [ptrs[i] for i in good],
+                        [sizes[i] for i in good], verify, collect, problems, good,
+                        None if crcs is None else crcs[good])
         finally:
             wait_all(checks)
             self._registrations.give_back(taken)
-        for f in checks:
-            f.result()
+
+    def _land(self, keys, ptrs, sizes, pos, base, hdr, todo, later, first, deadline, collect, problems,
+              checks) -> tuple[list[int], bool]:
+        """One phase of _in_place: get the objects in `todo` in sub-batches, the headers of those
+        inside a run copied to the header area. Returns the ones that landed and whether the read
+        stopped early (past the deadline, the objects not started, `later` included, are then
+        problems). The first sub-batch of the `first` phase always goes: the fetch checked the
+        deadline."""
+        landed: list[int] = []
+        for s, e in sub_batches([sizes[i] for i in todo], self.batch_bytes):
+            if (s or not first) and self._stopped(deadline, None, collect, problems, todo[s:] + later, checks):
+                return landed, True
+            part = todo[s:e]
+            bufs = [[ptrs[i] - H] if pos[i] else [base + i * H, ptrs[i]] for i in part]
+            lens = [[H + sizes[i]] if pos[i] else [H, sizes[i]] for i in part]
+            codes = per_key(self._store().batch_get_into_multi_buffers([keys[i] for i in part], bufs, lens),
+                            len(part), "batch_get_into_multi_buffers")
+            good = self._check_codes(keys, sizes, part, codes, collect, problems)
+            inner = [i for i in good if pos[i]]
+            hdr[inner] = _Tails(ptrs, inner).read()  # headers that landed in the view before
+            landed += good
+        return landed, False
 
     # -- steps -------------------------------------------------------------------------------
-    def _stopped(self, s, deadline, pending, collect, problems, n, checks=()) -> bool:
-        if s == 0:
-            return False
+    def _stopped(self, deadline, pending, collect, problems, rest, checks=()) -> bool:
+        """Whether to start no more transfers: a raising read already failed, or the deadline
+        passed (then the objects in `rest`, not started, are FetchTimeoutErrors)."""
         failed = (pending is not None and pending.done() and pending.exception() is not None) or any(
             f.done() and f.exception() is not None for f in checks)
         if failed and not collect:
             return True  # the window already failed
         if time.monotonic() >= deadline:  # the caller stopped waiting: nothing more may land
-            late = FetchTimeoutError(f"fetch of {n} objects passed its deadline after {s} had landed")
-            for i in range(s, n):
+            late = FetchTimeoutError(f"fetch passed its deadline with {len(rest)} objects not read")
+            for i in rest:
                 problems.setdefault(i, late)
             return True
         return False
 
-    def _check_codes(self, keys, sizes, s, e, codes, collect, problems) -> list[int]:
+    def _check_codes(self, keys, sizes, part, codes, collect, problems) -> list[int]:
+        """The objects of `part` whose get returned their full size; the others become problems."""
         self.stats["get_calls"] += 1
         good = []
-        for i, code in zip(range(s, e), codes, strict=True):
+        for i, code in zip(part, codes, strict=True):
             if code == H + sizes[i]:
                 good.append(i)
                 continue

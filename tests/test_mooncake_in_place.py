@@ -1,0 +1,206 @@
+"""Reads in place (tiers/mooncake_reads.py, ReadPaths._in_place) from a real master and a real
+holder client: each object lands whole where its payload goes, its header in the 128 bytes before
+it (inside a run of adjacent views: the tail of the view before, borrowed by the odd phase and put
+back). Checked on poisoned views with guard bytes: the right bytes in every view, nothing written
+outside the views, damage at every position refused (the others intact), a missing object in
+either phase, an exception in the second phase, and the deadline between the phases."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from mooncake_util import assert_same, flipped, payloads, segment_address
+
+from bsr_harness.testdata import POISON
+from bsr_kernels import host_crc
+from bsr_runtime.tiers.base import CorruptObjectError, FetchTimeoutError, MissingObjectError
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300),
+              pytest.mark.skipif(not host_crc.available(), reason="libbsr_cpu.so not built")]
+
+pytest.importorskip("mooncake.store", reason="mooncake.store cannot be imported (no Mooncake wheel)")
+
+from bsr_runtime.tiers.mooncake_object import HEADER_SIZE as H  # noqa: E402
+from bsr_runtime.tiers.mooncake_reads import run_positions  # noqa: E402
+
+FP = "1n91ace" * 5
+C = 64 * 1024 + 80  # not a power of two on purpose
+GUARD = 4096
+SLOTS = 8
+
+
+class Views:
+    """SLOTS slots of C bytes between two guards in one registered buffer, poisoned."""
+
+    def __init__(self, reader) -> None:
+        self.buf = torch.full((2 * GUARD + SLOTS * C,), POISON, dtype=torch.uint8)
+        self.reader = reader
+        reader.register_staging(self.buf)
+
+    def slot(self, j: int) -> torch.Tensor:
+        return self.buf[GUARD + j * C : GUARD + (j + 1) * C]
+
+    def ptrs(self, slots: list[int]) -> list[int]:
+        return [self.slot(j).data_ptr() for j in slots]
+
+    def untouched(self, used: list[int]) -> bool:
+        """Guards and every slot not in `used` still hold only the poison."""
+        rest = [self.buf[:GUARD], self.buf[-GUARD:]] + [self.slot(j) for j in range(SLOTS) if j not in used]
+        return all(bool((r == POISON).all()) for r in rest)
+
+    def close(self) -> None:
+        self.reader.unregister_staging(self.buf)
+
+
+@pytest.fixture
+def holder(mooncake_tier_factory):
+    return mooncake_tier_factory(C, FP, global_segment_size=64 << 20)
+
+
+@pytest.fixture
+def reader(mooncake_tier_factory):
+    """A pure client (no segment): every object crosses tcp; land_whole None (the tcp default)."""
+    return mooncake_tier_factory(C, FP, global_segment_size=0)
+
+
+@pytest.fixture
+def views(reader):
+    v = Views(reader)
+    yield v
+    v.close()
+
+
+def stored(holder, tag: str, n: int, seed: int) -> tuple[list[str], list[torch.Tensor]]:
+    keys = [f"{tag}/{i}" for i in range(n)]
+    data = payloads(n, seed, C)
+    holder.put(keys, data)
+    return keys, data
+
+
+def read(reader, keys, ptrs, *, collect: bool, deadline: float | None = None):
+    return reader._reads.read(reader.codec, keys, ptrs, [C] * len(keys),
+                              time.monotonic() + 20 if deadline is None else deadline, collect=collect)
+
+
+def test_run_positions():
+    assert run_positions([0, C, 2 * C, 5 * C, 6 * C], [C] * 5) == [0, 1, 2, 0, 1]
+    assert run_positions([2 * C, C, 0], [C] * 3) == [0, 0, 0]  # adjacent only in the other order
+    assert run_positions([0, 64, 64 + H], [64, H, H]) == [0, 0, 1]  # a view smaller than a header hosts none
+    assert run_positions([], []) == []
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_adjacent_views_land_in_place_with_nothing_written_outside(holder, reader, views, n):
+    keys, data = stored(holder, f"run{n}", n, seed=n)
+    slots = list(range(n))
+    reader.fetch(keys, [views.slot(j) for j in slots], time.monotonic() + 20).wait()
+    assert_same([views.slot(j) for j in slots], data)
+    assert views.untouched(slots)
+    assert reader.stats["get_calls"] == (1 if n == 1 else 2)  # even positions, then odd ones
+    # one view alone is no run: over tcp it lands whole in a landing buffer and is copied
+    assert len(reader._reads.landing._free) == (1 if n == 1 else 0) and not reader._reads.landing._busy
+    assert not reader._reads.headers._busy and not reader._registrations.temp
+
+
+def test_runs_gaps_and_order(holder, reader, views):
+    """Slots 0,1,2 | 5,6 | 3 (4 and 7 unused): three runs, each started by its own two-buffer get."""
+    slots = [0, 1, 2, 5, 6, 3]
+    keys, data = stored(holder, "order", len(slots), seed=10)
+    assert run_positions(views.ptrs(slots), [C] * len(slots)) == [0, 1, 2, 0, 1, 0]
+    assert read(reader, keys, views.ptrs(slots), collect=False) == {}
+    assert_same([views.slot(j) for j in slots], data)
+    assert views.untouched(slots)
+
+
+N = 5  # positions 0, 2, 4 land first, 1 and 3 borrow the tails of views 0 and 2
+
+
+@pytest.mark.parametrize("where", ["digest", "payload_first", "payload_tail", "payload_last"])
+@pytest.mark.parametrize("bad", range(N))
+def test_damage_at_any_position_is_refused_and_the_others_are_intact(holder, reader, views, bad, where):
+    """A byte flipped in the holder's segment: in the header's key digest, or in the payload's
+    first byte, its last 128 bytes (the tail the next object borrows) or its last byte."""
+    keys, data = stored(holder, f"dmg{bad}{where}", N, seed=20 + bad)
+    offset = {"digest": 60, "payload_first": H, "payload_tail": H + C - H + 5, "payload_last": H + C - 1}[where]
+    slots = list(range(N))
+    with flipped(segment_address(holder, keys[bad], C) + offset, 0x10):
+        problems = read(reader, keys, views.ptrs(slots), collect=True)
+        assert set(problems) == {bad} and isinstance(problems[bad], CorruptObjectError)
+        assert ("another key's data" if where == "digest" else "checksum") in str(problems[bad])
+        assert_same([views.slot(j) for j in slots if j != bad], [d for j, d in enumerate(data) if j != bad])
+        assert views.untouched(slots)
+        with pytest.raises(CorruptObjectError, match=keys[bad]):
+            reader.fetch(keys, [views.slot(j) for j in slots], time.monotonic() + 20).wait()
+    read(reader, keys, views.ptrs(slots), collect=False)  # the byte restored: all good again
+    assert_same([views.slot(j) for j in slots], data)
+
+
+@pytest.mark.parametrize("missing", [0, 2, 3, 4])
+def test_a_missing_object_in_either_phase(holder, reader, views, missing):
+    keys, data = stored(holder, f"miss{missing}", N, seed=30 + missing)
+    holder.delete([keys[missing]])
+    slots = list(range(N))
+    problems = read(reader, keys, views.ptrs(slots), collect=True)
+    assert set(problems) == {missing} and isinstance(problems[missing], MissingObjectError)
+    assert_same([views.slot(j) for j in slots if j != missing], [d for j, d in enumerate(data) if j != missing])
+    assert views.untouched(slots)
+    with pytest.raises(MissingObjectError, match=keys[missing]):
+        read(reader, keys, views.ptrs(slots), collect=False)
+
+
+class _Store:
+    """The reader's client, with an action after the get number `after` (1-based) has landed."""
+
+    def __init__(self, store, after: int, action) -> None:
+        self._real, self._after, self._action, self.calls = store, after, action, 0
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def batch_get_into_multi_buffers(self, *args):
+        out = self._real.batch_get_into_multi_buffers(*args)
+        self.calls += 1
+        if self.calls == self._after:
+            self._action()
+        return out
+
+
+def test_an_exception_in_the_second_phase_puts_the_borrowed_tails_back(holder, reader, views, monkeypatch):
+    keys, data = stored(holder, "raise", N, seed=40)
+    store = _Store(reader._store, 2, lambda: (_ for _ in ()).throw(RuntimeError("injected after the odd phase")))
+    monkeypatch.setattr(reader._reads, "_store", lambda: store)
+    slots = list(range(N))
+    with pytest.raises(RuntimeError, match="injected"):
+        read(reader, keys, views.ptrs(slots), collect=False)
+    # views 0 and 2 lent their tails to the headers of objects 1 and 3: whole again
+    assert_same([views.slot(j) for j in (0, 2, 4)], [data[0], data[2], data[4]])
+    assert views.untouched(slots)
+    assert not reader._reads.headers._busy and not reader._registrations.temp
+
+
+def test_the_deadline_between_the_phases_starts_no_more_transfers(holder, reader, views, monkeypatch):
+    keys, data = stored(holder, "late", N, seed=50)
+    deadline = time.monotonic() + 0.5
+    store = _Store(reader._store, 1, lambda: time.sleep(max(0.0, deadline - time.monotonic()) + 0.05))
+    monkeypatch.setattr(reader._reads, "_store", lambda: store)
+    slots = list(range(N))
+    problems = read(reader, keys, views.ptrs(slots), collect=True, deadline=deadline)
+    assert store.calls == 1  # the odd phase never started
+    assert set(problems) == {1, 3} and all(isinstance(e, FetchTimeoutError) for e in problems.values())
+    assert_same([views.slot(j) for j in (0, 2, 4)], [data[0], data[2], data[4]])
+    # views 1 and 3 hold only the headers of objects 2 and 4 in their tails
+    assert all(bool((views.slot(j)[: C - H] == POISON).all()) for j in (1, 3))
+
+
+def test_what_landed_before_the_deadline_is_still_checked(holder, reader, views, monkeypatch):
+    """Past the deadline after the even phase: the even objects that landed are verified all the
+    same (a damaged one is refused), not handed on unchecked."""
+    keys, _ = stored(holder, "late-dmg", N, seed=60)
+    deadline = time.monotonic() + 0.5
+    store = _Store(reader._store, 1, lambda: time.sleep(max(0.0, deadline - time.monotonic()) + 0.05))
+    monkeypatch.setattr(reader._reads, "_store", lambda: store)
+    with flipped(segment_address(holder, keys[2], C) + H + 7, 0x02):
+        problems = read(reader, keys, views.ptrs(list(range(N))), collect=True, deadline=deadline)
+    assert set(problems) == {1, 2, 3} and isinstance(problems[2], CorruptObjectError)
