@@ -57,15 +57,18 @@ def _flush_caches() -> None:
 def interleaved(fns: dict, reps: int) -> dict[str, float]:
     """Median seconds per function, the functions run round-robin so load drift hits all alike,
     each timed call after a cache flush (otherwise a call reading what the one before it wrote,
-    e.g. a get after an upsert, starts warm and the others cold)."""
+    e.g. a get after an upsert, starts warm and the others cold). The round starts one function
+    later each rep, so no function always follows the same one (a call right after a get found
+    the store host still busy with it: about 0.1 lower ratios for the function placed there)."""
     for fn in fns.values():
         fn()  # warm-up
+    names = list(fns)
     ts: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
+    for r in range(reps):
+        for k in names[r % len(names):] + names[: r % len(names)]:
             _flush_caches()
             t = time.perf_counter()
-            fn()
+            fns[k]()
             ts[k].append(time.perf_counter() - t)
     return {k: statistics.median(v) for k, v in ts.items()}
 

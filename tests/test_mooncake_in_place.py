@@ -104,6 +104,23 @@ def test_adjacent_views_land_in_place_with_nothing_written_outside(holder, reade
     assert not reader._reads.headers._busy and not reader._registrations.temp
 
 
+def test_a_phase_in_several_gets(holder, mooncake_tier_factory):
+    """in_place_batch_bytes of two objects: 7 views take 2 + 2 gets (positions 0,2 | 4,6 then
+    1,3 | 5); a damaged object in the last get is still refused, the others intact."""
+    reader = mooncake_tier_factory(C, FP, global_segment_size=0, in_place_batch_bytes=2 * (H + C))
+    views = Views(reader)
+    keys, data = stored(holder, "small-gets", 7, seed=70)
+    slots = list(range(7))
+    assert read(reader, keys, views.ptrs(slots), collect=False) == {}
+    assert_same([views.slot(j) for j in slots], data)
+    assert views.untouched(slots) and reader.stats["get_calls"] == 4
+    with flipped(segment_address(holder, keys[5], C) + H + C - 3, 0x80):
+        problems = read(reader, keys, views.ptrs(slots), collect=True)
+    assert set(problems) == {5} and reader.stats["get_calls"] == 8
+    assert_same([views.slot(j) for j in slots if j != 5], [d for j, d in enumerate(data) if j != 5])
+    views.close()
+
+
 def test_runs_gaps_and_order(holder, reader, views):
     """Slots 0,1,2 | 5,6 | 3 (4 and 7 unused): three runs, each started by its own two-buffer get."""
     slots = [0, 1, 2, 5, 6, 3]

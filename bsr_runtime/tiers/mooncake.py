@@ -127,7 +127,7 @@ class MooncakeTier(Tier):
         self._reads = ReadPaths(
             self._live_store, local=LocalSegmentReader(store) if local else None,
             land_whole=o.land_whole if o.land_whole is not None else (None if o.protocol == "tcp" else False),
-            batch_bytes=o.verify_batch_bytes, verifiers=self._verifiers, verify_ways=o.verify_threads,
+            batch_bytes=o.verify_batch_bytes, in_place_batch_bytes=o.in_place_batch_bytes, verifiers=self._verifiers,
             registrations=self._registrations, register=self._register_owned, unregister=self._unregister_owned,
             error_for=self._error_for, stats=self.stats)
         self._staging = RegisteredBuffers(self._register_owned, self._unregister_owned)  # put staging

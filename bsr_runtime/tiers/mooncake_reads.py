@@ -114,7 +114,7 @@ def _crcs_into(crcs: np.ndarray, index: Sequence[int], ptrs: Sequence[int], size
 
 class ReadPaths:
     def __init__(self, store: Callable[[], object], *, local: LocalSegmentReader | None, land_whole: bool | None,
-                 batch_bytes: int, verifiers: ThreadPoolExecutor, verify_ways: int,
+                 batch_bytes: int, in_place_batch_bytes: int, verifiers: ThreadPoolExecutor,
                  registrations: StoreRegistrations, register: Callable[[int, int], None],
                  unregister: Callable[[int], None], error_for: Callable[[str, int, int], TierError],
                  stats: dict[str, int]) -> None:
@@ -122,9 +122,9 @@ class ReadPaths:
         self.local = local
         self.can_land = host_crc.available()  # the landed path's copy is the CPU library's
         self.land_whole = land_whole and self.can_land if land_whole is not None else None
-        self.batch_bytes = batch_bytes
+        self.batch_bytes = batch_bytes  # landed: the landing buffers' size
+        self.in_place_batch_bytes = in_place_batch_bytes  # in place: the gets of a phase
         self._verifiers = verifiers
-        self._ways = verify_ways
         self._registrations = registrations
         self._error_for = error_for  # (key, code, payload bytes) -> the error of a failed get
         self.stats = stats
@@ -266,7 +266,7 @@ class ReadPaths:
         problems). The first sub-batch of the `first` phase always goes: the fetch checked the
         deadline."""
         landed: list[int] = []
-        for s, e in sub_batches([sizes[i] for i in todo], self.batch_bytes):
+        for s, e in sub_batches([sizes[i] for i in todo], self.in_place_batch_bytes):
             if (s or not first) and self._stopped(deadline, None, collect, problems, todo[s:] + later, checks):
                 return landed, True
             part = todo[s:e]
