@@ -19,8 +19,8 @@ One chunk is one store object: a 128-byte header, then the payload (little endia
 There is no header checksum: a reader compares every header byte except the algorithm and the
 payload checksum with what it expects for that key, tenant, registration and length, so any
 damaged, misplaced (another key's), foreign (another tenant's or registration's) or stale header
-is a mismatch. A fetch reads header and payload in one `batch_get_into_multi_buffers` call: the
-header lands in a small registered header area, the payload exactly in the caller's view.
+is a mismatch. A fetch reads header and payload by one transfer per object, the payload exactly
+in the caller's view (tiers/mooncake_reads.py).
 
 The old two-key format (payload-only objects of exactly chunk_bytes plus a `key + ".meta"`
 record, magic b"BSRM") carried no key and is refused with a CorruptObjectError naming it; it is
