@@ -6,6 +6,10 @@ and ctypes releases the GIL for the call:
 - crc32c(address, nbytes): one buffer (AVX-512 VPCLMULQDQ folding where the CPU has it, else
   the SSE4.2 instruction in three streams);
 - crc32c_many(ptrs, nbytes): many equal-size buffers in one call, split over the library's pool;
+- crc32c_extend_many(crcs, ptrs, nbytes): continue many CRCs over nbytes more each, in one call
+  (a CRC's continuation is linear in the CRC it continues: a 32x32 bit matrix per length), so
+  no thread makes one GIL-releasing call per object (each can wait a switch interval, 5 ms, to
+  get the GIL back while another thread runs Python);
 - copy_crc32c(src, head_dst, body_dst, head_bytes, body_bytes): per object, copy a header and a
   body to separate places and checksum the body piece by piece as it lands (while it is in cache),
   one pass over memory instead of a copy pass plus a checksum pass.
@@ -16,6 +20,7 @@ BSR_CRC_NO_FOLD=1 (read when the library first computes a CRC) keeps it on the c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 
@@ -64,6 +69,29 @@ def crc32c_many(ptrs: Sequence[int] | np.ndarray, nbytes: int, threads: int = 0)
     out = np.empty(len(p), dtype=np.uint32)
     if _lib().bsr_crc32c_many(len(p), p.ctypes.data, nbytes, out.ctypes.data, threads) != 0:
         raise ValueError(f"bsr_crc32c_many: invalid arguments (n={len(p)}, nbytes={nbytes})")
+    return out
+
+
+@lru_cache(maxsize=8)
+def _shift_columns(nbytes: int) -> np.ndarray:
+    """Column k: what continuing over nbytes does to bit k of a CRC (the linear part; the rest is
+    the CRC of the nbytes themselves, from 0)."""
+    zeros = np.zeros(max(1, nbytes), dtype=np.uint8)
+    p = zeros.ctypes.data
+    base = crc32c(p, nbytes, 0)
+    return np.array([crc32c(p, nbytes, 1 << k) ^ base for k in range(32)], dtype=np.uint32)
+
+
+def crc32c_extend_many(crcs: np.ndarray, ptrs: Sequence[int] | np.ndarray, nbytes: int) -> np.ndarray:
+    """For each i, crc32c(ptrs[i], nbytes, crcs[i]): the CRCs of buffers A_i continued over the
+    nbytes at ptrs[i], with one native call (the CRCs of the nbytes from 0) and numpy."""
+    crcs = np.asarray(crcs, dtype=np.uint32)
+    if len(crcs) != len(ptrs):
+        raise ValueError(f"crc32c_extend_many: {len(crcs)} CRCs but {len(ptrs)} buffers")
+    out = crc32c_many(ptrs, nbytes)
+    cols = _shift_columns(nbytes)
+    for k in range(32):
+        out ^= np.where((crcs >> np.uint32(k)) & np.uint32(1), cols[k], np.uint32(0))
     return out
 
 

@@ -85,6 +85,23 @@ def test_crc32c_many_matches_one_by_one(rng, threads):
     assert host_crc.crc32c_many([], size).size == 0
 
 
+@pytest.mark.parametrize("nbytes", [0, 1, 128, 1025, 70_001])
+def test_crc32c_extend_many_matches_continuation(rng, nbytes):
+    """The linear continuation gives what the library's continuation (and google_crc32c over the
+    concatenation) gives, for random starting CRCs and bytes."""
+    n = 29
+    buf = rng.integers(0, 256, n * nbytes + 5, dtype=np.uint8)
+    ptrs = [buf.ctypes.data + 5 + i * nbytes for i in range(n)]
+    start = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    got = host_crc.crc32c_extend_many(start, ptrs, nbytes)
+    assert got.tolist() == [host_crc.crc32c(p, nbytes, int(c)) for p, c in zip(ptrs, start, strict=True)]
+    head = rng.integers(0, 256, 333, dtype=np.uint8)
+    whole = np.concatenate([head, buf[5 : 5 + nbytes]])
+    assert host_crc.crc32c_extend_many([ref(head)], ptrs[:1], nbytes)[0] == ref(whole)
+    with pytest.raises(ValueError, match="2 CRCs but 1 buffers"):
+        host_crc.crc32c_extend_many([1, 2], ptrs[:1], nbytes)
+
+
 @pytest.mark.parametrize("threads", [0, 1, 2])
 @pytest.mark.parametrize("head, body", [(128, 1 << 20), (128, 65_584), (0, 4096), (64, 1), (16, 0)])
 def test_copy_crc32c_lands_header_and_body_apart(rng, threads, head, body):
