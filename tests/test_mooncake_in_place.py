@@ -61,8 +61,8 @@ def holder(mooncake_tier_factory):
 
 @pytest.fixture
 def reader(mooncake_tier_factory):
-    """A pure client (no segment): every object crosses tcp; land_whole None (the tcp default)."""
-    return mooncake_tier_factory(C, FP, global_segment_size=0)
+    """A pure client (no segment): every object crosses tcp, in place (land_whole=False)."""
+    return mooncake_tier_factory(C, FP, global_segment_size=0, land_whole=False)
 
 
 @pytest.fixture
@@ -99,15 +99,33 @@ def test_adjacent_views_land_in_place_with_nothing_written_outside(holder, reade
     assert_same([views.slot(j) for j in slots], data)
     assert views.untouched(slots)
     assert reader.stats["get_calls"] == (1 if n == 1 else 2)  # even positions, then odd ones
-    # one view alone is no run: over tcp it lands whole in a landing buffer and is copied
-    assert len(reader._reads.landing._free) == (1 if n == 1 else 0) and not reader._reads.landing._busy
+    assert not reader._reads.landing._free and not reader._reads.landing._busy  # no landing copy
     assert not reader._reads.headers._busy and not reader._registrations.temp
+
+
+@pytest.mark.parametrize("n, adjacent, lands_whole", [(2, True, True), (5, True, False), (5, False, True)])
+def test_the_tcp_default_lands_small_or_scattered_reads_whole(holder, mooncake_tier_factory, n, adjacent,
+                                                              lands_whole):
+    """land_whole None over tcp (verify_batch_bytes of three objects here): a read that fits one
+    landing buffer lands whole (one get and a copy), as does one whose views are never adjacent;
+    a larger read of adjacent views lands in place."""
+    reader = mooncake_tier_factory(C, FP, global_segment_size=0, verify_batch_bytes=3 * (H + C))
+    assert reader._reads.land_whole is None
+    views = Views(reader)
+    keys, data = stored(holder, f"default{n}{adjacent}", n, seed=80 + n)
+    slots = list(range(n)) if adjacent else [0, 2, 4, 6, 1][:n]  # 6 then 1: not adjacent either
+    assert read(reader, keys, views.ptrs(slots), collect=False) == {}
+    assert_same([views.slot(j) for j in slots], data)
+    assert views.untouched(slots)
+    assert bool(reader._reads.landing._free) == lands_whole
+    views.close()
 
 
 def test_a_phase_in_several_gets(holder, mooncake_tier_factory):
     """in_place_batch_bytes of two objects: 7 views take 2 + 2 gets (positions 0,2 | 4,6 then
     1,3 | 5); a damaged object in the last get is still refused, the others intact."""
-    reader = mooncake_tier_factory(C, FP, global_segment_size=0, in_place_batch_bytes=2 * (H + C))
+    reader = mooncake_tier_factory(C, FP, global_segment_size=0, land_whole=False,
+                                   in_place_batch_bytes=2 * (H + C))
     views = Views(reader)
     keys, data = stored(holder, "small-gets", 7, seed=70)
     slots = list(range(7))

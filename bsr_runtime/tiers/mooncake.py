@@ -21,9 +21,10 @@ A window is read by one of three paths:
   benchmarks/results/mooncake_tier.txt);
 - landed: objects land whole in one of two registered landing buffers of `verify_batch_bytes`
   (one sub-batch while the previous one is copied into the views by the checksumming copy on a
-  verifier thread). Used over tcp when no two views are adjacent (a view starting no run needs a
-  two-buffer get, slower over tcp for small objects than the landing copy), or when asked
-  (`land_whole=True`).
+  verifier thread). Used over tcp for a read that fits one landing buffer (one get and a copy
+  cost less there than the two gets of the in-place phases) or whose views are never adjacent
+  (a view starting no run needs a two-buffer get, slower over tcp for small objects than the
+  copy), and when asked (`land_whole=True`).
 Each landed header is compared with what its key expects in one vectorized step. An object
 under the wrong key (swapped, or another tenant's copied under these keys), of another
 registration or tenant, damaged, or in the old two-key format is a CorruptObjectError.

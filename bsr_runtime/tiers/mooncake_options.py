@@ -32,8 +32,9 @@ class MooncakeTierOptions:
     local_reads: bool = True  # objects in this client's own segment: one checksumming copy (mooncake_local.py)
     # objects from other segments: True = land whole in 2 registered landing buffers of
     # verify_batch_bytes, then one checksumming copy; False = in place (header in the 128 B before
-    # the payload, tiers/mooncake_reads.py); None = in place, except over tcp when no two views
-    # are adjacent (a two-buffer get per object is slower there than the landing copy)
+    # the payload, tiers/mooncake_reads.py); None = in place, except over tcp for a read that
+    # fits one landing buffer (one get + copy beats the two gets of the in-place phases) or whose
+    # views are never adjacent (a two-buffer get per object is slower there than the copy)
     land_whole: bool | None = None
 
     def __post_init__(self) -> None:

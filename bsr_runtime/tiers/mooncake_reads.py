@@ -137,10 +137,13 @@ class ReadPaths:
         self.landing.close()
 
     def _lands_whole(self, ptrs: Sequence[int], sizes: Sequence[int]) -> bool:
-        """land_whole None: land whole only when no two views are adjacent (nothing to land in place;
-        over tcp a two-buffer get per object is slower than a landing copy for small objects)."""
+        """land_whole None (tcp): land whole when the read fits one landing buffer (one get and one
+        copy, against two gets in place: in a restore of 4 MB windows over tcp the second get cost
+        more than the copy, benchmarks/results/sweep_mooncake_scale64_r5.txt) or when no two views
+        are adjacent (nothing to land in place)."""
         if self.land_whole is None:
-            return self.can_land and not any(run_positions(ptrs, sizes))
+            small = sum(sizes) + H * len(sizes) <= self.batch_bytes
+            return self.can_land and (small or not any(run_positions(ptrs, sizes)))
         return self.land_whole
 
     def read(self, codec: ObjectCodec, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
