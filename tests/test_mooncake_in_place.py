@@ -149,6 +149,19 @@ def test_runs_gaps_and_order(holder, reader, views):
     assert views.untouched(slots)
 
 
+def test_runs_in_two_separate_buffers(holder, reader, views):
+    """Views from two allocations (far apart in memory): two runs, each borrowing only its own tails."""
+    other = Views(reader)
+    try:
+        keys, data = stored(holder, "two-buffers", 6, seed=11)
+        ptrs = views.ptrs([0, 1, 2]) + other.ptrs([3, 4, 5])
+        assert read(reader, keys, ptrs, collect=False) == {}
+        assert_same([views.slot(j) for j in (0, 1, 2)] + [other.slot(j) for j in (3, 4, 5)], data)
+        assert views.untouched([0, 1, 2]) and other.untouched([3, 4, 5])
+    finally:
+        other.close()
+
+
 N = 5  # positions 0, 2, 4 land first, 1 and 3 borrow the tails of views 0 and 2
 
 
