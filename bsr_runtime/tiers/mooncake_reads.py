@@ -1,8 +1,9 @@
 """The read paths of one Mooncake client, shared by MooncakeTier and the LMCache Mooncake L2 plugin.
 
 `ReadPaths.read(codec, keys, ptrs, sizes, deadline)` lands object i's payload (sizes[i] bytes) at
-ptrs[i] and checks it (header against what key i expects, CRC-32C of what landed), in sub-batches
-of about `batch_bytes`, by one of three paths (see tiers/mooncake.py for why each exists):
+ptrs[i] and checks it (header against what key i expects, CRC-32C of what landed), in gets of
+about `batch_bytes` (landed) or `in_place_batch_bytes` (in place), by one of three paths (see
+tiers/mooncake.py for why each exists and which one a read takes):
 - local: objects in this client's own segment, one checksumming copy (mooncake_local.py);
 - landed: whole objects into one of two registered landing buffers, one checksumming copy each
   sub-batch on a verifier thread while the next lands in the other buffer;
