@@ -198,6 +198,22 @@ def test_a_missing_object_in_either_phase(holder, reader, views, missing):
         read(reader, keys, views.ptrs(slots), collect=False)
 
 
+@pytest.mark.parametrize("bad, extra", [(3, 100), (4, 100), (3, -100), (2, -C)])
+def test_an_object_of_the_wrong_size_writes_nothing_outside_its_view(holder, reader, views, bad, extra):
+    """An object under one key of the window whose stored size is not H + C (larger, smaller, or
+    payload-only as in the old format): refused with its size named, the neighbours intact and
+    nothing written past the views (position 3 lands after 4; 4 is the last view)."""
+    keys, data = stored(holder, f"size{bad}{extra}", N, seed=90 + bad)
+    holder.delete([keys[bad]])
+    assert holder._store.put(keys[bad], bytes(H + C + extra)) == 0
+    slots = list(range(N))
+    problems = read(reader, keys, views.ptrs(slots), collect=True)
+    assert set(problems) == {bad} and isinstance(problems[bad], CorruptObjectError)
+    assert f"{H + C + extra:,} B" in str(problems[bad])
+    assert_same([views.slot(j) for j in slots if j != bad], [d for j, d in enumerate(data) if j != bad])
+    assert views.untouched(slots)
+
+
 class _Store:
     """The reader's client, with an action after the get number `after` (1-based) has landed."""
 
