@@ -217,7 +217,8 @@ def run(args) -> dict:
             try:
                 for c in sizes:
                     tier = MooncakeTier(c, FP, m.master_address, m.metadata_server,
-                                        global_segment_size=0 if host else seg)
+                                        global_segment_size=0 if host else seg,
+                                        in_place_batch_bytes=int(args.in_place_batch_mib * (1 << 20)))
                     plugin = plugin_for(m) if args.plugin and host else None
                     try:
                         out[placement].append(one_size(tier, plugin, c, window, args.reps))
@@ -256,6 +257,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--probe-chunks", type=int, default=2047)
     ap.add_argument("--no-plugin", dest="plugin", action="store_false")
+    ap.add_argument("--in-place-batch-mib", type=float, default=32.0,
+                    help="the tier's in_place_batch_bytes (the gets of an in-place phase), in MiB")
     ap.add_argument("--placements", default="local,store_host", help="local, store_host or both")
     ap.add_argument("--failures", action="store_true", help="also time failure detection")
     args = ap.parse_args()

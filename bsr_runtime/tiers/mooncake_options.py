@@ -23,9 +23,10 @@ class MooncakeTierOptions:
     fetch_workers: int = 2
     verify_batch_bytes: int = 8 << 20  # sub-batch of a fetch checked while the next one lands
     # in place: a phase of a window in gets of about this many bytes. A get's transfers end
-    # together, so fewer, larger gets keep more in flight (at 256 KB objects over tcp, 8 MiB gets
-    # reached 0.79 of one raw get of the window, 32 MiB 0.87); it bounds how late a passed
-    # deadline is noticed, not memory (nothing is staged but the views)
+    # together, so fewer, larger gets keep more in flight (a 64 MiB window of 256 KB objects over
+    # tcp: 0.71-0.76 of one raw get with 32 MiB gets, 0.62-0.71 with 8 MiB,
+    # benchmarks/results/mooncake_tier.txt); it bounds how late a passed deadline is noticed, not
+    # memory (nothing is staged but the views)
     in_place_batch_bytes: int = 32 << 20
     verify_threads: int = 1
     put_batch_bytes: int = 64 << 20
