@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import time
 
 import torch
+
+from bsr_harness.testdata import POISON
+from bsr_kernels.staging_pool import StagingPool
 
 
 def payloads(n: int, seed: int, size: int) -> list[torch.Tensor]:
@@ -35,3 +39,15 @@ def assert_same(got: list[torch.Tensor], data: list[torch.Tensor]) -> None:
     assert len(got) == len(data)
     for i, (g, d) in enumerate(zip(got, data, strict=True)):
         assert torch.equal(g, d), f"view {i} differs from what was stored"
+
+
+def fetch(tier, keys: list[str], pool: StagingPool) -> list[torch.Tensor]:
+    """tier.fetch of `keys` into poisoned views of one lease of `pool`; copies of what landed."""
+    lease = pool.acquire(len(keys))
+    lease.view.fill_(POISON)
+    views = [lease.chunk(i) for i in range(len(keys))]
+    try:
+        tier.fetch(keys, views, time.monotonic() + 20).wait()
+        return [v.clone() for v in views]
+    finally:
+        pool.release(lease)

@@ -6,14 +6,12 @@ objects are spread over two clients' segments is served by both paths at once.""
 from __future__ import annotations
 
 import ctypes
-import time
 
 import mooncake_util
 import pytest
 import torch
-from mooncake_util import assert_same, flipped
+from mooncake_util import assert_same, fetch, flipped
 
-from bsr_harness.testdata import POISON
 from bsr_kernels import host_crc
 from bsr_kernels.staging_pool import StagingPool
 from bsr_runtime.tiers.base import CorruptObjectError, MissingObjectError
@@ -35,17 +33,6 @@ def payloads(n: int, seed: int) -> list[torch.Tensor]:
 
 def segment_address(tier, key: str) -> int:
     return mooncake_util.segment_address(tier, key, C)
-
-
-def fetch(tier, keys: list[str], pool: StagingPool):
-    lease = pool.acquire(len(keys))
-    lease.view.fill_(POISON)
-    views = [lease.chunk(i) for i in range(len(keys))]
-    try:
-        tier.fetch(keys, views, time.monotonic() + 20).wait()
-        return [v.clone() for v in views]
-    finally:
-        pool.release(lease)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 
 pytest.importorskip("mooncake.store", reason="mooncake.store cannot be imported (no Mooncake wheel)")
 
+from mooncake_util import fetch  # noqa: E402
 from restore_util import fresh_request, store_random_prefix  # noqa: E402
 
 from bsr_runtime.tiers.mooncake import MooncakeTier  # noqa: E402
@@ -71,14 +72,7 @@ def tier(mooncake_master):
 
 
 def fetch_into(tier: MooncakeTier, keys: list[str]) -> list[torch.Tensor]:
-    pool = StagingPool(C, capacity_chunks=len(keys), num_slots=1)
-    lease = pool.acquire(len(keys))
-    views = [lease.chunk(i) for i in range(len(keys))]
-    try:
-        tier.fetch(keys, views, time.monotonic() + 20).wait()
-        return [v.clone() for v in views]
-    finally:
-        pool.release(lease)
+    return fetch(tier, keys, StagingPool(C, capacity_chunks=len(keys), num_slots=1))
 
 
 def test_swapped_objects_are_refused(tier):

@@ -24,7 +24,7 @@ class MooncakeTierOptions:
     verify_batch_bytes: int = 8 << 20  # sub-batch of a fetch checked while the next one lands
     # in place: a phase of a window in gets of about this many bytes. A get's transfers end
     # together, so fewer, larger gets keep more in flight (a 64 MiB window of 256 KB objects over
-    # tcp: 0.71-0.76 of one raw get with 32 MiB gets, 0.62-0.71 with 8 MiB,
+    # tcp: 0.75-0.76 of one raw get with 32 MiB gets, 0.62-0.71 with 8 MiB,
     # benchmarks/results/mooncake_tier.txt); it bounds how late a passed deadline is noticed, not
     # memory (nothing is staged but the views)
     in_place_batch_bytes: int = 32 << 20

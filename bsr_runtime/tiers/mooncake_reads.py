@@ -99,10 +99,11 @@ class _Tails:
 
 
 def _crcs_into(crcs: np.ndarray, index: Sequence[int], ptrs: Sequence[int], sizes: Sequence[int],
-               tails: np.ndarray, tail_of: dict[int, int]) -> None:
+               tails: np.ndarray | None = None, tail_of: dict[int, int] | None = None) -> None:
     """crcs[i] = CRC-32C of payload i for i in `index`; for i in `tail_of`, the last H bytes are
     taken from tails[tail_of[i]] (the view's own tail, saved while another transfer borrows it).
     A few native calls per sub-batch, not one per object (see host_crc.crc32c_extend_many)."""
+    tail_of = tail_of or {}
     groups: dict[int, list[int]] = defaultdict(list)
     for i in index:
         groups[sizes[i] - (H if i in tail_of else 0)].append(i)
@@ -251,7 +252,7 @@ class ReadPaths:
                     tails.write(saved)  # the even views whole again
                 landed += more
             if crcs is not None:
-                _crcs_into(crcs, landed, ptrs, sizes, np.empty((0, H), dtype=np.uint8), {})
+                _crcs_into(crcs, landed, ptrs, sizes)
             wait_all(checks)
             for f in checks:
                 f.result()
