@@ -10,13 +10,15 @@ Two placements per object size, in one run (ratios are of medians over interleav
 "raw" = `batch_get_into` of the same stored objects (header + payload, no checks) into one
 registered buffer, called on the benchmark's thread ("raw_thread": the same call on a worker
 thread while the caller waits, as a tier fetch runs; on this 2-vCPU host that alone is slower);
-"tier" = MooncakeTier.fetch(...).wait() into a registered staging slot: objects in the client's
-own segment by one checksumming copy (mooncake_local.py), others in place (a read larger than one
-landing buffer over tcp), headers checked, CRC-32C of every payload. Called directly on the
-fetching thread, without the local path (what a client without local objects does):
-"get_path" = the landed path (whole-object gets + checksumming copy), "in_place_path" = the
-in-place path (each object whole where its payload goes, header in the bytes before it, CRC in
-place; the default for adjacent views). GB/s count payload bytes.
+"tier" = MooncakeTier.fetch(..., headroom=FETCH_HEADROOM).wait() into a registered staging slot
+laid out as a restore's (StagingPool(headroom=FETCH_HEADROOM): 128 bytes of header room before each
+chunk): objects in the client's own segment by one checksumming copy (mooncake_local.py), others
+whole where their payload goes, header in the room, one get, CRC-32C in place; headers checked.
+Called directly on the fetching thread, without the local path (what a client without local
+objects does): "room_path" = that read; and into adjacent views without room (a caller's own
+buffers, e.g. LMCache's): "get_path" = the landed path (whole-object gets + checksumming copy),
+"in_place_path" = the two-phase in-place path (headers in the tail of the view before, borrowed
+and put back). GB/s count payload bytes.
 Numbers are loopback tcp on this host, not RDMA.
 """
 
@@ -34,7 +36,7 @@ import torch
 
 from bsr_harness.mooncake_launcher import MooncakeMaster, MooncakeStoreHost, free_port
 from bsr_kernels.staging_pool import StagingPool
-from bsr_runtime.tiers.base import TierError
+from bsr_runtime.tiers.base import FETCH_HEADROOM, TierError
 from bsr_runtime.tiers.mooncake import MooncakeTier
 from bsr_runtime.tiers.mooncake_object import HEADER_SIZE
 
@@ -88,16 +90,19 @@ def plugin_for(m: MooncakeMaster):
 def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict:
     n = max(1, window // c)
     ob = HEADER_SIZE + c
-    pool = StagingPool(c, capacity_chunks=n, num_slots=1)
-    tier.register_staging(pool.buffer)
+    pool = StagingPool(c, capacity_chunks=n, num_slots=1, headroom=FETCH_HEADROOM)  # as a restore's
+    flat = StagingPool(c, capacity_chunks=n, num_slots=1)  # adjacent views, no room
+    for b in (pool.buffer, flat.buffer):
+        tier.register_staging(b)
     src = torch.randint(0, 256, (n * c,), dtype=torch.uint8)
     src_views = [src[i * c : (i + 1) * c] for i in range(n)]
     tier.register_staging(src)
     raw_dst = torch.empty(n * ob, dtype=torch.uint8)
     tier.register_staging(raw_dst)
     keys = [f"bench-{c}-{i}" for i in range(n)]
-    lease = pool.acquire(n)
-    views = [lease.chunk(i) for i in range(n)]
+    lease, flat_lease = pool.acquire(n), flat.acquire(n)
+    views, flat_views = lease.chunks(), flat_lease.chunks()
+    ptrs, flat_ptrs = [v.data_ptr() for v in views], [v.data_ptr() for v in flat_views]
     raw_ptrs = [raw_dst.data_ptr() + i * ob for i in range(n)]
     tier.put(keys, src_views)
     raw_get = lambda: tier._store.batch_get_into(keys, raw_ptrs, [ob] * n)  # noqa: E731
@@ -105,27 +110,28 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
         "raw_get": raw_get,
         # the same get on a worker thread, as the tier's fetch runs (the caller waits)
         "raw_get_thread": lambda: _on_thread(raw_get),
-        "tier_fetch": lambda: tier.fetch(keys, views, time.monotonic() + 60).wait(),
-        "get_path": lambda: get_path(tier, keys, [v.data_ptr() for v in views], c, land_whole=True),
-        "in_place_path": lambda: get_path(tier, keys, [v.data_ptr() for v in views], c, land_whole=False),
+        "tier_fetch": lambda: tier.fetch(keys, views, time.monotonic() + 60, headroom=pool.headroom).wait(),
+        "room_path": lambda: get_path(tier, keys, ptrs, c, None, pool.headroom),
+        "get_path": lambda: get_path(tier, keys, flat_ptrs, c, land_whole=True),
+        "in_place_path": lambda: get_path(tier, keys, flat_ptrs, c, land_whole=False),
         "raw_upsert": lambda: tier._store.batch_upsert_from(keys, raw_ptrs, [ob] * n),
     }
     if plugin is not None:
         pnames = [f"bench-l2-{c}-{i}" for i in range(n)]
         codes = plugin._put_objects(plugin._tier._live_store(), pnames, [_Obj(v) for v in src_views], [c] * n)
         assert all(x == 0 for x in codes), set(codes)
-        plugin._tier.register_staging(pool.buffer)
-        vptrs = [v.data_ptr() for v in views]
-        fns["plugin_load"] = lambda: _check_all(plugin._load_verified(pnames, vptrs, [c] * n), n)
+        plugin._tier.register_staging(flat.buffer)
+        fns["plugin_load"] = lambda: _check_all(plugin._load_verified(pnames, flat_ptrs, [c] * n), n)
     t = interleaved(fns, reps)
     t_put = interleaved({"tier_put": lambda: tier.put(keys, src_views)}, max(3, reps // 2))["tier_put"]
-    tier.fetch(keys, views, time.monotonic() + 60).wait()
-    assert torch.equal(lease.view, src)
+    tier.fetch(keys, views, time.monotonic() + 60, headroom=pool.headroom).wait()
+    assert torch.equal(lease.view.reshape(-1), src)
     total = n * c
     out = {"object_KiB": c >> 10, "objects": n, "window_MiB": round(total / 2**20, 1)}
     out.update({f"{k}_GBps": gbps(total, v) for k, v in t.items() if k != "raw_upsert"})
     out["tier_vs_raw"] = round(t["raw_get"] / t["tier_fetch"], 3)
     out["tier_vs_raw_thread"] = round(t["raw_get_thread"] / t["tier_fetch"], 3)
+    out["room_path_vs_raw"] = round(t["raw_get"] / t["room_path"], 3)
     out["get_path_vs_raw"] = round(t["raw_get"] / t["get_path"], 3)
     out["in_place_path_vs_raw"] = round(t["raw_get"] / t["in_place_path"], 3)
     if "plugin_load" in t:
@@ -133,9 +139,10 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
     out["tier_put_GBps"] = gbps(total, t_put)
     out["raw_upsert_GBps"] = gbps(total, t["raw_upsert"])
     if plugin is not None:
-        plugin._tier.unregister_staging(pool.buffer)
+        plugin._tier.unregister_staging(flat.buffer)
     pool.release(lease)
-    for b in (pool.buffer, raw_dst, src):
+    flat.release(flat_lease)
+    for b in (pool.buffer, flat.buffer, raw_dst, src):
         tier.unregister_staging(b)
     tier.delete(keys)
     if plugin is not None:
@@ -150,13 +157,15 @@ def _on_thread(fn) -> None:
     _WORKER.submit(fn).result()
 
 
-def get_path(tier: MooncakeTier, keys: list[str], ptrs: list[int], c: int, land_whole: bool) -> None:
-    """The tier's read without its local path, by the landed or the in-place path."""
+def get_path(tier: MooncakeTier, keys: list[str], ptrs: list[int], c: int, land_whole: bool | None,
+             headroom: int = 0) -> None:
+    """The tier's read without its local path, by the landed or the in-place path (or, with
+    headroom, into views with header room)."""
     reads = tier._reads
     saved = reads.local, reads.land_whole
     reads.local, reads.land_whole = None, land_whole
     try:
-        reads.read(tier.codec, keys, ptrs, [c] * len(keys), time.monotonic() + 60)
+        reads.read(tier.codec, keys, ptrs, [c] * len(keys), time.monotonic() + 60, headroom=headroom)
     finally:
         reads.local, reads.land_whole = saved
 
@@ -239,7 +248,7 @@ def run(args) -> dict:
 
 def table(out: dict) -> str:
     cols = ["object_KiB", "objects", "raw_get_GBps", "tier_fetch_GBps", "tier_vs_raw", "tier_vs_raw_thread",
-            "get_path_vs_raw",
+            "room_path_vs_raw", "get_path_vs_raw",
             "in_place_path_vs_raw",
             "plugin_load_GBps",
             "plugin_vs_tier", "tier_put_GBps", "raw_upsert_GBps"]

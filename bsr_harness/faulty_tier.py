@@ -212,7 +212,8 @@ class FaultyTier(Tier):
             self.inner.delete(doomed)
         return present
 
-    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float) -> FetchHandle:
+    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float, *,
+              headroom: int = 0) -> FetchHandle:
         self._check("fetch")
         keys = tuple(keys)
         plan = self.plan
@@ -222,7 +223,7 @@ class FaultyTier(Tier):
             except BaseException as e:  # noqa: BLE001 - delivered through the handle
                 return self._failed(keys, deadline, e, plan.delay_s)
         self._damage([k for k in keys if k in plan.corrupt_keys])
-        handle = self.inner.fetch(keys, views, deadline)
+        handle = self.inner.fetch(keys, views, deadline, headroom=headroom)
         if plan.delay_s <= 0:
             return handle
         late = LateHandle(keys, deadline, handle)

@@ -29,7 +29,9 @@ from .native_library import LazyLibrary, LibraryNotLoaded, build_atomically, cac
 from .registration import Registration
 from .validate import WindowArgs
 
-ABI_VERSION = 2002  # BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION (descriptor layout) in the C sources
+ABI_VERSION = 3003  # BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION (csrc/bsr_layout.h) in the C sources
+# the window functions (chunk-strided staging since ABI 3); a library without them is stale
+WINDOW_FUNCTIONS = ("bsr_cpu_install_strided", "bsr_cpu_gather_strided")
 LIB_NAME = "libbsr_cpu.so"
 SOURCE = "bsr_install_cpu.c"  # the library is every .c file of csrc/ (this one marks the directory)
 CC_FLAGS = ("-std=c11", "-O3", "-fPIC", "-shared", "-pthread")
@@ -47,18 +49,26 @@ def source_dir() -> Path | None:
 
 
 def load(path: str | os.PathLike) -> ctypes.CDLL:
-    """Load one library file and check its ABI version; raises OSError/RuntimeError."""
+    """Load one library file and check its ABI version; raises OSError/RuntimeError.
+
+    The version is checked before any other symbol is declared: a stale library (built from older
+    sources, e.g. without the chunk_stride argument) is refused with its version in the message, and
+    `_find` then builds the current sources; its old window functions are never called."""
     lib = ctypes.CDLL(str(path))
-    lib.bsr_cpu_last_error.restype = ctypes.c_char_p
-    lib.bsr_cpu_last_error.argtypes = []
     lib.bsr_cpu_abi_version.restype = ctypes.c_int
     lib.bsr_cpu_abi_version.argtypes = []
+    version = lib.bsr_cpu_abi_version()
+    if version != ABI_VERSION:
+        raise RuntimeError(f"{path}: ABI version {version}, this package needs {ABI_VERSION} (a stale build: "
+                           "rebuild it with `pip install -e . --no-deps` or delete it)")
+    lib.bsr_cpu_last_error.restype = ctypes.c_char_p
+    lib.bsr_cpu_last_error.argtypes = []
     lib.bsr_cpu_parallel_bytes.restype = _i64
     lib.bsr_cpu_parallel_bytes.argtypes = []
-    for name in ("bsr_cpu_install", "bsr_cpu_gather"):
+    for name in WINDOW_FUNCTIONS:  # staging, chunk_bytes, chunk_stride, first, num, desc, n, ptrs, groups, threads
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64]
+        fn.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64]
     lib.bsr_crc32c.restype = ctypes.c_uint32
     lib.bsr_crc32c.argtypes = [ctypes.c_uint32, _ptr, _i64]
     lib.bsr_crc32c_hardware.restype = ctypes.c_int
@@ -67,9 +77,6 @@ def load(path: str | os.PathLike) -> ctypes.CDLL:
     lib.bsr_crc32c_many.argtypes = [_i64, _ptr, _i64, _ptr, _i64]
     lib.bsr_copy_crc32c.restype = ctypes.c_int
     lib.bsr_copy_crc32c.argtypes = [_i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64]
-    version = lib.bsr_cpu_abi_version()
-    if version != ABI_VERSION:
-        raise RuntimeError(f"{path}: ABI version {version}, this package needs {ABI_VERSION}")
     return lib
 
 
@@ -159,13 +166,15 @@ class Prepared:
         self.desc = descriptor_table(reg, kv, cpu)
         self.ptrs, self.tables = block_table_pointers(block_tables, cpu)
 
-    def run(self, kind: str, staging: torch.Tensor, first_chunk: int, num_chunks: int) -> None:
+    def run(self, kind: str, staging: torch.Tensor, first_chunk: int, num_chunks: int, chunk_stride: int = 0) -> None:
+        """One window; chunk c of `staging` at byte c * chunk_stride (0: chunk_bytes, back to back)."""
         if num_chunks == 0:
             return
         if staging.device.type != "cpu":
             raise ValueError(f"the cpu backend needs host staging, got {staging.device}")
-        fn = self.lib.bsr_cpu_install if kind == "install" else self.lib.bsr_cpu_gather
-        rc = fn(staging.data_ptr(), self.reg.chunk_bytes, first_chunk, num_chunks, self.desc.data_ptr(),
+        fn = self.lib.bsr_cpu_install_strided if kind == "install" else self.lib.bsr_cpu_gather_strided
+        cb = self.reg.chunk_bytes
+        rc = fn(staging.data_ptr(), cb, chunk_stride or cb, first_chunk, num_chunks, self.desc.data_ptr(),
                 self.reg.num_tensors, self.ptrs.data_ptr(), self.reg.num_groups, self.threads)
         if rc != 0:
             raise RuntimeError(f"bsr_cpu_{kind}: {(self.lib.bsr_cpu_last_error() or b'').decode(errors='replace')}")
@@ -173,9 +182,11 @@ class Prepared:
 
 def install(reg: Registration, a: WindowArgs, threads: int = 0) -> None:
     """One call: scatter the window's staged chunks into every tensor's destination blocks."""
-    Prepared(reg, a.kv, a.block_tables, threads).run("install", a.staging, a.first_chunk, a.num_chunks)
+    Prepared(reg, a.kv, a.block_tables, threads).run("install", a.staging, a.first_chunk, a.num_chunks,
+                                                     a.stride(reg.chunk_bytes))
 
 
 def gather(reg: Registration, a: WindowArgs, threads: int = 0) -> None:
     """The inverse of install (-1 entries and segment padding read as zero)."""
-    Prepared(reg, a.kv, a.block_tables, threads).run("gather", a.staging, a.first_chunk, a.num_chunks)
+    Prepared(reg, a.kv, a.block_tables, threads).run("gather", a.staging, a.first_chunk, a.num_chunks,
+                                                     a.stride(reg.chunk_bytes))

@@ -29,7 +29,7 @@ from .native_library import LazyLibrary, LibraryNotLoaded, build_atomically, cac
 from .registration import Registration
 from .validate import WindowArgs
 
-ABI_VERSION = 2
+ABI_VERSION = 3  # BSR_ABI_VERSION in csrc/bsr_layout.h (3: chunk-strided staging, the *_strided functions)
 LIB_NAME = "libbsr_cuda.so"
 MAX_ENTRY_BYTES = 1 << 30  # BSR_MAX_ENTRY_BYTES in csrc/bsr_layout.h
 NVCC_FLAGS = ("-O3", "-Xcompiler", "-fPIC", "-shared")
@@ -38,7 +38,10 @@ _PKG = Path(__file__).resolve().parent
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
-_WINDOW_ARGS = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64]
+# staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc, num_tensors, table_ptrs, num_groups
+_WINDOW_ARGS = [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64]
+DEVICE_FUNCTIONS = ("bsr_install_strided", "bsr_gather_strided")  # + the stream
+HOST_FUNCTIONS = ("bsr_host_install_strided", "bsr_host_gather_strided")  # + split
 
 
 def source_dir() -> Path | None:
@@ -52,14 +55,12 @@ def source_dir() -> Path | None:
 def _declare(lib: ctypes.CDLL) -> None:
     lib.bsr_last_error.restype = ctypes.c_char_p
     lib.bsr_last_error.argtypes = []
-    lib.bsr_abi_version.restype = ctypes.c_int
-    lib.bsr_abi_version.argtypes = []
     lib.bsr_device_count.restype = ctypes.c_int
     lib.bsr_device_count.argtypes = [ctypes.POINTER(ctypes.c_int)]
-    for name in ("bsr_install", "bsr_gather", "bsr_host_install", "bsr_host_gather"):
+    for name in (*DEVICE_FUNCTIONS, *HOST_FUNCTIONS):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
-        fn.argtypes = [*_WINDOW_ARGS, _ptr if name in ("bsr_install", "bsr_gather") else _i64]
+        fn.argtypes = [*_WINDOW_ARGS, _ptr if name in DEVICE_FUNCTIONS else _i64]
     lib.bsr_host_run_width.restype = ctypes.c_int
     lib.bsr_host_run_width.argtypes = [ctypes.c_uint64, ctypes.c_uint64, _i64, ctypes.POINTER(ctypes.c_int)]
     lib.bsr_host_access_width.restype = ctypes.c_int
@@ -72,12 +73,18 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def load(path: str | os.PathLike) -> ctypes.CDLL:
-    """Load one library file and check its ABI version; raises OSError/RuntimeError."""
+    """Load one library file and check its ABI version; raises OSError/RuntimeError.
+
+    The version is checked before anything else is declared: a stale library (older window
+    functions without chunk_stride) is refused with its version in the message, never called."""
     lib = ctypes.CDLL(str(path))
-    _declare(lib)
+    lib.bsr_abi_version.restype = ctypes.c_int
+    lib.bsr_abi_version.argtypes = []
     version = lib.bsr_abi_version()
     if version != ABI_VERSION:
-        raise RuntimeError(f"{path}: ABI version {version}, this package needs {ABI_VERSION}")
+        raise RuntimeError(f"{path}: ABI version {version}, this package needs {ABI_VERSION} (a stale build: "
+                           "rebuild it with BSR_BUILD_CUDA=1 pip install -e . --no-deps)")
+    _declare(lib)
     return lib
 
 
@@ -199,9 +206,9 @@ def _check_entries(reg: Registration) -> None:
 
 
 def _device_staging(kind: str, a: WindowArgs, device: torch.device, zero_copy: bool,
-                    nbytes: int) -> tuple[torch.Tensor, bool]:
-    """The staging tensor the kernel reads/writes and whether it stands in for a.staging."""
-    staging = a.staging
+                    chunk_bytes: int) -> tuple[torch.Tensor, int, bool]:
+    """(the staging the kernel reads/writes, its chunk stride, whether it stands in for a.staging)."""
+    staging, stride, n = a.staging, a.stride(chunk_bytes), a.num_chunks
     if staging.device.type == "cpu" and zero_copy:
         if not staging.is_pinned():
             raise ValueError(
@@ -209,12 +216,16 @@ def _device_staging(kind: str, a: WindowArgs, device: torch.device, zero_copy: b
                 "a CUDA machine); this staging is pageable. Pin it or pass zero_copy=False to copy it "
                 "to the device first."
             )
-        return staging, False
+        return staging, stride, False  # read (gather: written) in place, gaps untouched
     if staging.device == device:
-        return staging, False
+        return staging, stride, False
     if kind == "gather":  # gather writes every byte of the window: no need to copy the old contents
-        return torch.empty(nbytes, dtype=torch.uint8, device=device), True
-    return staging[:nbytes].to(device, non_blocking=True), True
+        return torch.empty(n * chunk_bytes, dtype=torch.uint8, device=device), chunk_bytes, True
+    # install: one bulk copy of the span of the window's chunks, gaps between them included (one
+    # DMA from pinned memory; the kernel skips the gaps), keeping the stride
+    span = (n - 1) * stride + chunk_bytes
+    flat = staging if staging.dim() == 1 else staging.as_strided((span,), (1,))
+    return flat[:span].to(device, non_blocking=True), stride, True
 
 
 def _run(kind: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool) -> None:
@@ -227,7 +238,6 @@ def _run(kind: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool) -
     device = a.kv[0].device
     if device.type != "cuda":
         raise ValueError(f"the CUDA backend needs destinations on a CUDA device, got {device}")
-    nbytes = a.num_chunks * reg.chunk_bytes
     with torch.cuda.device(device):
         current = torch.cuda.current_stream(device)
         stream = stream if stream is not None else current
@@ -236,16 +246,21 @@ def _run(kind: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool) -
         with torch.cuda.stream(stream):
             desc = descriptor_table(reg, a.kv, device)
             ptrs, tables = block_table_pointers(a.block_tables, device)
-            staged, copied = _device_staging(kind, a, device, zero_copy, nbytes)
-            fn = lib.bsr_install if kind == "install" else lib.bsr_gather
-            rc = fn(staged.data_ptr(), reg.chunk_bytes, a.first_chunk, a.num_chunks, desc.data_ptr(),
-                    reg.num_tensors, ptrs.data_ptr(), reg.num_groups, ctypes.c_void_p(stream.cuda_stream))
+            staged, stride, copied = _device_staging(kind, a, device, zero_copy, reg.chunk_bytes)
+            name = DEVICE_FUNCTIONS[kind == "gather"]
+            rc = getattr(lib, name)(staged.data_ptr(), reg.chunk_bytes, stride, a.first_chunk, a.num_chunks,
+                                    desc.data_ptr(), reg.num_tensors, ptrs.data_ptr(), reg.num_groups,
+                                    ctypes.c_void_p(stream.cuda_stream))
             if rc != 0:
-                raise RuntimeError(f"{'bsr_install' if kind == 'install' else 'bsr_gather'}: {last_error(lib)}")
+                raise RuntimeError(f"{name}: {last_error(lib)}")
             for t in (desc, ptrs, *tables, *((staged,) if staged.device.type == "cuda" else ())):
                 t.record_stream(stream)  # keep them allocated until the kernel has run
-            if kind == "gather" and copied:
-                a.staging[:nbytes].copy_(staged, non_blocking=a.staging.is_pinned())
+            if kind == "gather" and copied:  # back to the host: the chunks' rows only, never the gaps
+                if a.staging.dim() == 2:
+                    a.staging[: a.num_chunks].copy_(staged.view(a.num_chunks, reg.chunk_bytes),
+                                                    non_blocking=a.staging.is_pinned())
+                else:
+                    a.staging[: staged.numel()].copy_(staged, non_blocking=a.staging.is_pinned())
 
 
 def install(reg: Registration, a: WindowArgs, stream=None, zero_copy: bool = True) -> None:
@@ -271,9 +286,9 @@ def _host_call(kind: str, reg: Registration, a: WindowArgs, lib: ctypes.CDLL | N
         return
     desc = descriptor_table(reg, a.kv, cpu)
     ptrs, tables = block_table_pointers(a.block_tables, cpu)
-    fn = lib.bsr_host_install if kind == "install" else lib.bsr_host_gather
-    rc = fn(a.staging.data_ptr(), reg.chunk_bytes, a.first_chunk, a.num_chunks, desc.data_ptr(), reg.num_tensors,
-            ptrs.data_ptr(), reg.num_groups, split)
+    fn = getattr(lib, HOST_FUNCTIONS[kind == "gather"])
+    rc = fn(a.staging.data_ptr(), reg.chunk_bytes, a.stride(reg.chunk_bytes), a.first_chunk, a.num_chunks,
+            desc.data_ptr(), reg.num_tensors, ptrs.data_ptr(), reg.num_groups, split)
     del tables
     if rc != 0:
         raise RuntimeError(f"bsr_host_{kind}: {last_error(lib)}")
@@ -288,14 +303,15 @@ def host_gather(reg: Registration, a: WindowArgs, lib: ctypes.CDLL | None = None
     _host_call("gather", reg, a, lib, split)
 
 
-def access_width(entry_bytes: int, seg_offset: int, chunk_bytes: int, block_stride: int, staging_addr: int,
+def access_width(entry_bytes: int, seg_offset: int, chunk_stride: int, block_stride: int, staging_addr: int,
                  dst_addr: int, lib: ctypes.CDLL | None = None) -> int:
-    """The vector width (bytes) the kernels use for one tensor, from the shared header."""
+    """The vector width (bytes) the kernels use for one tensor, from the shared header
+    (`chunk_stride`: bytes from one staged chunk to the next; chunk_bytes for 1-D staging)."""
     lib = lib if lib is not None else library()
     if lib is None:
         raise RuntimeError(f"CUDA library not loaded: {load_error()}")
     w = ctypes.c_int(0)
-    if lib.bsr_host_access_width(entry_bytes, seg_offset, chunk_bytes, block_stride, staging_addr, dst_addr,
+    if lib.bsr_host_access_width(entry_bytes, seg_offset, chunk_stride, block_stride, staging_addr, dst_addr,
                                  ctypes.byref(w)):
         raise RuntimeError(last_error(lib))
     return w.value

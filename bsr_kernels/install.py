@@ -107,6 +107,11 @@ def install_window(
     """Scatter `num_chunks` staged chunks (chunk-major, starting at request chunk `first_chunk`)
     into the destination blocks. Returns the backend that ran.
 
+    `staging` is 1-D contiguous uint8 (chunk c at byte c * reg.chunk_bytes) or 2-D uint8 of shape
+    (>= num_chunks, reg.chunk_bytes), one row per chunk, with stride(1) == 1 and a chunk stride
+    stride(0) >= chunk_bytes that is a multiple of 16 (e.g. `buf.view(n, stride)[:, headroom:]`:
+    scratch bytes before each chunk). Bytes between rows are never read into destinations.
+
     Entry e of tensor t lands in block `block_tables[group][e // block_size]`, slot
     `e % block_size`; block id -1 is skipped (legal only in groups with a sliding window). Each
     destination may be any strided view of shape (num_blocks, block_size, *entry_shape) whose
@@ -139,7 +144,9 @@ def gather_window(
     cpu_threads: int = 0,
 ) -> str:
     """Exact inverse of install_window: copy the window's entries from the destination blocks
-    into `out` (chunk-major staging layout). Padding and entries of -1 blocks read as zero."""
+    into `out` (chunk-major staging layout, 1-D or 2-D chunk-strided as for install_window).
+    Padding and entries of -1 blocks read as zero; bytes between the rows of a 2-D `out` are
+    never written."""
     a = check_window(out, reg, kv, block_tables, first_chunk, num_chunks, staging_name="out")
     chosen = resolve_backend(backend, a.kv[0].device)
     _run("gather", chosen, reg, a, stream, zero_copy, cpu_threads=_threads(cpu_threads))
@@ -189,11 +196,11 @@ class WindowInstaller:
         if first_chunk < 0 or num_chunks < 0 or first_chunk + num_chunks > self.num_chunks:
             raise ValueError(f"chunks {first_chunk}..{first_chunk + num_chunks - 1} are outside the "
                              f"{self.num_chunks} chunks this installer was validated for")
-        check_staging(staging, self.reg, num_chunks, name)
+        stride = check_staging(staging, self.reg, num_chunks, name)
         if self._cpu is not None:
-            self._cpu.run(kind, staging, first_chunk, num_chunks)
+            self._cpu.run(kind, staging, first_chunk, num_chunks, stride)
         else:
-            a = WindowArgs(staging, self.kv, self.block_tables, first_chunk, num_chunks)
+            a = WindowArgs(staging, self.kv, self.block_tables, first_chunk, num_chunks, stride)
             _run(kind, self.backend, self.reg, a, self.stream, self.zero_copy, self._dest, self.cpu_threads)
         return self.backend
 

@@ -85,6 +85,10 @@ def _views(chunks: torch.Tensor, dest: DestinationRows, i: int):
 
 
 def _staged_chunks(staging: torch.Tensor, reg: Registration, num_chunks: int) -> torch.Tensor:
+    """The window as (num_chunks, chunk_bytes), a view (no copy): 1-D staging cut into rows, or the
+    first rows of chunk-strided 2-D staging (its gaps stay outside the view)."""
+    if staging.dim() == 2:
+        return staging[:num_chunks]
     return staging[: num_chunks * reg.chunk_bytes].view(num_chunks, reg.chunk_bytes)
 
 
@@ -96,7 +100,8 @@ def _split(rows: torch.Tensor, pieces: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def install_torch(reg: Registration, a: WindowArgs, dest: DestinationRows | None = None) -> None:
     device = a.kv[0].device
-    chunks = _staged_chunks(a.staging, reg, a.num_chunks).to(device, non_blocking=True)  # one bulk copy if needed
+    # one bulk copy if needed (chunk-strided host staging: the rows, made contiguous)
+    chunks = _staged_chunks(a.staging, reg, a.num_chunks).to(device, non_blocking=True)
     dest = dest or DestinationRows(reg, a.kv)
     for i, (_, rows, keep) in enumerate(_piece_maps(reg, a, device)):
         flat, pieces, staged = _views(chunks, dest, i)
@@ -123,4 +128,4 @@ def gather_torch(reg: Registration, a: WindowArgs, dest: DestinationRows | None 
         else:
             staged[keep] = got
     if chunks is not out:
-        out.copy_(chunks, non_blocking=True)  # one bulk copy back to the host
+        out.copy_(chunks, non_blocking=True)  # one bulk copy back to the host (rows only when strided)

@@ -13,8 +13,11 @@ destination address is block * block_stride + slot * slot_stride + the offset of
 entry (row-major over up to three outer entry dims, descriptors.geometry) + its place in the row,
 so any strided destination with a contiguous innermost dim is served by the same launch.
 
+Staged chunk c starts at byte c * chunk_stride of the staging (chunk_bytes for 1-D staging; the
+row stride of chunk-strided 2-D staging, whose gaps between chunks are never read or written).
 Staging on the host with destinations on a GPU: the window is first copied to the device in
-one bulk copy (install), or gathered on the device and copied back in one (gather). Both are
+one bulk copy (install: the span of its chunks, gaps included, keeping the stride), or gathered
+on the device and copied back in one (gather: the chunks' rows only). Both are
 stream-ordered: the caller synchronises `stream` before reusing or reading the host buffer.
 On the CPU the kernel runs only under TRITON_INTERPRET=1; that is for tests, the torch backend
 is faster. `triton.jit` reads the variable when this module is imported, so the kernels are then
@@ -61,7 +64,7 @@ if triton is not None:
             "dim2_stride"))
 
     @triton.jit
-    def _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_bytes,
+    def _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_stride,
                    GATHER: tl.constexpr, DT: tl.constexpr, UNIT: tl.constexpr, TILE_BYTES: tl.constexpr):
         N: tl.constexpr = TILE_BYTES // UNIT
         dst = tl.load(row + _BASE).to(tl.pointer_type(DT))
@@ -89,7 +92,7 @@ if triton is not None:
         d = blk * (tl.load(row + _BSTRIDE) // UNIT) + (e % bsize).to(tl.int64) * (tl.load(row + _SSTRIDE) // UNIT) \
             + in_entry
         chunk = w // epc
-        s = chunk.to(tl.int64) * (chunk_bytes // UNIT) + tl.load(row + _SEG) // UNIT + (u - chunk * epc * eu)
+        s = chunk.to(tl.int64) * (chunk_stride // UNIT) + tl.load(row + _SEG) // UNIT + (u - chunk * epc * eu)
         src = staging.to(tl.pointer_type(DT))
         if GATHER:  # -1 entries read as zero
             tl.store(src + s, tl.load(dst + d, mask=keep, other=0), mask=inside)
@@ -97,7 +100,7 @@ if triton is not None:
             tl.store(dst + d, tl.load(src + s, mask=keep), mask=keep)
 
     @triton.jit
-    def _window_kernel(desc, bt_ptrs, staging, tile_starts, num_tensors, first_chunk, num_chunks, chunk_bytes,
+    def _window_kernel(desc, bt_ptrs, staging, tile_starts, num_tensors, first_chunk, num_chunks, chunk_stride,
                        GATHER: tl.constexpr, TILE_BYTES: tl.constexpr, SEARCH_STEPS: tl.constexpr):
         # one program per tile of total work: tile_starts[t] is the first program of tensor t
         # (prefix sums of each tensor's tile count); a binary search finds the program's tensor
@@ -112,24 +115,25 @@ if triton is not None:
         tile = pid - tl.load(tile_starts + lo)
         row = desc + lo * _COLS
         if tile * TILE_BYTES < num_chunks * tl.load(row + _EPC) * tl.load(row + _EB):
-            # the unit must divide every byte offset an address is built from
+            # the unit must divide every byte offset an address is built from (the staging address
+            # and chunk stride are multiples of 16: validate.py)
             align = tl.load(row + _BASE) | tl.load(row + _EB) | tl.load(row + _BSTRIDE) | tl.load(row + _SSTRIDE) \
                 | tl.load(row + _ROW) | tl.load(row + _S0) | tl.load(row + _S1) | tl.load(row + _S2)
             if align % 8 == 0:
-                _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_bytes,
+                _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_stride,
                            GATHER, tl.int64, 8, TILE_BYTES)
             elif align % 4 == 0:
-                _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_bytes,
+                _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_stride,
                            GATHER, tl.int32, 4, TILE_BYTES)
             elif align % 2 == 0:
-                _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_bytes,
+                _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_stride,
                            GATHER, tl.int16, 2, TILE_BYTES)
             else:
-                _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_bytes,
+                _copy_tile(row, bt_ptrs, staging, tile, first_chunk, num_chunks, chunk_stride,
                            GATHER, tl.uint8, 1, TILE_BYTES)
 
 
-def _launch(reg: Registration, a: WindowArgs, staging: torch.Tensor, gather: bool) -> None:
+def _launch(reg: Registration, a: WindowArgs, staging: torch.Tensor, chunk_stride: int, gather: bool) -> None:
     device = a.kv[0].device
     desc = descriptor_table(reg, a.kv, device)
     bt_ptrs, _tables = block_table_pointers(a.block_tables, device)  # _tables: keep them alive
@@ -142,7 +146,7 @@ def _launch(reg: Registration, a: WindowArgs, staging: torch.Tensor, gather: boo
     starts = _tile_starts(reg, a.num_chunks, tile_bytes, device)
     steps = max(1, (reg.num_tensors - 1).bit_length())  # ceil(log2(num_tensors))
     _window_kernel[(int(starts.total),)](desc, bt_ptrs, staging, starts.table, reg.num_tensors, a.first_chunk,
-                                         a.num_chunks, reg.chunk_bytes, GATHER=gather, TILE_BYTES=tile_bytes,
+                                         a.num_chunks, chunk_stride, GATHER=gather, TILE_BYTES=tile_bytes,
                                          SEARCH_STEPS=steps, num_warps=8)
 
 
@@ -170,21 +174,34 @@ def _tile_starts(reg: Registration, num_chunks: int, tile_bytes: int, device: to
     return hit
 
 
+def _window(reg: Registration, a: WindowArgs) -> tuple[torch.Tensor, int]:
+    """(the window's staging, its chunk stride): 1-D, the window's bytes; 2-D (chunk-strided), the
+    window's rows."""
+    if a.staging.dim() == 2:
+        return a.staging[: a.num_chunks], a.stride(reg.chunk_bytes)
+    return a.staging[: a.num_chunks * reg.chunk_bytes], reg.chunk_bytes
+
+
 def install(reg: Registration, a: WindowArgs, stream=None) -> None:
     device = a.kv[0].device
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
-        staging = a.staging[: a.num_chunks * reg.chunk_bytes]
+        staging, stride = _window(reg, a)
         if staging.device != device:  # host staging: one bulk copy to the device
+            if staging.dim() == 2:  # the span of the rows, gaps included: one copy, same stride
+                staging = staging.as_strided(((a.num_chunks - 1) * stride + reg.chunk_bytes,), (1,))
             staging = staging.to(device, non_blocking=True)
-        _launch(reg, a, staging, gather=False)
+        _launch(reg, a, staging, stride, gather=False)
 
 
 def gather(reg: Registration, a: WindowArgs, stream=None) -> None:
     device = a.kv[0].device
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
-        out = a.staging[: a.num_chunks * reg.chunk_bytes]
-        buf = out if out.device == device else torch.empty(out.shape, dtype=torch.uint8, device=device)
-        buf.zero_()  # padding between segments and chunk tails
-        _launch(reg, a, buf, gather=True)
-        if buf is not out:  # host staging: one bulk copy back
+        out, stride = _window(reg, a)
+        if out.device == device:
+            buf = out
+        else:  # gathered contiguous on the device, copied back below
+            buf, stride = torch.empty(out.shape, dtype=torch.uint8, device=device), reg.chunk_bytes
+        buf.zero_()  # padding between segments and chunk tails (only the rows of strided staging)
+        _launch(reg, a, buf, stride, gather=True)
+        if buf is not out:  # host staging: one bulk copy back (the rows only, never the gaps)
             out.copy_(buf, non_blocking=True)

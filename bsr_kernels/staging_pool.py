@@ -4,6 +4,13 @@ A fixed buffer of W chunks, allocated once, split into 1 or 2 slots. A slot is l
 one window, filled by the tier, read by the install kernel, and released. Release is
 synchronize-then-release: the bytes stay counted as live until the install that read them
 has completed (its event fired), and a slot is handed out again only after that.
+
+`headroom` > 0 leaves that many bytes of scratch before each chunk (chunk i of a slot starts at
+headroom + i * chunk_stride, chunk_stride = headroom + chunk_bytes). A tier whose objects carry
+a header lands each object whole there, header in the scratch, by one transfer (tiers/mooncake.py).
+A lease's `view` is then a 2-D (num_chunks, chunk_bytes) view with row stride chunk_stride, which
+every install backend takes. The meters count chunk bytes (the paper's W*c); the room,
+`room_bytes` = capacity * headroom, is auxiliary state (the A of RWS <= W*c + A, DESIGN.md).
 """
 
 from __future__ import annotations
@@ -61,7 +68,8 @@ class Slot:
 
 @dataclass
 class SlotLease:
-    """A leased slot: `view` is the window's staging bytes (num_chunks * chunk_bytes).
+    """A leased slot: `view` is the window's staging bytes (num_chunks * chunk_bytes; with
+    headroom a (num_chunks, chunk_bytes) view whose rows are chunk_stride apart).
 
     The lease owns the completion of the work on its bytes: `record(stream)` after launching
     the install (or gather) that uses them, `synchronize()` before anything else reads or
@@ -76,6 +84,8 @@ class SlotLease:
     synchronized: bool = False
 
     def chunk(self, i: int) -> torch.Tensor:
+        if self.view.dim() == 2:
+            return self.view[i]
         c = self.pool.chunk_bytes
         return self.view[i * c : (i + 1) * c]
 
@@ -110,9 +120,12 @@ class StagingPool:
         num_slots: int = 1,
         device: str | torch.device = "cpu",
         pin_memory: bool | None = None,
+        headroom: int = 0,
     ) -> None:
         if chunk_bytes <= 0 or chunk_bytes % 16:
             raise ValueError(f"chunk_bytes must be a positive multiple of 16, got {chunk_bytes}")
+        if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0 or headroom % 16:
+            raise ValueError(f"headroom must be a non-negative multiple of 16, got {headroom!r}")
         if capacity_chunks <= 0:
             raise ValueError(f"a staging pool needs at least one chunk, got {capacity_chunks}")
         if num_slots not in (1, 2):
@@ -121,19 +134,21 @@ class StagingPool:
             num_slots = 1  # one chunk cannot be split; depth 2 degrades to depth 1
         self.device = torch.device(device)
         self.chunk_bytes = chunk_bytes
+        self.headroom = headroom
+        self.chunk_stride = headroom + chunk_bytes
         self.capacity_chunks = capacity_chunks
         if pin_memory is None:
             pin_memory = self.device.type == "cpu" and torch.cuda.is_available()
         self.pinned = bool(pin_memory)
         self.buffer = torch.empty(
-            capacity_chunks * chunk_bytes, dtype=torch.uint8, device=self.device, pin_memory=self.pinned
+            capacity_chunks * self.chunk_stride, dtype=torch.uint8, device=self.device, pin_memory=self.pinned
         )
         sizes = [capacity_chunks] if num_slots == 1 else [-(-capacity_chunks // 2), capacity_chunks // 2]
         self.slots: list[Slot] = []
         off = 0
         for i, n in enumerate(sizes):
             self.slots.append(Slot(i, off, n, CompletionEvent(self.device)))
-            off += n * chunk_bytes
+            off += n * self.chunk_stride
         self._cond = threading.Condition()
         self._next = 0
         self._live_chunks = 0
@@ -143,6 +158,11 @@ class StagingPool:
     @property
     def capacity_bytes(self) -> int:
         return self.capacity_chunks * self.chunk_bytes
+
+    @property
+    def room_bytes(self) -> int:
+        """The header room before the chunks (allocated with them, never counted as staged bytes)."""
+        return self.capacity_chunks * self.headroom
 
     @property
     def slot_chunks(self) -> list[int]:
@@ -192,8 +212,13 @@ class StagingPool:
             slot.leased_chunks = num_chunks
             self._live_chunks += num_chunks
             self._peak_chunks = max(self._peak_chunks, self._live_chunks)
-            view = self.buffer[slot.offset : slot.offset + num_chunks * self.chunk_bytes]
-            return SlotLease(self, slot, num_chunks, view)
+            return SlotLease(self, slot, num_chunks, self._view(slot, num_chunks))
+
+    def _view(self, slot: Slot, num_chunks: int) -> torch.Tensor:
+        if not self.headroom:
+            return self.buffer[slot.offset : slot.offset + num_chunks * self.chunk_bytes]
+        rows = self.buffer[slot.offset : slot.offset + num_chunks * self.chunk_stride].view(num_chunks, -1)
+        return rows[:, self.headroom :]
 
     def _pick(self, num_chunks: int) -> Slot | None:
         n = len(self.slots)

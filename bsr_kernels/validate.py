@@ -21,6 +21,15 @@ class WindowArgs:
     block_tables: tuple[torch.Tensor, ...]  # int64, contiguous, on the block tables' device
     first_chunk: int
     num_chunks: int
+    # bytes from one staged chunk to the next (check_staging); 0: derived by `stride`
+    chunk_stride: int = 0
+
+    def stride(self, chunk_bytes: int) -> int:
+        """Bytes from staged chunk c to chunk c + 1: `chunk_stride`, else the staging's row stride
+        (2-D staging), else `chunk_bytes` (1-D staging: chunks back to back)."""
+        if self.chunk_stride:
+            return self.chunk_stride
+        return self.staging.stride(0) if self.staging.dim() == 2 else chunk_bytes
 
 
 def check_window(
@@ -40,9 +49,9 @@ def check_window(
     if isinstance(num_chunks, bool) or int(num_chunks) != num_chunks or num_chunks < 0:
         raise ValueError(f"num_chunks must be a non-negative integer, got {num_chunks!r}")
     first_chunk, num_chunks = int(first_chunk), int(num_chunks)
-    check_staging(staging, reg, num_chunks, staging_name)
+    stride = check_staging(staging, reg, num_chunks, staging_name)
     kv, tables = check_destinations(reg, kv, block_tables, first_chunk, num_chunks)
-    return WindowArgs(staging, kv, tables, first_chunk, num_chunks)
+    return WindowArgs(staging, kv, tables, first_chunk, num_chunks, stride)
 
 
 def check_destinations(
@@ -125,21 +134,49 @@ def check_fingerprint(reg: Registration, fingerprint: str | None) -> None:
         )
 
 
-def check_staging(staging: torch.Tensor, reg: Registration, num_chunks: int, name: str = "staging") -> None:
+def check_staging(staging: torch.Tensor, reg: Registration, num_chunks: int, name: str = "staging") -> int:
+    """The staged window, chunk-major; returns its chunk stride (bytes from chunk c to chunk c + 1).
+
+    Either 1-D contiguous uint8 (chunk c at byte c * chunk_bytes, the stride is chunk_bytes), or
+    2-D uint8 of shape (>= num_chunks, chunk_bytes), one row per chunk, rows `stride(0)` bytes
+    apart: a multiple of SEGMENT_ALIGN, at least chunk_bytes (a staging pool's per-chunk scratch
+    lies in the gaps, which install never reads into destinations and gather never writes). The
+    first chunk's address must be SEGMENT_ALIGN-byte aligned either way."""
     if not isinstance(staging, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(staging).__name__}")
-    if staging.dtype != torch.uint8 or staging.dim() != 1:
-        raise ValueError(f"{name} must be a 1-D uint8 tensor, got {staging.dtype} with shape {tuple(staging.shape)}")
-    if not staging.is_contiguous():
-        raise ValueError(f"{name} is not contiguous")
-    need = num_chunks * reg.chunk_bytes
-    if staging.numel() < need:
-        raise ValueError(
-            f"{name} too small: {staging.numel():,} B for {num_chunks} chunks of {reg.chunk_bytes:,} B "
-            f"({need:,} B needed)"
-        )
+    cb = reg.chunk_bytes
+    if staging.dtype == torch.uint8 and staging.dim() == 1:
+        if not staging.is_contiguous():
+            raise ValueError(f"{name} is not contiguous")
+        need = num_chunks * cb
+        if staging.numel() < need:
+            raise ValueError(
+                f"{name} too small: {staging.numel():,} B for {num_chunks} chunks of {cb:,} B "
+                f"({need:,} B needed)"
+            )
+        stride = cb
+    elif staging.dtype == torch.uint8 and staging.dim() == 2:
+        rows, width = staging.shape
+        stride = staging.stride(0)
+        if width != cb:
+            raise ValueError(f"{name}: 2-D staging must have one row of chunk_bytes = {cb:,} B per chunk, "
+                             f"got shape {tuple(staging.shape)}")
+        if staging.stride(1) != 1:
+            raise ValueError(f"{name}: 2-D staging rows must be contiguous (stride(1) == 1), "
+                             f"got strides {staging.stride()}")
+        if stride < cb:
+            raise ValueError(f"{name}: chunk stride {stride:,} B (stride(0)) is less than chunk_bytes {cb:,} B: "
+                             f"chunks would overlap")
+        if stride % SEGMENT_ALIGN:
+            raise ValueError(f"{name}: chunk stride {stride:,} B (stride(0)) is not a multiple of {SEGMENT_ALIGN}")
+        if rows < num_chunks:
+            raise ValueError(f"{name} too small: {rows} rows (chunks) of {cb:,} B, {num_chunks} chunks needed")
+    else:
+        raise ValueError(f"{name} must be a 1-D uint8 tensor, or 2-D uint8 (chunks, chunk_bytes) with a chunk "
+                         f"stride; got {staging.dtype} with shape {tuple(staging.shape)}")
     if staging.numel() and staging.data_ptr() % SEGMENT_ALIGN:
         raise ValueError(f"{name} misaligned: address {staging.data_ptr():#x} is not {SEGMENT_ALIGN}-byte aligned")
+    return stride
 
 
 def _check_block_tables(

@@ -1,6 +1,9 @@
 """The windowed retrieve: restore a confirmed prefix window by window with bounded staging.
 
-Per window: lease a staging slot, fetch the window's objects straight into it, wait for
+Per window: lease a staging slot, fetch the window's objects straight into it (each chunk has
+FETCH_HEADROOM bytes of scratch before it, where a tier lands the object's header, so an object
+arrives whole in one transfer; that room, W * FETCH_HEADROOM bytes, is auxiliary state beside
+the W * c of staging and is reported as header_room_bytes), wait for
 complete presence (a missing key or timeout fails the restore), install into the window's
 destination blocks with one kernel launch, record the slot's event, and release the slot
 only after that install completed (synchronize-then-release). W = 0 keeps the legacy
@@ -21,7 +24,7 @@ from bsr_kernels import Registration, StagingPool, WindowInstaller
 from .admission import ByteBudget, SerialAdmission
 from .keys import KeySpace, PrefixKeys
 from .plan import Window, count_windows, plan_windows, slot_sizes
-from .tiers.base import Tier
+from .tiers.base import FETCH_HEADROOM, Tier
 from .validation import check_int, check_optional_int, check_timeout
 from .window_loop import LoopStats, WindowFailed, WindowLoop
 
@@ -80,6 +83,7 @@ class RestoreReport:
     chunk_bytes: int
     bytes_moved: int
     peak_staging_bytes: int
+    header_room_bytes: int = 0  # FETCH_HEADROOM before each staging chunk (auxiliary state, not W*c)
     fetch_s: float = 0.0
     install_s: float = 0.0
     sync_s: float = 0.0
@@ -104,7 +108,8 @@ class TierStage:
         self._released = False
         try:
             window_keys = keys.window(win.first_chunk, win.num_chunks)
-            self.handle = tier.fetch(window_keys, self.lease.chunks(), time.monotonic() + timeout_s)
+            self.handle = tier.fetch(window_keys, self.lease.chunks(), time.monotonic() + timeout_s,
+                                     headroom=pool.headroom)
         except BaseException:
             self.release()
             raise
@@ -168,12 +173,13 @@ class BoundedRestorer:
                 f"W = {w} chunks of {reg.chunk_bytes:,} B exceeds the byte budget B = "
                 f"{self.admission.budget_bytes:,} B"
             )
-        self.pool = (
-            StagingPool(reg.chunk_bytes, w, num_slots=self.config.pipeline_depth, device=staging_device)
-            if w > 0 else None
-        )
+        self.pool = self._new_pool(w, self.config.pipeline_depth) if w > 0 else None
         self._registered: dict[tuple[int, int], tuple[Tier, torch.Tensor]] = {}
         self._busy = threading.Lock()  # taken without blocking by restore(): one restore at a time
+
+    def _new_pool(self, chunks: int, slots: int = 1) -> StagingPool:
+        return StagingPool(self.reg.chunk_bytes, chunks, num_slots=slots, device=self.staging_device,
+                           headroom=FETCH_HEADROOM)
 
     @property
     def staging_capacity_bytes(self) -> int:
@@ -257,7 +263,7 @@ class BoundedRestorer:
         w = cfg.prefetch_window_chunks
         t0 = time.perf_counter()
         keys = PrefixKeys(req.keyspace, req.tokens, reg.chunk_tokens)
-        pool = self.pool or StagingPool(reg.chunk_bytes, num_chunks, device=self.staging_device)
+        pool = self.pool or self._new_pool(num_chunks)
         pool.reset_peak()
         loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=len(pool.slots),
                           admission_timeout_s=cfg.admission_timeout_s)
@@ -282,14 +288,14 @@ class BoundedRestorer:
             pool.drain()
             _copy_stats(report, loop.stats, reg.chunk_bytes)
             report.peak_staging_bytes = pool.peak_bytes
+            report.header_room_bytes = pool.room_bytes
             report.total_s = time.perf_counter() - t0
         return report
 
     def _retire(self, pool: StagingPool) -> None:
         """A late read may still land in `pool`: never hand it out again."""
         if pool is self.pool:
-            self.pool = StagingPool(self.reg.chunk_bytes, pool.capacity_chunks, num_slots=len(pool.slots),
-                                    device=self.staging_device)
+            self.pool = self._new_pool(pool.capacity_chunks, len(pool.slots))
 
     # -- tier buffer registration (Mooncake registers staging for zero-copy gets) -----------
     def _register(self, tier: Tier, pool: StagingPool) -> None:

@@ -12,6 +12,10 @@
  * unit index, destination addresses come from the resolved entry offsets. No division in the
  * copy loop: each thread tracks (entry, unit-in-entry) incrementally.
  *
+ * Chunk c of the staged window starts chunk_stride bytes after chunk c - 1 (chunk_stride >=
+ * chunk_bytes: chunk-strided staging leaves caller-owned gaps between chunks, never read or
+ * written here; chunk_stride = chunk_bytes when the chunks are back to back).
+ *
  * The staging pointer may be device memory or pinned host memory (zero-copy over UVA).
  * Gather writes zeros for entries of -1 blocks and for the padding between segments, like
  * bsr_kernels.install_torch.gather_torch.
@@ -77,7 +81,7 @@ __host__ __device__ __forceinline__ V vzero() {
 // ---- one piece of one (chunk, tensor) segment ---------------------------------------------
 struct Piece {
     uint8_t* staging;  // window base, device-accessible (or host memory in the emulation)
-    int64_t chunk_bytes;
+    int64_t chunk_stride;  // bytes from one staged chunk to the next
     int64_t first_chunk;
     bsr_desc d;
     const int64_t* table;  // the tensor's group block table
@@ -91,7 +95,7 @@ struct Piece {
 __host__ __device__ __forceinline__ int resolve(const Piece& p, int64_t* off, int tid, int nthreads) {
     int bad = 0;
     for (int64_t j = tid; j < p.nb; j += nthreads) {
-        bsr_loc l = bsr_locate(p.c, p.first_chunk, p.b0 + j, p.chunk_bytes, &p.d, p.table);
+        bsr_loc l = bsr_locate(p.c, p.first_chunk, p.b0 + j, p.chunk_stride, &p.d, p.table);
         if (l.block < -1 || l.block >= p.d.num_blocks) {
             bad = 1;
             off[j] = -1;
@@ -109,7 +113,7 @@ __host__ __device__ __forceinline__ void copy_units(const Piece& p, const int64_
     const uint32_t w = (uint32_t)sizeof(V);
     const uint32_t upe = (uint32_t)(p.d.entry_bytes / w);  // units per entry
     const uint32_t total = (uint32_t)p.nb * upe;
-    uint8_t* stage = p.staging + p.c * p.chunk_bytes + p.d.seg_offset + p.b0 * p.d.entry_bytes;
+    uint8_t* stage = p.staging + p.c * p.chunk_stride + p.d.seg_offset + p.b0 * p.d.entry_bytes;
     uint8_t* dst = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(p.d.dst_base));
     const uint32_t nt = (uint32_t)nthreads;
     const uint32_t step_j = nt / upe, step_o = nt % upe;
@@ -196,7 +200,7 @@ __host__ __device__ __forceinline__ void copy_runs(const Piece& p, const int64_t
     const int64_t bs = p.d.block_size, eb = p.d.entry_bytes;
     const int64_t e0 = (p.first_chunk + p.c) * p.d.entries_per_chunk + p.b0;  // first entry of the batch
     const int64_t head = bs - e0 % bs;  // entries of the batch in its first block
-    uint8_t* stage = p.staging + p.c * p.chunk_bytes + p.d.seg_offset + p.b0 * eb;
+    uint8_t* stage = p.staging + p.c * p.chunk_stride + p.d.seg_offset + p.b0 * eb;
     uint8_t* base = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(p.d.dst_base));
     int64_t dealt = 0;  // pieces of earlier runs, for the round-robin over warps
     for (int64_t j0 = 0; j0 < p.nb;) {
@@ -225,12 +229,13 @@ __host__ __device__ __forceinline__ void copy_runs(const Piece& p, const int64_t
     }
 }
 
-// Gather: zero the padding after tensor t's segment (and before segment 0) in chunk c.
+// Gather: zero the padding after tensor t's segment (and before segment 0) in chunk c, inside
+// its chunk_bytes (the gap up to the next chunk is not the window's).
 __host__ __device__ __forceinline__ void zero_padding(uint8_t* staging, int64_t c, int64_t chunk_bytes,
-                                                      const int64_t* desc, int64_t t, int64_t num_tensors,
-                                                      int tid, int nthreads) {
+                                                      int64_t chunk_stride, const int64_t* desc, int64_t t,
+                                                      int64_t num_tensors, int tid, int nthreads) {
     const bsr_desc d = bsr_desc_row(desc, t);
-    uint8_t* chunk = staging + c * chunk_bytes;
+    uint8_t* chunk = staging + c * chunk_stride;
     const int64_t end = bsr_next_segment(desc, t, num_tensors, chunk_bytes);
     for (int64_t x = d.seg_offset + d.entries_per_chunk * d.entry_bytes + tid; x < end; x += nthreads) chunk[x] = 0;
     if (t == 0)
@@ -240,7 +245,8 @@ __host__ __device__ __forceinline__ void zero_padding(uint8_t* staging, int64_t 
 // ---- the kernel: one launch for every tensor of the window ---------------------------------
 template <bool GATHER>
 __global__ void __launch_bounds__(BSR_THREADS)
-    bsr_window_kernel(uint8_t* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
+    bsr_window_kernel(uint8_t* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
+                      int64_t num_chunks,
                       const int64_t* __restrict__ desc, int64_t num_tensors, const int64_t* __restrict__ table_ptrs,
                       int64_t num_groups, int64_t split) {
     __shared__ int64_t off[BSR_ENTRY_BATCH];
@@ -248,7 +254,7 @@ __global__ void __launch_bounds__(BSR_THREADS)
     if (t >= num_tensors) return;
     Piece p;
     p.staging = staging;
-    p.chunk_bytes = chunk_bytes;
+    p.chunk_stride = chunk_stride;
     p.first_chunk = first_chunk;
     p.d = bsr_desc_row(desc, t);
     if (p.d.group < 0 || p.d.group >= num_groups || p.d.entry_bytes <= 0 || p.d.entry_bytes > BSR_MAX_ENTRY_BYTES ||
@@ -257,12 +263,13 @@ __global__ void __launch_bounds__(BSR_THREADS)
     p.table = reinterpret_cast<const int64_t*>(static_cast<uintptr_t>(table_ptrs[p.d.group]));
     int64_t i0, i1;
     bsr_piece_range(p.d.entries_per_chunk, split, s, &i0, &i1);
-    const int width = bsr_desc_access_width(&p.d, chunk_bytes, (uint64_t)(uintptr_t)staging);
+    const int width = bsr_desc_access_width(&p.d, chunk_stride, (uint64_t)(uintptr_t)staging);
     const int packed = bsr_desc_packed(&p.d);
     const int64_t batch = bsr_batch_entries(p.d.entry_bytes);
     for (int64_t c = blockIdx.y; c < num_chunks; c += gridDim.y) {
         p.c = c;
-        if (GATHER && s == 0) zero_padding(staging, c, chunk_bytes, desc, t, num_tensors, threadIdx.x, blockDim.x);
+        if (GATHER && s == 0)
+            zero_padding(staging, c, chunk_bytes, chunk_stride, desc, t, num_tensors, threadIdx.x, blockDim.x);
         for (int64_t b0 = i0; b0 < i1; b0 += batch) {
             p.b0 = b0;
             p.nb = i1 - b0 < batch ? i1 - b0 : batch;
@@ -284,12 +291,15 @@ __global__ void __launch_bounds__(BSR_THREADS)
 
 // ---- host emulation: the same pieces, batches and units, threads run one after another ----
 template <bool GATHER>
-int host_window(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks, const int64_t* desc,
-                int64_t num_tensors, const int64_t* table_ptrs, int64_t num_groups, int64_t split) {
-    if (num_chunks < 0 || first_chunk < 0 || num_tensors < 0 || num_groups < 0 || chunk_bytes <= 0)
-        return set_error(BSR_ERR_INVALID, "invalid window: chunk_bytes=%lld first_chunk=%lld num_chunks=%lld "
-                         "num_tensors=%lld num_groups=%lld", (long long)chunk_bytes, (long long)first_chunk,
-                         (long long)num_chunks, (long long)num_tensors, (long long)num_groups);
+int host_window(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk, int64_t num_chunks,
+                const int64_t* desc, int64_t num_tensors, const int64_t* table_ptrs, int64_t num_groups,
+                int64_t split) {
+    if (num_chunks < 0 || first_chunk < 0 || num_tensors < 0 || num_groups < 0 || chunk_bytes <= 0 ||
+        chunk_stride < chunk_bytes)
+        return set_error(BSR_ERR_INVALID, "invalid window: chunk_bytes=%lld chunk_stride=%lld first_chunk=%lld "
+                         "num_chunks=%lld num_tensors=%lld num_groups=%lld", (long long)chunk_bytes,
+                         (long long)chunk_stride, (long long)first_chunk, (long long)num_chunks,
+                         (long long)num_tensors, (long long)num_groups);
     if (num_chunks == 0 || num_tensors == 0) return BSR_OK;
     if (!staging || !desc || !table_ptrs) return set_error(BSR_ERR_INVALID, "null staging, descriptor or table pointer");
     int64_t max_entries = 1;
@@ -314,17 +324,17 @@ int host_window(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t
         for (int64_t t = 0; t < num_tensors; ++t) {
             Piece p;
             p.staging = stage;
-            p.chunk_bytes = chunk_bytes;
+            p.chunk_stride = chunk_stride;
             p.first_chunk = first_chunk;
             p.d = bsr_desc_row(desc, t);
             p.table = reinterpret_cast<const int64_t*>(static_cast<uintptr_t>(table_ptrs[p.d.group]));
             p.c = c;
-            const int width = bsr_desc_access_width(&p.d, chunk_bytes, (uint64_t)(uintptr_t)stage);
+            const int width = bsr_desc_access_width(&p.d, chunk_stride, (uint64_t)(uintptr_t)stage);
             const int packed = bsr_desc_packed(&p.d);
             for (int64_t s = 0; s < split; ++s) {
                 if (GATHER && s == 0)
                     for (int tid = 0; tid < nthreads; ++tid)
-                        zero_padding(stage, c, chunk_bytes, desc, t, num_tensors, tid, nthreads);
+                        zero_padding(stage, c, chunk_bytes, chunk_stride, desc, t, num_tensors, tid, nthreads);
                 int64_t i0, i1;
                 bsr_piece_range(p.d.entries_per_chunk, split, s, &i0, &i1);
                 const int64_t batch = bsr_batch_entries(p.d.entry_bytes);
@@ -368,12 +378,15 @@ int sm_count_of_current_device(int* sms) {
 }
 
 template <bool GATHER>
-int device_window(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks, const int64_t* desc,
-                  int64_t num_tensors, const int64_t* table_ptrs, int64_t num_groups, void* stream) {
-    if (num_chunks < 0 || first_chunk < 0 || num_tensors < 0 || num_groups < 0 || chunk_bytes <= 0)
-        return set_error(BSR_ERR_INVALID, "invalid window: chunk_bytes=%lld first_chunk=%lld num_chunks=%lld "
-                         "num_tensors=%lld num_groups=%lld", (long long)chunk_bytes, (long long)first_chunk,
-                         (long long)num_chunks, (long long)num_tensors, (long long)num_groups);
+int device_window(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk, int64_t num_chunks,
+                  const int64_t* desc, int64_t num_tensors, const int64_t* table_ptrs, int64_t num_groups,
+                  void* stream) {
+    if (num_chunks < 0 || first_chunk < 0 || num_tensors < 0 || num_groups < 0 || chunk_bytes <= 0 ||
+        chunk_stride < chunk_bytes)
+        return set_error(BSR_ERR_INVALID, "invalid window: chunk_bytes=%lld chunk_stride=%lld first_chunk=%lld "
+                         "num_chunks=%lld num_tensors=%lld num_groups=%lld", (long long)chunk_bytes,
+                         (long long)chunk_stride, (long long)first_chunk, (long long)num_chunks,
+                         (long long)num_tensors, (long long)num_groups);
     if (num_chunks == 0 || num_tensors == 0) return BSR_OK;
     if (!staging || !desc || !table_ptrs) return set_error(BSR_ERR_INVALID, "null staging, descriptor or table pointer");
 
@@ -398,7 +411,8 @@ int device_window(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64
     dim3 grid((unsigned)(num_tensors * split), (unsigned)(num_chunks < 65535 ? num_chunks : 65535), 1);
     cudaGetLastError();  // clear a stale error of an earlier, unrelated call
     bsr_window_kernel<GATHER><<<grid, BSR_THREADS, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<uint8_t*>(stage_dev), chunk_bytes, first_chunk, num_chunks, desc, num_tensors, table_ptrs,
+        static_cast<uint8_t*>(stage_dev), chunk_bytes, chunk_stride, first_chunk, num_chunks, desc, num_tensors,
+        table_ptrs,
         num_groups, split);
     e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_error(GATHER ? "bsr_gather launch" : "bsr_install launch", e);
@@ -426,38 +440,39 @@ BSR_API int bsr_device_count(int* n) {
     return BSR_OK;
 }
 
-BSR_API int bsr_install(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
-                        const int64_t* desc_dev, int64_t num_tensors, const int64_t* table_ptrs_dev,
-                        int64_t num_groups, void* stream) {
-    return device_window<false>(staging, chunk_bytes, first_chunk, num_chunks, desc_dev, num_tensors, table_ptrs_dev,
-                                num_groups, stream);
+// Window functions: chunk c of the window at staging + c * chunk_stride (chunk_stride >= chunk_bytes).
+BSR_API int bsr_install_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
+                                int64_t num_chunks, const int64_t* desc_dev, int64_t num_tensors,
+                                const int64_t* table_ptrs_dev, int64_t num_groups, void* stream) {
+    return device_window<false>(staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc_dev, num_tensors,
+                                table_ptrs_dev, num_groups, stream);
 }
 
-BSR_API int bsr_gather(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
-                       const int64_t* desc_dev, int64_t num_tensors, const int64_t* table_ptrs_dev,
-                       int64_t num_groups, void* stream) {
-    return device_window<true>(staging, chunk_bytes, first_chunk, num_chunks, desc_dev, num_tensors, table_ptrs_dev,
-                               num_groups, stream);
+BSR_API int bsr_gather_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
+                               int64_t num_chunks, const int64_t* desc_dev, int64_t num_tensors,
+                               const int64_t* table_ptrs_dev, int64_t num_groups, void* stream) {
+    return device_window<true>(staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc_dev, num_tensors,
+                               table_ptrs_dev, num_groups, stream);
 }
 
-BSR_API int bsr_host_install(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
-                             const int64_t* desc, int64_t num_tensors, const int64_t* table_ptrs,
-                             int64_t num_groups, int64_t split) {
-    return host_window<false>(staging, chunk_bytes, first_chunk, num_chunks, desc, num_tensors, table_ptrs,
-                              num_groups, split);
+BSR_API int bsr_host_install_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
+                                     int64_t num_chunks, const int64_t* desc, int64_t num_tensors,
+                                     const int64_t* table_ptrs, int64_t num_groups, int64_t split) {
+    return host_window<false>(staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc, num_tensors,
+                              table_ptrs, num_groups, split);
 }
 
-BSR_API int bsr_host_gather(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
-                            const int64_t* desc, int64_t num_tensors, const int64_t* table_ptrs, int64_t num_groups,
-                            int64_t split) {
-    return host_window<true>(staging, chunk_bytes, first_chunk, num_chunks, desc, num_tensors, table_ptrs,
-                             num_groups, split);
+BSR_API int bsr_host_gather_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
+                                    int64_t num_chunks, const int64_t* desc, int64_t num_tensors,
+                                    const int64_t* table_ptrs, int64_t num_groups, int64_t split) {
+    return host_window<true>(staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc, num_tensors,
+                             table_ptrs, num_groups, split);
 }
 
-BSR_API int bsr_host_access_width(int64_t entry_bytes, int64_t seg_offset, int64_t chunk_bytes, int64_t block_stride,
+BSR_API int bsr_host_access_width(int64_t entry_bytes, int64_t seg_offset, int64_t chunk_stride, int64_t block_stride,
                                   uint64_t staging_addr, uint64_t dst_addr, int* width) {
     if (!width) return set_error(BSR_ERR_INVALID, "bsr_host_access_width: null output pointer");
-    *width = bsr_access_width(entry_bytes, seg_offset, chunk_bytes, block_stride, staging_addr, dst_addr);
+    *width = bsr_access_width(entry_bytes, seg_offset, chunk_stride, block_stride, staging_addr, dst_addr);
     return BSR_OK;
 }
 

@@ -23,7 +23,10 @@
 #include "bsr_cpu_pool.h"
 #include "bsr_layout.h"
 
-#define BSR_CPU_ABI_VERSION 2 /* 2: + bsr_crc32c*, bsr_copy_crc32c (bsr_crc32c.c) */
+/* 2: + bsr_crc32c*, bsr_copy_crc32c (bsr_crc32c.c); 3: chunk-strided staging, bsr_cpu_install_strided and
+ * bsr_cpu_gather_strided (a chunk_stride argument) replace bsr_cpu_install and bsr_cpu_gather, so a stale
+ * library can neither be loaded by the new wrapper nor be called with the new arguments */
+#define BSR_CPU_ABI_VERSION 3
 /* auto: a second thread from 4 MiB per window up. Measured on a 2-core EPYC VM with
  * dsv4_flash(scale=1/16 and 1/64): one thread wins below ~3 MB, two win by ~20% at 6 MB. */
 #define BSR_CPU_PARALLEL_BYTES (4LL << 20)
@@ -41,8 +44,10 @@ static int set_error(int code, const char* fmt, ...) {
 }
 
 typedef struct window {
-    uint8_t* staging;
-    int64_t chunk_bytes;
+    uint8_t* staging;     /* chunk c of the window at staging + c * chunk_stride */
+    int64_t chunk_bytes;  /* bytes of one staged chunk (segments end within it) */
+    int64_t chunk_stride; /* bytes from one staged chunk to the next, >= chunk_bytes; the bytes between
+                             chunks are never read into destinations nor written by gather */
     int64_t first_chunk;
     int64_t num_chunks;
     const int64_t* desc;
@@ -97,7 +102,7 @@ static int copy_segment(const window* w, int64_t c, int64_t t) {
     const bsr_desc dd = bsr_desc_row(w->desc, t);
     const int64_t* table = (const int64_t*)(uintptr_t)w->table_ptrs[dd.group];
     uint8_t* base = (uint8_t*)(uintptr_t)dd.dst_base;
-    uint8_t* stage = w->staging + c * w->chunk_bytes + dd.seg_offset;
+    uint8_t* stage = w->staging + c * w->chunk_stride + dd.seg_offset;
     const int64_t eb = dd.entry_bytes, bs = dd.block_size, epc = dd.entries_per_chunk;
     const int packed = dd.rows_per_entry == 1 && dd.slot_stride == eb; /* a block's slots are one run */
     const int64_t e0 = (w->first_chunk + c) * epc;
@@ -130,7 +135,7 @@ static int copy_segment(const window* w, int64_t c, int64_t t) {
     }
     flush(&r, w->gather);
     if (w->gather) { /* zero the padding after the segment (and before segment 0) */
-        uint8_t* chunk = w->staging + c * w->chunk_bytes;
+        uint8_t* chunk = w->staging + c * w->chunk_stride;
         const int64_t end = bsr_next_segment(w->desc, t, w->num_tensors, w->chunk_bytes);
         const int64_t used = dd.seg_offset + epc * eb;
         if (end > used) memset(chunk + used, 0, (size_t)(end - used));
@@ -160,10 +165,11 @@ static int64_t item_bytes(const window* w, int64_t k) {
 }
 
 static int run_window(window* w, int64_t threads) {
-    if (w->num_chunks < 0 || w->first_chunk < 0 || w->num_tensors < 0 || w->num_groups < 0 || w->chunk_bytes <= 0)
-        return set_error(BSR_ERR_INVALID, "invalid window: chunk_bytes=%lld first_chunk=%lld num_chunks=%lld "
-                         "num_tensors=%lld", (long long)w->chunk_bytes, (long long)w->first_chunk,
-                         (long long)w->num_chunks, (long long)w->num_tensors);
+    if (w->num_chunks < 0 || w->first_chunk < 0 || w->num_tensors < 0 || w->num_groups < 0 || w->chunk_bytes <= 0 ||
+        w->chunk_stride < w->chunk_bytes)
+        return set_error(BSR_ERR_INVALID, "invalid window: chunk_bytes=%lld chunk_stride=%lld first_chunk=%lld "
+                         "num_chunks=%lld num_tensors=%lld", (long long)w->chunk_bytes, (long long)w->chunk_stride,
+                         (long long)w->first_chunk, (long long)w->num_chunks, (long long)w->num_tensors);
     if (w->num_chunks == 0 || w->num_tensors == 0) return BSR_OK;
     if (!w->staging || !w->desc || !w->table_ptrs)
         return set_error(BSR_ERR_INVALID, "null staging, descriptor or table pointer");
@@ -214,16 +220,20 @@ BSR_CPU_API int bsr_cpu_abi_version(void) { return BSR_CPU_ABI_VERSION * 1000 + 
 
 BSR_CPU_API int64_t bsr_cpu_parallel_bytes(void) { return BSR_CPU_PARALLEL_BYTES; }
 
-BSR_CPU_API int bsr_cpu_install(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
-                                const int64_t* desc, int64_t num_tensors, const int64_t* table_ptrs,
-                                int64_t num_groups, int64_t threads) {
-    window w = {(uint8_t*)staging, chunk_bytes, first_chunk, num_chunks, desc, num_tensors, table_ptrs, num_groups, 0};
+/* Chunk c of the window is at staging + c * chunk_stride (chunk_stride >= chunk_bytes; chunk_bytes
+ * for back-to-back chunks). */
+BSR_CPU_API int bsr_cpu_install_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
+                                        int64_t num_chunks, const int64_t* desc, int64_t num_tensors,
+                                        const int64_t* table_ptrs, int64_t num_groups, int64_t threads) {
+    window w = {(uint8_t*)staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc, num_tensors, table_ptrs,
+                num_groups, 0};
     return run_window(&w, threads);
 }
 
-BSR_CPU_API int bsr_cpu_gather(void* staging, int64_t chunk_bytes, int64_t first_chunk, int64_t num_chunks,
-                               const int64_t* desc, int64_t num_tensors, const int64_t* table_ptrs,
-                               int64_t num_groups, int64_t threads) {
-    window w = {(uint8_t*)staging, chunk_bytes, first_chunk, num_chunks, desc, num_tensors, table_ptrs, num_groups, 1};
+BSR_CPU_API int bsr_cpu_gather_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
+                                       int64_t num_chunks, const int64_t* desc, int64_t num_tensors,
+                                       const int64_t* table_ptrs, int64_t num_groups, int64_t threads) {
+    window w = {(uint8_t*)staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc, num_tensors, table_ptrs,
+                num_groups, 1};
     return run_window(&w, threads);
 }

@@ -3,7 +3,9 @@
  * host (CPU) emulation in bsr_install.cu. Plain C99 / C++ when not compiled by nvcc, so the
  * index arithmetic is unit-testable on machines without a GPU.
  *
- * A staged window is `num_chunks` chunks of `chunk_bytes` each (chunk-major). Inside a
+ * A staged window is `num_chunks` chunks of `chunk_bytes` each (chunk-major), chunk c at byte
+ * c * chunk_stride of the window (chunk_stride >= chunk_bytes; chunk_bytes when the chunks are back
+ * to back; the bytes between chunks belong to the caller and are never read or written). Inside a
  * chunk, tensor t owns the segment [seg_offset, seg_offset + entries_per_chunk * entry_bytes).
  * Entry i of chunk c (window-relative) is global entry e = (first_chunk + c) * entries_per_chunk + i
  * of its tensor; it lands in block table[e / block_size] (-1 = not resident: skip), slot
@@ -27,7 +29,9 @@
 #define BSR_HD static inline
 #endif
 
-#define BSR_ABI_VERSION 2
+/* 3: the window functions take chunk_stride (chunk-strided staging); the CUDA ones are renamed
+ * bsr_*_strided so that a stale library is never called with the new arguments */
+#define BSR_ABI_VERSION 3
 
 /* Descriptor row: int64 columns, one row per registered tensor. */
 #define BSR_DESC_DST_BASE 0          /* address of the destination tensor */
@@ -117,12 +121,12 @@ typedef struct bsr_loc {
     int64_t entry;   /* global entry index e of the tensor */
     int64_t block;   /* table[e / block_size] */
     int64_t slot;    /* e % block_size */
-    int64_t src_off; /* byte offset in the staged window */
+    int64_t src_off; /* byte offset in the staged window (chunks chunk_stride bytes apart) */
     int64_t dst_off; /* byte offset from dst_base (meaningful only when block >= 0) */
 } bsr_loc;
 
 /* Entry i of window chunk c of tensor d; `table` is the tensor's group block table. */
-BSR_HD bsr_loc bsr_locate(int64_t c, int64_t first_chunk, int64_t i, int64_t chunk_bytes, const bsr_desc* d,
+BSR_HD bsr_loc bsr_locate(int64_t c, int64_t first_chunk, int64_t i, int64_t chunk_stride, const bsr_desc* d,
                           const int64_t* table) {
     bsr_loc l;
     l.entry = (first_chunk + c) * d->entries_per_chunk + i;
@@ -135,7 +139,7 @@ BSR_HD bsr_loc bsr_locate(int64_t c, int64_t first_chunk, int64_t i, int64_t chu
         l.block = table[l.entry / bs];
         l.slot = l.entry % bs;
     }
-    l.src_off = c * chunk_bytes + d->seg_offset + i * d->entry_bytes;
+    l.src_off = c * chunk_stride + d->seg_offset + i * d->entry_bytes;
     l.dst_off = l.block * d->block_stride + l.slot * d->slot_stride;
     return l;
 }
@@ -170,15 +174,16 @@ BSR_HD int bsr_divides(int64_t w, uint64_t v) { return (v & (uint64_t)(w - 1)) =
 
 /*
  * Widest access (16, 8, 4, 2 or 1 bytes) that divides every offset a copy of this tensor
- * can produce: entry_bytes, seg_offset, chunk_bytes, block_stride and both base addresses.
- * 584-byte rows (584 = 8 * 73) get 8-byte accesses.
+ * can produce: entry_bytes, seg_offset, chunk_stride (the staging offset of chunk c is
+ * c * chunk_stride, so it decides the alignment of every chunk after the first), block_stride
+ * and both base addresses. 584-byte rows (584 = 8 * 73) get 8-byte accesses.
  */
-BSR_HD int bsr_access_width(int64_t entry_bytes, int64_t seg_offset, int64_t chunk_bytes, int64_t block_stride,
+BSR_HD int bsr_access_width(int64_t entry_bytes, int64_t seg_offset, int64_t chunk_stride, int64_t block_stride,
                             uint64_t staging_addr, uint64_t dst_addr) {
     int w = 16;
     while (w > 1) {
         if (bsr_divides(w, (uint64_t)entry_bytes) && bsr_divides(w, (uint64_t)seg_offset) &&
-            bsr_divides(w, (uint64_t)chunk_bytes) && bsr_divides(w, (uint64_t)block_stride) &&
+            bsr_divides(w, (uint64_t)chunk_stride) && bsr_divides(w, (uint64_t)block_stride) &&
             bsr_divides(w, staging_addr) && bsr_divides(w, dst_addr))
             break;
         w >>= 1;
@@ -231,11 +236,12 @@ BSR_HD int bsr_run_width(uint64_t src, uint64_t dst, int64_t nbytes) {
     return w;
 }
 
-/* Widest access for a descriptor: every stride and the row width must be multiples of it too. */
-BSR_HD int bsr_desc_access_width(const bsr_desc* d, int64_t chunk_bytes, uint64_t staging_addr) {
+/* Widest access for a descriptor: every stride and the row width must be multiples of it too,
+ * and so must the staging's chunk stride (chunk c starts at staging_addr + c * chunk_stride). */
+BSR_HD int bsr_desc_access_width(const bsr_desc* d, int64_t chunk_stride, uint64_t staging_addr) {
     int64_t strides = d->block_stride | d->slot_stride | d->row_bytes;
     for (int k = 0; k < BSR_MAX_ROW_DIMS; ++k) strides |= d->dim_stride[k];
-    return bsr_access_width(d->entry_bytes, d->seg_offset, chunk_bytes, strides, staging_addr,
+    return bsr_access_width(d->entry_bytes, d->seg_offset, chunk_stride, strides, staging_addr,
                             (uint64_t)d->dst_base);
 }
 

@@ -231,3 +231,60 @@ def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
         if not torch.equal(xb, yb):
             diff = (xb != yb).nonzero()
             raise AssertionError(f"{what}: buffer {k} differs at {diff.shape[0]} bytes, first {diff[0].tolist()}")
+
+
+# -- chunk-strided staging: chunk c at headroom + c * chunk_stride of a larger buffer ------------
+
+@dataclass
+class StridedStaging:
+    """A staging buffer whose chunks are rows `chunk_stride` bytes apart, with scratch bytes
+    (`headroom` before each row, `tail` after it) that no install or gather may touch."""
+
+    buf: torch.Tensor  # the whole buffer, gaps included
+    view: torch.Tensor  # (rows, chunk_bytes) with strides (chunk_stride, 1): what the installer gets
+    rows: torch.Tensor  # bool over buf: True on the bytes of a row
+    saved: torch.Tensor  # the gap bytes as they were filled in
+
+    def gaps_unchanged(self) -> bool:
+        return torch.equal(self.buf[~self.rows], self.saved)
+
+
+# (headroom, tail): the chunk stride is headroom + chunk_bytes + tail
+STRIDES = {"h16": (16, 0), "h128": (128, 0), "h128-tail48": (128, 48), "tail32": (0, 32), "dense2d": (0, 0)}
+
+
+def strided_staging(reg: Registration, rows: int, headroom: int, tail: int, gen: torch.Generator,
+                    chunks: torch.Tensor | None = None, fill: int | None = None,
+                    as_strided: bool = False) -> StridedStaging:
+    """`rows` chunks of reg.chunk_bytes at headroom + c * (headroom + chunk_bytes + tail) of a fresh
+    buffer whose gap bytes are random (never POISON). Rows hold `chunks` (num_chunks * chunk_bytes,
+    chunk-major) in their first rows, and `fill` (default: random bytes) elsewhere. The view is
+    `buf.view(rows, stride)[:, headroom : headroom + chunk_bytes]`, or the same made with as_strided."""
+    cb = reg.chunk_bytes
+    stride = headroom + cb + tail
+    buf = random_bytes(rows * stride, gen)
+    mask = torch.zeros(rows * stride, dtype=torch.bool)
+    mask.view(rows, stride)[:, headroom : headroom + cb] = True
+    if as_strided:
+        view = buf.as_strided((rows, cb), (stride, 1), buf.storage_offset() + headroom)
+    else:
+        view = buf.view(rows, stride)[:, headroom : headroom + cb]
+    if fill is not None:
+        view.fill_(fill)
+    if chunks is not None:
+        view[: chunks.numel() // cb].copy_(chunks.view(-1, cb))
+    assert view.data_ptr() % 16 == 0 and view.stride() == (stride, 1)
+    return StridedStaging(buf, view, mask, buf[~mask].clone())
+
+
+def untouched_outside_window(case: Case, kv: list[torch.Tensor]) -> None:
+    """Blocks no table entry of the window points at are still fully poisoned."""
+    reg = case.reg
+    lo_tok, hi_tok = case.first_chunk * reg.chunk_tokens, (case.first_chunk + case.num_chunks) * reg.chunk_tokens
+    for spec, t in zip(reg.specs, kv):
+        tpb = spec.tokens_per_block
+        window = case.tables[spec.group][lo_tok // tpb : -(-hi_tok // tpb)]
+        touched = set(window[window >= 0].tolist())
+        for blk in range(t.shape[0]):
+            if blk not in touched:
+                assert bool((t[blk].view(torch.uint8) == POISON).all()), f"{spec.name} block {blk} written"

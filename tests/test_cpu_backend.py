@@ -186,3 +186,50 @@ def test_first_use_build_compiles_every_source(monkeypatch, tmp_path):
     assert lib.bsr_cpu_abi_version() == cpu_backend.ABI_VERSION
     data = b"123456789"
     assert lib.bsr_crc32c(0, data, len(data)) == 0xE3069283  # the CRC-32C check value
+
+
+# A library as a build from before chunk-strided staging left it: ABI 2002, window functions
+# without the chunk_stride argument (their old names).
+_STALE_SOURCE = """
+#include <stdint.h>
+int bsr_cpu_abi_version(void) { return 2002; }
+const char* bsr_cpu_last_error(void) { return ""; }
+int bsr_cpu_install(void* s, int64_t cb, int64_t f, int64_t n, const int64_t* d, int64_t nt, const int64_t* p,
+                    int64_t ng, int64_t th) { return 0; }
+int bsr_cpu_gather(void* s, int64_t cb, int64_t f, int64_t n, const int64_t* d, int64_t nt, const int64_t* p,
+                   int64_t ng, int64_t th) { return 0; }
+"""
+
+
+def test_stale_library_is_refused_and_rebuilt(monkeypatch, tmp_path):
+    """A stale libbsr_cpu.so (older ABI) is never called: load() refuses it naming both versions,
+    an explicit $BSR_CPU_LIB fails with that message, and an installed copy that looks fresh by
+    its date is replaced by a first-use build of the current sources."""
+    from bsr_kernels.native_library import LibraryNotLoaded
+
+    cc = cpu_backend.find_cc()
+    if cc is None:
+        pytest.skip("no C compiler")
+    pkg = tmp_path / "pkg"
+    (pkg / "lib").mkdir(parents=True)
+    (tmp_path / "csrc").symlink_to(cpu_backend.source_dir(), target_is_directory=True)
+    src = tmp_path / "stale.c"
+    src.write_text(_STALE_SOURCE)
+    stale = pkg / "lib" / cpu_backend.LIB_NAME
+    import subprocess
+
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(stale), str(src)], check=True)
+    with pytest.raises(RuntimeError, match=f"ABI version 2002, this package needs {cpu_backend.ABI_VERSION}"):
+        cpu_backend.load(stale)
+    monkeypatch.setenv("BSR_CPU_LIB", str(stale))
+    with pytest.raises(LibraryNotLoaded, match="ABI version 2002"):
+        cpu_backend._find()
+    monkeypatch.delenv("BSR_CPU_LIB")
+    monkeypatch.setattr(cpu_backend, "_PKG", pkg)
+    monkeypatch.setenv("BSR_CACHE_DIR", str(tmp_path / "cache"))
+    assert not cpu_backend._stale(stale)  # newer than the sources: only the ABI check catches it
+    lib, path = cpu_backend._find()
+    assert path.startswith(str(tmp_path / "cache"))
+    assert lib.bsr_cpu_abi_version() == cpu_backend.ABI_VERSION
+    assert all(hasattr(lib, name) for name in cpu_backend.WINDOW_FUNCTIONS)
+    assert not hasattr(lib, "bsr_cpu_install")

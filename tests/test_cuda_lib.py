@@ -1,6 +1,6 @@
 """The CUDA backend's C library: it builds with nvcc, loads with ctypes without a GPU, and its
 index arithmetic (csrc/bsr_layout.h, run through the kernels' own piece/batch/unit code by
-bsr_host_install / bsr_host_gather) matches the torch reference byte for byte."""
+bsr_host_install_strided / bsr_host_gather_strided) matches the torch reference byte for byte."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_util import (
     KV_LAYOUTS,
+    STRIDES,
     Case,
     kv_pair_layout,
     kv_registration,
@@ -28,6 +29,7 @@ from kernel_util import (
     random_bytes,
     same_bytes,
     strided_like,
+    strided_staging,
 )
 from kernel_util import registrations as strided_registrations
 
@@ -42,9 +44,11 @@ CSRC = ROOT / "csrc"
 # Same flags as setup.py (checked below).
 NVCC_FLAGS = ["-O3", "-Xcompiler", "-fPIC", "-shared",
               "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90"]
-EXPORTS = ("bsr_last_error", "bsr_abi_version", "bsr_device_count", "bsr_install", "bsr_gather",
-           "bsr_host_install", "bsr_host_gather", "bsr_host_access_width", "bsr_host_run_width",
+EXPORTS = ("bsr_last_error", "bsr_abi_version", "bsr_device_count", "bsr_install_strided", "bsr_gather_strided",
+           "bsr_host_install_strided", "bsr_host_gather_strided", "bsr_host_access_width", "bsr_host_run_width",
            "bsr_copy_batch", "bsr_copy_loop")
+# the window functions before chunk_stride (ABI 2): gone, so nothing can call them with the new arguments
+OLD_EXPORTS = ("bsr_install", "bsr_gather", "bsr_host_install", "bsr_host_gather")
 
 
 # -- the library -----------------------------------------------------------------------------
@@ -80,6 +84,8 @@ def test_library_builds_and_loads(built_lib):
     assert lib.bsr_abi_version() == cuda_backend.ABI_VERSION
     for name in EXPORTS:
         assert hasattr(lib, name), name
+    for name in OLD_EXPORTS:
+        assert not hasattr(lib, name), name
     assert seconds < 300
 
 
@@ -259,6 +265,58 @@ def test_out_of_range_block_is_an_error(lib):
         cuda_backend.host_install(reg, args, lib)
 
 
+# -- chunk-strided staging: chunk c at headroom + c * chunk_stride, gaps never touched -----------
+def check_strided_case(reg: Registration, lib, first: int, num: int, seed: int, split: int, stride: str,
+                       neg: float = 0.2) -> None:
+    """check_case with 2-D chunk-strided staging (and one spare row): the host emulation against
+    the torch reference, the gap bytes unchanged after install and after gather."""
+    gen = torch.Generator().manual_seed(seed)
+    tables, nblocks = _tables(reg, first, num, gen, neg)
+    headroom, tail = STRIDES[stride]
+    staged = strided_staging(reg, num + 1, headroom, tail, gen)
+    kv_ref = reg.allocate(nblocks)
+    for t in kv_ref:
+        _bytes(t).fill_(POISON)
+    kv_lib = [t.clone() for t in kv_ref]
+    install_torch(reg, check_window(staged.view, reg, kv_ref, tables, first, num))
+    cuda_backend.host_install(reg, check_window(staged.view, reg, kv_lib, tables, first, num), lib, split)
+    for spec, r, t in zip(reg.specs, kv_ref, kv_lib, strict=True):
+        assert torch.equal(_bytes(r), _bytes(t)), f"strided install differs from the reference for {spec.name}"
+    assert staged.gaps_unchanged(), "install wrote a gap"
+    kv_src = reg.allocate(nblocks)
+    for t in kv_src:
+        _bytes(t).copy_(_random_bytes(_bytes(t).numel(), gen))
+    out_ref = strided_staging(reg, num + 1, headroom, tail, torch.Generator().manual_seed(seed), fill=POISON)
+    out_lib = strided_staging(reg, num + 1, headroom, tail, torch.Generator().manual_seed(seed), fill=POISON)
+    gather_torch(reg, check_window(out_ref.view, reg, kv_src, tables, first, num, staging_name="out"))
+    cuda_backend.host_gather(reg, check_window(out_lib.view, reg, kv_src, tables, first, num, staging_name="out"),
+                             lib, split)
+    assert torch.equal(out_ref.buf, out_lib.buf), _first_diff(out_ref.view[:num].reshape(-1),
+                                                              out_lib.view[:num].reshape(-1), reg)
+    assert out_lib.gaps_unchanged(), "gather wrote a gap"
+    assert bool((out_lib.view[num:] == POISON).all()), "gather wrote past the window"
+
+
+@pytest.mark.parametrize("stride", sorted(STRIDES))
+@pytest.mark.parametrize("split", [0, 1, 5])
+def test_strided_staging_llama(lib, split, stride):
+    check_strided_case(presets.llama_like(), lib, first=2, num=2, seed=7, split=split, stride=stride)
+
+
+@pytest.mark.parametrize("stride", ["h16", "h128-tail48"])
+def test_strided_staging_dsv4(lib, stride):
+    check_strided_case(presets.dsv4_flash(mtp=True, scale=1 / 64), lib, first=3, num=3, seed=11, split=0,
+                       stride=stride)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reg=registrations(), first=st.integers(0, 5), num=st.integers(1, 3), seed=st.integers(0, 2**31 - 1),
+       neg=st.sampled_from([0.0, 0.2, 0.6]), split=st.sampled_from([0, 1, 2, 3, 7, 32]),
+       stride=st.sampled_from(sorted(STRIDES)))
+def test_strided_staging_random_registrations(lib, reg, first, num, seed, neg, split, stride):
+    check_strided_case(reg, lib, first, num, seed, split, stride, neg)
+
+
 # -- access width ----------------------------------------------------------------------------
 def test_access_width_fixed_cases(lib):
     def w(eb, seg, cb, stride, sa=0x10000, da=0x20000):
@@ -372,3 +430,30 @@ def test_run_width_is_per_run_not_per_entry(lib):
     assert cuda_backend.run_width(0x10000 + 584, 0x20000, 584 * 63, lib=lib) == 8
     assert cuda_backend.run_width(0x10004, 0x20000, 4096, lib=lib) == 4
     assert cuda_backend.run_width(0x10000, 0x20000, 4097, lib=lib) == 1
+
+
+def test_stale_library_is_refused(tmp_path):
+    """A libbsr_cuda.so from before chunk-strided staging (ABI 2, window functions without
+    chunk_stride) is refused by load() before any of its functions is declared or called."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no host C compiler")
+    src = tmp_path / "stale.c"
+    src.write_text("#include <stdint.h>\nint bsr_abi_version(void) { return 2; }\n"
+                   "int bsr_install(void* s, int64_t cb, int64_t f, int64_t n, const int64_t* d, int64_t nt,\n"
+                   "                const int64_t* p, int64_t ng, void* stream) { return 0; }\n")
+    stale = tmp_path / "libbsr_cuda.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(stale), str(src)], check=True)
+    with pytest.raises(RuntimeError, match=f"ABI version 2, this package needs {cuda_backend.ABI_VERSION}"):
+        cuda_backend.load(stale)
+
+
+def test_access_width_follows_the_chunk_stride(lib):
+    """Chunk c starts c * chunk_stride after the first: the stride bounds the width like an offset."""
+    def w(stride):
+        return cuda_backend.access_width(64, 32, stride, 1024, 0x10000, 0x20000, lib=lib)
+
+    assert w(4096 + 128) == 16
+    assert w(4096 + 8) == 8
+    assert w(4096 + 4) == 4
+    assert w(4096 + 1) == 1

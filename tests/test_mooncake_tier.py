@@ -406,10 +406,10 @@ def test_close_fails_queued_fetches(mooncake_tier_factory, pool):
     t.put(keys, payloads(1, seed=40))
     real = t._fetch_now
 
-    def slow(ks, views, dl):  # the first fetch holds the only worker until close() begins
+    def slow(ks, views, dl, headroom=0):  # the first fetch holds the only worker until close() begins
         if t._closing.wait(5.0):
             raise TierUnavailableError("closed during the fetch")
-        return real(ks, views, dl)
+        return real(ks, views, dl, headroom)
 
     t._fetch_now = slow
     lease = pool.acquire(2)

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from bsr_kernels import StagingPool
 
@@ -130,3 +131,35 @@ def test_deferred_release_waits_for_a_host_stream_before_reuse():
 def test_bad_pool_arguments(bad, match):
     with pytest.raises(ValueError, match=match):
         StagingPool(**bad)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_headroom_leaves_scratch_before_every_chunk(slots):
+    """headroom h: chunk i of a slot at h + i * (h + C) from the slot's start; a lease's view is
+    (n, C) with rows h + C apart; views and rooms of all leases tile the buffer without overlap;
+    the meters count chunk bytes, the room is room_bytes."""
+    h = 128
+    pool = StagingPool(C, 5, num_slots=slots, headroom=h)
+    assert pool.chunk_stride == C + h and pool.buffer.numel() == 5 * (C + h)
+    assert pool.capacity_bytes == 5 * C and pool.room_bytes == 5 * h
+    leases = [pool.acquire(n) for n in pool.slot_chunks]
+    owner = torch.zeros(pool.buffer.numel(), dtype=torch.int32)
+    base = pool.buffer.data_ptr()
+    for k, lease in enumerate(leases):
+        assert lease.view.shape == (lease.num_chunks, C) and lease.view.stride() == (C + h, 1)
+        for i, chunk in enumerate(lease.chunks()):
+            start = chunk.data_ptr() - base
+            assert chunk.is_contiguous() and chunk.numel() == C and torch.equal(chunk, lease.view[i])
+            assert (owner[start - h : start + C] == 0).all()  # room and chunk belong to no one else
+            owner[start - h : start] = -1
+            owner[start : start + C] = k + 1
+    assert (owner != 0).all() and (owner == -1).sum() == 5 * h  # nothing left over
+    assert pool.live_bytes == 5 * C
+    for lease in leases:
+        pool.release(lease)
+
+
+@pytest.mark.parametrize("bad", [-16, 8, 100, True, 1.5])
+def test_headroom_must_be_a_multiple_of_16(bad):
+    with pytest.raises(ValueError, match="headroom"):
+        StagingPool(C, 2, headroom=bad)

@@ -18,6 +18,7 @@ from bsr_harness.faulty_tier import FaultyTier
 from bsr_kernels import StagingPool
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.tiers import (
+    FETCH_HEADROOM,
     CorruptObjectError,
     FetchTimeoutError,
     FilesystemTier,
@@ -36,7 +37,8 @@ _MOONCAKE = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 # Mooncake's three read paths, each under the whole contract (tiers/mooncake.py):
 # "mooncake": objects in the client's own segment by one checksumming copy (mooncake_local.py);
 # "mooncake-landed": every object by a whole-object get into a landing buffer + checksumming copy;
-# "mooncake-in-place": every object in place (header in the bytes before its payload, the default)
+# "mooncake-in-place": every object in place (header in the bytes before its payload: the room a
+# restore's staging leaves, else the tail of the view before)
 MOONCAKE_PATHS = {"mooncake": {}, "mooncake-landed": {"local_reads": False, "land_whole": True},
                   "mooncake-in-place": {"local_reads": False, "land_whole": False}}
 KINDS = ["memory", "filesystem", *(pytest.param(k, marks=_MOONCAKE) for k in MOONCAKE_PATHS)]
@@ -141,23 +143,28 @@ def delay_threads() -> list[threading.Thread]:
 
 
 # -- the contract ------------------------------------------------------------------------------
+@pytest.mark.parametrize("headroom", [0, FETCH_HEADROOM])
 @pytest.mark.parametrize("chunk_bytes", [4096, C, 1 << 20])
-def test_roundtrip_into_staging_pool(store, chunk_bytes):
+def test_roundtrip_into_staging_pool(store, chunk_bytes, headroom):
+    """Into a pool's slot, as a restore fetches (with header room before each chunk: the tier may
+    use it, the chunks hold exactly what was put, the pool's spare capacity stays untouched)."""
     n = 5
     t = store.tier(chunk_bytes)
     data = payloads(n, chunk_bytes, seed=chunk_bytes)
     keys = store.keys(n)
-    pool = StagingPool(chunk_bytes, capacity_chunks=n, num_slots=1)
+    pool = StagingPool(chunk_bytes, capacity_chunks=n + 1, num_slots=1, headroom=headroom)
     t.register_staging(pool.buffer)
     try:
         t.put(keys, data)
         assert t.probe(keys) == [True] * n
+        pool.buffer.fill_(0x5A)
         lease = pool.acquire(n)
-        lease.view.zero_()
         views = [lease.chunk(i) for i in range(n)]
-        h = t.fetch(keys, views, deadline())
+        h = t.fetch(keys, views, deadline(), headroom=pool.headroom)
         assert h.wait() == n * chunk_bytes and h.done() and h.quiesce(0)
         assert all(torch.equal(v, d) for v, d in zip(views, data, strict=True))
+        spare = pool.buffer[n * pool.chunk_stride :]  # the sixth chunk and its room
+        assert spare.numel() == pool.chunk_stride and bool((spare == 0x5A).all())
         pool.release(lease)
     finally:
         t.unregister_staging(pool.buffer)

@@ -5,7 +5,10 @@
 - numeric bounds: NaN used to disable a bound (ByteBudget(nan) granted 1e15 B; a whole-plan
   restore under max_staging_bytes=nan restored any size);
 - entry-point inputs of the connector and the key space: negative num_computed_tokens, float
-  token ids (truncated into another token's keys), float chunk counts, unencodable salts.
+  token ids (truncated into another token's keys), float chunk counts, unencodable salts;
+- the staging of install_window / gather_window / WindowInstaller (bsr_kernels.validate.check_staging):
+  1-D contiguous, or 2-D chunk-strided (rows of chunk_bytes, stride(1) == 1, a chunk stride that is
+  >= chunk_bytes and a multiple of 16, enough rows, a 16-byte aligned address).
 Each is a ValueError naming the knob, raised before any work starts.
 """
 
@@ -220,3 +223,69 @@ def test_plan_and_alloc_counts_validated(conn_setup, value):
     tokens, _ = conn.get_num_new_matched_tokens(req, 0)
     with pytest.raises(ValueError, match="num_external_tokens"):
         conn.update_state_after_alloc(req, [[0] * 64], value)
+
+
+# -- chunk-strided staging: every malformed 2-D staging is refused before any byte moves ------------
+
+def _strided(rows: int, stride: int, offset: int, width: int | None = None, step: int = 1) -> torch.Tensor:
+    """(rows, width) uint8 at `offset` of a random buffer, rows `stride` bytes apart, columns `step` apart."""
+    width = REG.chunk_bytes if width is None else width
+    buf = torch.randint(0, 256, (offset + rows * stride + width * step,), dtype=torch.uint8)
+    return buf.as_strided((rows, width), (stride, step), offset)
+
+
+_CB = REG.chunk_bytes
+BAD_STAGING = {  # name: (staging for a 2-chunk window, message)
+    "stride(1) != 1": (lambda: _strided(2, 2 * _CB + 128, 128, step=2), r"stride\(1\) == 1"),
+    "stride(0) < chunk_bytes": (lambda: _strided(2, _CB - 16, 128), "less than chunk_bytes"),
+    "stride(0) not a multiple of 16": (lambda: _strided(2, _CB + 136, 128), "not a multiple of 16"),
+    "shape[1] != chunk_bytes": (lambda: _strided(2, _CB + 128, 128, width=_CB - 16), "one row of chunk_bytes"),
+    "shape[1] > chunk_bytes": (lambda: _strided(2, _CB + 128, 128, width=_CB + 16), "one row of chunk_bytes"),
+    "too few rows": (lambda: _strided(1, _CB + 128, 128), "too small: 1 rows"),
+    "misaligned": (lambda: _strided(2, _CB + 128, 136), "misaligned"),
+    "2-D int16": (lambda: _strided(2, _CB + 128, 128).view(torch.int16), "1-D uint8 tensor, or 2-D uint8"),
+    "3-D": (lambda: _strided(2, _CB + 128, 128).unsqueeze(0), "1-D uint8 tensor, or 2-D uint8"),
+    "1-D not contiguous": (lambda: torch.zeros(4 * _CB, dtype=torch.uint8)[::2], "not contiguous"),
+}
+
+
+@pytest.mark.parametrize("entry", ["install_window", "gather_window", "WindowInstaller.install",
+                                   "WindowInstaller.gather"])
+@pytest.mark.parametrize("name", sorted(BAD_STAGING))
+def test_malformed_staging_refused_before_any_byte_moves(name, entry):
+    from bsr_kernels import WindowInstaller, gather_window, install_window
+
+    make, match = BAD_STAGING[name]
+    staging = make()
+    gen = torch.Generator().manual_seed(1)
+    tables = [torch.randperm(REG.blocks_needed(0, 2 * REG.chunk_tokens), generator=gen)]
+    kv = REG.allocate([tables[0].numel()])
+    for t in kv:
+        t.view(torch.uint8).fill_(0xA5)
+    kv_before = [t.clone() for t in kv]
+    whole = torch.empty(0, dtype=torch.uint8).set_(staging.untyped_storage())  # the buffer, gaps included
+    before = whole.clone()
+    with pytest.raises(ValueError, match=match):
+        if entry == "install_window":
+            install_window(staging, REG, kv, tables, 0, 2, backend="auto")
+        elif entry == "gather_window":
+            gather_window(staging, REG, kv, tables, 0, 2, backend="auto")
+        else:
+            inst = WindowInstaller(REG, kv, tables, 2)
+            (inst.install if entry.endswith("install") else inst.gather)(staging, 0, 2)
+    assert torch.equal(whole, before), "the staging changed"
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(kv, kv_before))
+
+
+def test_strided_staging_accepted():
+    """The forms a staging pool hands out: `buf.view(n, stride)[:, headroom:]`, the same made with
+    as_strided, a tail gap after each chunk, and more rows than the window."""
+    from bsr_kernels.validate import check_staging
+
+    n, h = 3, 128
+    buf = torch.zeros(n * (_CB + h), dtype=torch.uint8)
+    assert check_staging(buf.view(n, _CB + h)[:, h:], REG, n) == _CB + h
+    assert check_staging(buf.as_strided((n, _CB), (_CB + h, 1), h), REG, n) == _CB + h
+    assert check_staging(buf.view(n, _CB + h)[:, 16 : 16 + _CB], REG, 2) == _CB + h  # tail gap, extra row
+    assert check_staging(buf[: n * _CB].view(n, _CB), REG, n) == _CB  # 2-D without gaps
+    assert check_staging(buf, REG, n) == _CB  # 1-D

@@ -97,11 +97,11 @@ def test_any_exception_fails_closed_and_leaks_nothing(exc, where):
         inner_fetch = tier.fetch
         calls = []
 
-        def fetch(keys, views, deadline):
+        def fetch(keys, views, deadline, **kw):
             calls.append(1)
             if len(calls) == 2:
                 raise exc
-            return inner_fetch(keys, views, deadline)
+            return inner_fetch(keys, views, deadline, **kw)
         tier.fetch = fetch
         make = WindowInstaller
     else:

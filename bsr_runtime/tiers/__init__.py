@@ -5,6 +5,7 @@
 """
 
 from .base import (
+    FETCH_HEADROOM,
     CorruptObjectError,
     FetchHandle,
     FetchTimeoutError,
@@ -17,6 +18,7 @@ from .filesystem import FilesystemTier
 from .memory import MemoryTier
 
 __all__ = [
+    "FETCH_HEADROOM",
     "CorruptObjectError",
     "FetchHandle",
     "FetchTimeoutError",

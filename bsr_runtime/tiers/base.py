@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Scratch a restore's staging leaves before each chunk (StagingPool headroom): a tier whose objects
+# carry a header of up to this size (Mooncake's is 128 B) lands each object whole, by one transfer.
+FETCH_HEADROOM = 128
+
 
 class TierError(RuntimeError):
     """Any failure of a tier operation (the restore fails closed on it)."""
@@ -88,8 +92,11 @@ class Tier(ABC):
         """Which keys are present. Holds nothing: no staging, no locks after return."""
 
     @abstractmethod
-    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float) -> FetchHandle:
-        """Start reading each key's object into the matching view (uint8, chunk_bytes each)."""
+    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float, *,
+              headroom: int = 0) -> FetchHandle:
+        """Start reading each key's object into the matching view (uint8, chunk_bytes each).
+        `headroom`: the bytes before each view are scratch the tier may overwrite until the handle
+        completes (a StagingPool with headroom; FETCH_HEADROOM fits a Mooncake object's header)."""
 
     @abstractmethod
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:

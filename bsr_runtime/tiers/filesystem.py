@@ -201,7 +201,8 @@ class FilesystemTier(Tier):
             raise TierError(f"filesystem tier: probe failed: {e}") from e
 
     # -- fetch -----------------------------------------------------------------------------
-    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float) -> SettledFetchHandle:
+    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float, *,
+              headroom: int = 0) -> SettledFetchHandle:
         self._check("fetch")
         keys = tuple(keys)
         arrays = host_views(keys, views, self.chunk_bytes, "filesystem tier fetch")

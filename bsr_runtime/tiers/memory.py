@@ -64,7 +64,8 @@ class MemoryTier(Tier):
         with self._lock:
             return [k in self._store for k in keys]
 
-    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float) -> SettledFetchHandle:
+    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float, *,
+              headroom: int = 0) -> SettledFetchHandle:
         self._check("fetch")
         keys = tuple(keys)
         arrays = host_views(keys, views, self.chunk_bytes, "memory tier fetch")

@@ -11,20 +11,21 @@ A window is read by one of three paths:
   `batch_get_replica_desc` (which leases them as a get does) and moved by one checksumming copy
   (mooncake_local.py, bsr_kernels.host_crc): header to a header area, payload to its view, the
   CRC of each piece computed as it lands; one pass over memory instead of a get plus a CRC pass;
-- in place (the default): each object lands whole, by one transfer, where its payload goes, its
-  header in the 128 bytes before the payload. For adjacent views (a staging slot's window) those
-  bytes belong to the view before, so the window lands in two phases (even positions, then odd
-  ones; the tails the second phase borrows are saved and put back) and a run's first object
-  lands its header in the header area. CRCs are computed in place, the even views' on a verifier
-  thread while the odd phase lands. No copy, and one transfer per object: for 64 MiB windows from
-  a store host over tcp, 0.85-0.94 of a raw get against 0.69-0.77 for the landed path (both on
-  the calling thread, benchmarks/results/mooncake_tier.txt);
+- in place: each object lands whole, by one transfer, where its payload goes, its header in the
+  128 bytes before the payload. A restore's staging leaves that room before every chunk
+  (fetch(headroom=FETCH_HEADROOM), StagingPool(headroom=...)): the whole window then lands in one
+  get (or gets of `in_place_batch_bytes`), CRCs computed in place after it; no copy. For adjacent
+  views without room (a caller's own buffers) those bytes belong to the view before, so the read
+  lands in two phases (even positions, then odd ones; the tails the second phase borrows are
+  saved and put back) and a run's first object lands its header in the header area; the even
+  views' CRCs run on a verifier thread while the odd phase lands;
 - landed: objects land whole in one of two registered landing buffers of `verify_batch_bytes`
   (one sub-batch while the previous one is copied into the views by the checksumming copy on a
-  verifier thread). Used over tcp for a read that fits one landing buffer (one get and a copy
-  cost less there than the two gets of the in-place phases) or whose views are never adjacent
-  (a view starting no run needs a two-buffer get, slower over tcp for small objects than the
-  copy), and when asked (`land_whole=True`).
+  verifier thread). Used, for views without room, over tcp for a read that fits one landing
+  buffer (one get and a copy cost less there than the two gets of the in-place phases) or whose
+  views are never adjacent (a view starting no run needs a two-buffer get, slower over tcp for
+  small objects than the copy), and when asked (`land_whole=True`).
+Measured for 64 MiB windows from a store host over tcp: benchmarks/results/mooncake_tier.txt.
 Each landed header is compared with what its key expects in one vectorized step. An object
 under the wrong key (swapped, or another tenant's copied under these keys), of another
 registration or tenant, damaged, or in the old two-key format is a CorruptObjectError.
@@ -213,7 +214,8 @@ class MooncakeTier(Tier):
         present = [c == 1 for c in codes]
         return present
 
-    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float) -> FetchHandle:
+    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float, *,
+              headroom: int = 0) -> FetchHandle:
         self._live_store()
         keys = tuple(keys)
         self._check_views(keys, views)
@@ -225,30 +227,30 @@ class MooncakeTier(Tier):
         with self._pending_lock:
             self._pending[id(handle)] = handle
         try:
-            self._pool.submit(self._fetch_worker, handle, views)
+            self._pool.submit(self._fetch_worker, handle, views, headroom)
         except RuntimeError as e:  # the pool is shut down: close() raced us
             with self._pending_lock:
                 self._pending.pop(id(handle), None)
             raise TierUnavailableError("Mooncake tier is closed") from e
         return handle
 
-    def _fetch_worker(self, handle: FetchHandle, views: list[torch.Tensor]) -> None:
+    def _fetch_worker(self, handle: FetchHandle, views: list[torch.Tensor], headroom: int) -> None:
         try:
-            handle.set_result(self._fetch_now(list(handle.keys), views, handle.deadline))
+            handle.set_result(self._fetch_now(list(handle.keys), views, handle.deadline, headroom))
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
             handle.set_error(e)
         finally:
             with self._pending_lock:
                 self._pending.pop(id(handle), None)
 
-    def _fetch_now(self, keys: list[str], views: list[torch.Tensor], deadline: float) -> int:
+    def _fetch_now(self, keys: list[str], views: list[torch.Tensor], deadline: float, headroom: int = 0) -> int:
         if time.monotonic() >= deadline:
             # Never start a transfer the caller has stopped waiting for (its slot may be reused).
             raise FetchTimeoutError(f"fetch of {len(keys)} objects started after its deadline")
         self._live_store()
         self.stats["fetches"] += 1
         self._reads.read(self.codec, keys, [v.data_ptr() for v in views], [self.chunk_bytes] * len(keys),
-                         deadline, verify=self.verify)
+                         deadline, verify=self.verify, headroom=headroom)
         return len(keys) * self.chunk_bytes
 
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:

@@ -8,8 +8,9 @@ tiers/mooncake.py for why each exists and which one a read takes):
 - landed: whole objects into one of two registered landing buffers, one checksumming copy each
   sub-batch on a verifier thread while the next lands in the other buffer;
 - in place: each object whole, by one transfer, where its payload goes, its header in the H bytes
-  before the payload (the tail of the view before it, borrowed and put back: _in_place), CRCs in
-  place.
+  before the payload, CRCs in place. With `headroom` >= H (the caller's staging leaves scratch
+  before each view, StagingPool(headroom=...)) every object lands so in one get; otherwise those
+  bytes are the tail of the view before it, borrowed and put back (_in_place).
 Nothing outside the views and this object's own buffers is ever written.
 `collect=False` (the tier) raises the first problem and stops; `collect=True` (the plugin) reads
 everything it can and returns {index: TierError} for the objects that must not be used.
@@ -149,8 +150,10 @@ class ReadPaths:
         return self.land_whole
 
     def read(self, codec: ObjectCodec, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
-             deadline: float, *, verify: bool = True, collect: bool = False) -> Problems:
+             deadline: float, *, verify: bool = True, collect: bool = False, headroom: int = 0) -> Problems:
+        """`headroom`: bytes before each view that are scratch (the read may overwrite them)."""
         keys, ptrs, sizes = list(keys), list(ptrs), list(sizes)
+        room = headroom >= H
         problems: Problems = {}
         headers = self.headers.acquire(max(1, len(keys)) * H)
         try:
@@ -161,10 +164,13 @@ class ReadPaths:
                 done = len(keys) - len(rest)  # header rows [0, done) hold the local objects' headers
                 sub = (keys, ptrs, sizes) = ([keys[i] for i in rest], [ptrs[i] for i in rest],
                                              [sizes[i] for i in rest])
-                path = self._landed if self._lands_whole(sub[1], sub[2]) else self._in_place
                 found: Problems = {}
                 try:
-                    path(codec, *sub, headers[done * H :], deadline, verify, collect, found)
+                    # with room an object lands whole in place in one get: no copy, unless asked for
+                    if (self.land_whole is True) if room else self._lands_whole(sub[1], sub[2]):
+                        self._landed(codec, *sub, headers[done * H :], deadline, verify, collect, found)
+                    else:
+                        self._in_place(codec, *sub, headers[done * H :], deadline, verify, collect, found, room)
                 finally:
                     problems.update({rest[j]: e for j, e in found.items()})
         except _Stop:
@@ -219,26 +225,30 @@ class ReadPaths:
         if pending is not None:
             pending.result()
 
-    def _in_place(self, codec, keys, ptrs, sizes, headers, deadline, verify, collect, problems) -> None:
+    def _in_place(self, codec, keys, ptrs, sizes, headers, deadline, verify, collect, problems,
+                  room: bool = False) -> None:
         """Each object lands whole, by one transfer, where its payload goes: its header in the H
-        bytes before the payload. Inside a run of adjacent views those bytes are the tail of the view
+        bytes before the payload. With `room` those bytes are scratch: every object lands so, in one
+        phase. Otherwise, inside a run of adjacent views those bytes are the tail of the view
         before, so a run lands in two phases, even positions first, then odd ones; the tails the odd
         phase overwrites (even views, landed) are saved before it and put back after it whatever
-        happened. A run's first object has no bytes of its own before it: its header lands in the
-        header area (a two-buffer get). The CRCs of the even views are computed (from the saved
+        happened. A run's first object then has no bytes of its own before it: its header lands in
+        the header area (a two-buffer get). The CRCs of the even views are computed (from the saved
         tails) on a verifier thread while the odd phase lands."""
         pos = run_positions(ptrs, sizes)
+        whole = [bool(p) or room for p in pos]  # lands at ptrs[i] - H
         n, base = len(keys), headers.data_ptr()
         hdr = headers[: n * H].numpy().reshape(n, H)
         even = [i for i in range(n) if pos[i] % 2 == 0]
         odd = [i for i in range(n) if pos[i] % 2 == 1]
         crcs = np.zeros(n, dtype=np.uint32) if verify and host_crc.available() else None
-        taken = self._registrations.take(ptrs, sizes)
+        taken = (self._registrations.take([p - H for p in ptrs], [s + H for s in sizes]) if room
+                 else self._registrations.take(ptrs, sizes))
         checks: list[Future] = []
         try:
-            landed, stopped = self._land(keys, ptrs, sizes, pos, base, hdr, even, odd, True, deadline, collect,
+            landed, stopped = self._land(keys, ptrs, sizes, whole, base, hdr, even, odd, True, deadline, collect,
                                          problems, checks)
-            if not stopped:
+            if odd and not stopped:
                 tails = _Tails(ptrs, odd)  # odd i lands its header in the tail of view i - 1
                 saved = tails.read()
                 if crcs is not None:
@@ -246,7 +256,7 @@ class ReadPaths:
                     checks.append(self._verifiers.submit(_crcs_into, crcs, landed, ptrs, sizes, saved, after))
                     landed = []
                 try:
-                    more, _ = self._land(keys, ptrs, sizes, pos, base, hdr, odd, [], False, deadline, collect,
+                    more, _ = self._land(keys, ptrs, sizes, whole, base, hdr, odd, [], False, deadline, collect,
                                          problems, checks)
                 finally:
                     tails.write(saved)  # the even views whole again
@@ -264,10 +274,10 @@ class ReadPaths:
             wait_all(checks)
             self._registrations.give_back(taken)
 
-    def _land(self, keys, ptrs, sizes, pos, base, hdr, todo, later, first, deadline, collect, problems,
+    def _land(self, keys, ptrs, sizes, whole, base, hdr, todo, later, first, deadline, collect, problems,
               checks) -> tuple[list[int], bool]:
         """One phase of _in_place: get the objects in `todo` in sub-batches, the headers of those
-        inside a run copied to the header area. Returns the ones that landed and whether the read
+        landed whole (at ptrs[i] - H) copied to the header area. Returns the ones that landed and whether the read
         stopped early (past the deadline, the objects not started, `later` included, are then
         problems). The first sub-batch of the `first` phase always goes: the fetch checked the
         deadline."""
@@ -276,12 +286,17 @@ class ReadPaths:
             if (s or not first) and self._stopped(deadline, None, collect, problems, todo[s:] + later, checks):
                 return landed, True
             part = todo[s:e]
-            bufs = [[ptrs[i] - H] if pos[i] else [base + i * H, ptrs[i]] for i in part]
-            lens = [[H + sizes[i]] if pos[i] else [H, sizes[i]] for i in part]
-            codes = per_key(self._store().batch_get_into_multi_buffers([keys[i] for i in part], bufs, lens),
-                            len(part), "batch_get_into_multi_buffers")
+            names = [keys[i] for i in part]
+            if all(whole[i] for i in part):  # one buffer per object: the plain get
+                codes = per_key(self._store().batch_get_into(names, [ptrs[i] - H for i in part],
+                                                             [H + sizes[i] for i in part]), len(part), "batch_get_into")
+            else:
+                bufs = [[ptrs[i] - H] if whole[i] else [base + i * H, ptrs[i]] for i in part]
+                lens = [[H + sizes[i]] if whole[i] else [H, sizes[i]] for i in part]
+                codes = per_key(self._store().batch_get_into_multi_buffers(names, bufs, lens),
+                                len(part), "batch_get_into_multi_buffers")
             good = self._check_codes(keys, sizes, part, codes, collect, problems)
-            inner = [i for i in good if pos[i]]
+            inner = [i for i in good if whole[i]]
             hdr[inner] = _Tails(ptrs, inner).read()  # headers that landed in the view before
             landed += good
         return landed, False

@@ -91,7 +91,8 @@ class LMCacheTier(Tier):
                 hit[i] = hit[i] or h
         return hit
 
-    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float) -> FetchHandle:
+    def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float, *,
+              headroom: int = 0) -> FetchHandle:
         handle = FetchHandle(tuple(keys), deadline)
         try:
             handle.set_result(self._fetch(list(keys), list(views), deadline))

@@ -1,0 +1,224 @@
+"""Reads into views with header room (StagingPool(headroom=...), Tier.fetch(headroom=...)) from a
+real master and a real holder client: every object lands whole, by one transfer, its header in the
+scratch before its view, all of a window in one get, CRCs in place, no landing copy. Checked on
+poisoned views laid out as a pool lays them out, between guard bytes: the right bytes in every view,
+nothing written outside the views and their header room, damage at every position refused (the
+others intact), a missing object, an object of the wrong size, the deadline, and a headroom too
+small for a header (then the other paths, unchanged)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from mooncake_util import assert_same, fetch, flipped, payloads, segment_address
+
+from bsr_harness.testdata import POISON
+from bsr_kernels import host_crc
+from bsr_kernels.staging_pool import StagingPool
+from bsr_runtime.tiers.base import FETCH_HEADROOM, CorruptObjectError, FetchTimeoutError, MissingObjectError
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300),
+              pytest.mark.skipif(not host_crc.available(), reason="libbsr_cpu.so not built")]
+
+pytest.importorskip("mooncake.store", reason="mooncake.store cannot be imported (no Mooncake wheel)")
+
+from bsr_runtime.tiers.mooncake_object import HEADER_SIZE as H  # noqa: E402
+
+FP = "h3adr00m" * 5
+C = 64 * 1024 + 80  # not a power of two on purpose
+GUARD = 4096
+SLOTS = 6
+ROOM = FETCH_HEADROOM
+STRIDE = ROOM + C
+
+
+class RoomyViews:
+    """SLOTS views of C bytes, each after ROOM bytes of header room, between two guards, poisoned."""
+
+    def __init__(self, reader) -> None:
+        self.buf = torch.full((2 * GUARD + SLOTS * STRIDE,), POISON, dtype=torch.uint8)
+        self.reader = reader
+        reader.register_staging(self.buf)
+
+    def slot(self, j: int) -> torch.Tensor:
+        s = GUARD + j * STRIDE + ROOM
+        return self.buf[s : s + C]
+
+    def room(self, j: int) -> torch.Tensor:
+        s = GUARD + j * STRIDE
+        return self.buf[s : s + ROOM]
+
+    def ptrs(self, slots: list[int]) -> list[int]:
+        return [self.slot(j).data_ptr() for j in slots]
+
+    def untouched(self, used: list[int]) -> bool:
+        """Guards, and every slot not in `used` with its room, still hold only the poison."""
+        rest = [self.buf[:GUARD], self.buf[-GUARD:]]
+        rest += [r for j in range(SLOTS) if j not in used for r in (self.room(j), self.slot(j))]
+        return all(bool((r == POISON).all()) for r in rest)
+
+    def close(self) -> None:
+        self.reader.unregister_staging(self.buf)
+
+
+@pytest.fixture
+def holder(mooncake_tier_factory):
+    return mooncake_tier_factory(C, FP, global_segment_size=64 << 20)
+
+
+@pytest.fixture
+def reader(mooncake_tier_factory):
+    """A pure client (no segment) with the tcp default (land_whole None): every object crosses tcp."""
+    return mooncake_tier_factory(C, FP, global_segment_size=0)
+
+
+@pytest.fixture
+def views(reader):
+    v = RoomyViews(reader)
+    yield v
+    v.close()
+
+
+def stored(holder, tag: str, n: int, seed: int) -> tuple[list[str], list[torch.Tensor]]:
+    keys = [f"{tag}/{i}" for i in range(n)]
+    data = payloads(n, seed, C)
+    holder.put(keys, data)
+    return keys, data
+
+
+def read(reader, keys, ptrs, *, collect: bool, deadline: float | None = None, headroom: int = ROOM):
+    return reader._reads.read(reader.codec, keys, ptrs, [C] * len(keys),
+                              time.monotonic() + 20 if deadline is None else deadline, collect=collect,
+                              headroom=headroom)
+
+
+def no_leftovers(reader) -> bool:
+    r = reader._reads
+    return not r.landing._free and not r.landing._busy and not r.headers._busy and not reader._registrations.temp
+
+
+@pytest.mark.parametrize("slots", [[0], [0, 1], [0, 1, 2, 3, 4, 5], [4, 1, 3], [5, 0]])
+def test_each_object_lands_whole_in_one_get(holder, reader, views, slots):
+    """Small reads too (the tcp default would land these whole and copy them): one get, no landing
+    buffer, nothing written outside the views and their room."""
+    keys, data = stored(holder, f"one-get{len(slots)}{slots[0]}", len(slots), seed=len(slots))
+    reader.fetch(keys, [views.slot(j) for j in slots], time.monotonic() + 20, headroom=ROOM).wait()
+    assert_same([views.slot(j) for j in slots], data)
+    assert views.untouched(slots)
+    assert reader.stats["get_calls"] == 1 and no_leftovers(reader)
+
+
+def test_a_staging_pool_with_headroom(holder, reader):
+    """Through a StagingPool(headroom=FETCH_HEADROOM) lease, as the restore does: 2-D rows of C bytes
+    FETCH_HEADROOM + C apart, one get."""
+    pool = StagingPool(C, 5, headroom=ROOM)
+    assert pool.chunk_stride == STRIDE and pool.capacity_bytes == 5 * C and pool.room_bytes == 5 * ROOM
+    assert pool.buffer.numel() == 5 * STRIDE
+    reader.register_staging(pool.buffer)
+    keys, data = stored(holder, "pool", 5, seed=11)
+    lease = pool.acquire(5)
+    assert lease.view.shape == (5, C) and lease.view.stride() == (STRIDE, 1)
+    lease.view.fill_(POISON)
+    reader.fetch(keys, lease.chunks(), time.monotonic() + 20, headroom=pool.headroom).wait()
+    assert_same(lease.chunks(), data) and reader.stats["get_calls"] == 1
+    pool.release(lease)
+    assert no_leftovers(reader)
+    # without headroom the same views are not adjacent: the tcp default lands them whole and copies
+    assert_same(fetch(reader, keys, pool), data)
+    assert reader.stats["get_calls"] == 2 and reader._reads.landing._free
+    reader.unregister_staging(pool.buffer)
+
+
+def test_several_gets_when_the_read_exceeds_a_batch(holder, mooncake_tier_factory):
+    reader = mooncake_tier_factory(C, FP, global_segment_size=0, in_place_batch_bytes=2 * (H + C))
+    views = RoomyViews(reader)
+    keys, data = stored(holder, "batches", 5, seed=21)
+    slots = list(range(5))
+    assert read(reader, keys, views.ptrs(slots), collect=False) == {}
+    assert_same([views.slot(j) for j in slots], data)
+    assert views.untouched(slots) and reader.stats["get_calls"] == 3
+    views.close()
+
+
+@pytest.mark.parametrize("bad", range(5))
+@pytest.mark.parametrize("where", ["key digest", "first byte", "last byte"])
+def test_damage_at_any_position_is_refused_and_the_others_are_intact(holder, reader, views, bad, where):
+    keys, data = stored(holder, f"dmg{bad}{where[0]}", 5, seed=30 + bad)
+    offset = {"key digest": 40, "first byte": H, "last byte": H + C - 1}[where]
+    slots = list(range(5))
+    with flipped(segment_address(holder, keys[bad], C) + offset, 0x10):
+        problems = read(reader, keys, views.ptrs(slots), collect=True)
+        assert set(problems) == {bad} and isinstance(problems[bad], CorruptObjectError)
+        assert_same([views.slot(j) for j in slots if j != bad], [d for j, d in enumerate(data) if j != bad])
+        with pytest.raises(CorruptObjectError, match=keys[bad]):
+            read(reader, keys, views.ptrs(slots), collect=False)
+    assert read(reader, keys, views.ptrs(slots), collect=False) == {}  # the byte restored: read whole
+    assert_same([views.slot(j) for j in slots], data)
+    assert views.untouched(slots) and no_leftovers(reader)
+
+
+def test_a_missing_object(holder, reader, views):
+    keys, data = stored(holder, "missing", 4, seed=50)
+    holder.delete([keys[2]])
+    slots = list(range(4))
+    problems = read(reader, keys, views.ptrs(slots), collect=True)
+    assert set(problems) == {2} and isinstance(problems[2], MissingObjectError)
+    assert_same([views.slot(j) for j in (0, 1, 3)], [data[0], data[1], data[3]])
+    with pytest.raises(MissingObjectError, match=keys[2]):
+        reader.fetch(keys, [views.slot(j) for j in slots], time.monotonic() + 20, headroom=ROOM).wait()
+    assert views.untouched(slots)
+
+
+@pytest.mark.parametrize("extra", [100, -100, -C])
+def test_an_object_of_the_wrong_size_writes_nothing_outside_its_view(holder, reader, views, extra):
+    keys, data = stored(holder, f"size{extra}", 4, seed=60)
+    holder.delete([keys[1]])
+    assert holder._store.put(keys[1], bytes(H + C + extra)) == 0
+    slots = list(range(4))
+    problems = read(reader, keys, views.ptrs(slots), collect=True)
+    assert set(problems) == {1} and isinstance(problems[1], CorruptObjectError)
+    assert f"{H + C + extra:,} B" in str(problems[1])
+    assert_same([views.slot(j) for j in (0, 2, 3)], [data[0], data[2], data[3]])
+    assert views.untouched(slots)
+
+
+def test_past_the_deadline_between_gets_nothing_more_lands_and_what_landed_is_checked(
+        holder, mooncake_tier_factory, monkeypatch):
+    reader = mooncake_tier_factory(C, FP, global_segment_size=0, in_place_batch_bytes=2 * (H + C))
+    views = RoomyViews(reader)
+    keys, _ = stored(holder, "late", 5, seed=70)
+    deadline = time.monotonic() + 0.5
+    real = reader._store
+
+    class Slow:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def batch_get_into(self, *args):
+            out = real.batch_get_into(*args)
+            time.sleep(max(0.0, deadline - time.monotonic()) + 0.05)
+            return out
+
+    monkeypatch.setattr(reader._reads, "_store", lambda: Slow())
+    with flipped(segment_address(holder, keys[1], C) + H + 9, 0x04):
+        problems = read(reader, keys, views.ptrs(list(range(5))), collect=True, deadline=deadline)
+    assert isinstance(problems[1], CorruptObjectError)  # landed before the deadline, still checked
+    assert {2, 3, 4} <= set(problems) and all(isinstance(problems[i], FetchTimeoutError) for i in (2, 3, 4))
+    assert reader.stats["get_calls"] == 1 and views.untouched([0, 1])
+    views.close()
+
+
+def test_room_smaller_than_a_header_is_not_used(holder, mooncake_tier_factory):
+    """headroom < H: the scratch cannot hold a header, so the read takes the paths it takes without
+    room (here forced in place: a two-buffer get per view, headers in the header area); the bytes
+    before each view are never written."""
+    reader = mooncake_tier_factory(C, FP, global_segment_size=0, land_whole=False)
+    views = RoomyViews(reader)
+    keys, data = stored(holder, "small-room", 3, seed=80)
+    slots = [0, 2, 4]
+    assert read(reader, keys, views.ptrs(slots), collect=False, headroom=H - 16) == {}
+    assert_same([views.slot(j) for j in slots], data)
+    assert all(bool((views.room(j) == POISON).all()) for j in range(SLOTS))
+    views.close()
