@@ -266,7 +266,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--probe-chunks", type=int, default=2047)
     ap.add_argument("--no-plugin", dest="plugin", action="store_false")
-    ap.add_argument("--in-place-batch-mib", type=float, default=32.0,
+    ap.add_argument("--in-place-batch-mib", type=float, default=128.0,
                     help="the tier's in_place_batch_bytes (the gets of an in-place phase), in MiB")
     ap.add_argument("--placements", default="local,store_host", help="local, store_host or both")
     ap.add_argument("--failures", action="store_true", help="also time failure detection")

@@ -138,7 +138,7 @@ def test_several_gets_when_the_read_exceeds_a_batch(holder, mooncake_tier_factor
     slots = list(range(5))
     assert read(reader, keys, views.ptrs(slots), collect=False) == {}
     assert_same([views.slot(j) for j in slots], data)
-    assert views.untouched(slots) and reader.stats["get_calls"] == 3
+    assert views.untouched(slots) and reader.stats["get_calls"] == 3  # [0], [1, 2], [3, 4]
     views.close()
 
 
@@ -202,11 +202,13 @@ def test_past_the_deadline_between_gets_nothing_more_lands_and_what_landed_is_ch
             return out
 
     monkeypatch.setattr(reader._reads, "_store", lambda: Slow())
-    with flipped(segment_address(holder, keys[1], C) + H + 9, 0x04):
+    # 5 objects in gets of at most 2: [0], [1, 2], [3, 4]
+    with flipped(segment_address(holder, keys[0], C) + H + 9, 0x04):
         problems = read(reader, keys, views.ptrs(list(range(5))), collect=True, deadline=deadline)
-    assert isinstance(problems[1], CorruptObjectError)  # landed before the deadline, still checked
-    assert {2, 3, 4} <= set(problems) and all(isinstance(problems[i], FetchTimeoutError) for i in (2, 3, 4))
-    assert reader.stats["get_calls"] == 1 and views.untouched([0, 1])
+    assert isinstance(problems[0], CorruptObjectError)  # landed before the deadline, still checked
+    assert set(problems) == {0, 1, 2, 3, 4}
+    assert all(isinstance(problems[i], FetchTimeoutError) for i in (1, 2, 3, 4))
+    assert reader.stats["get_calls"] == 1 and views.untouched([0])
     views.close()
 
 
@@ -222,3 +224,18 @@ def test_room_smaller_than_a_header_is_not_used(holder, mooncake_tier_factory):
     assert_same([views.slot(j) for j in slots], data)
     assert all(bool((views.room(j) == POISON).all()) for j in range(SLOTS))
     views.close()
+
+
+def test_sub_batches_are_few_even_and_bounded():
+    from bsr_runtime.tiers.mooncake_reads import sub_batches
+
+    c = 256 << 10
+    assert sub_batches([c] * 256, 32 << 20) == [(0, 85), (85, 170), (170, 256)]  # not 127 + 127 + 2
+    assert sub_batches([c] * 256, 128 << 20) == [(0, 256)]
+    assert sub_batches([c] * 4, 2 * (H + c)) == [(0, 2), (2, 4)]
+    assert sub_batches([c] * 3, 2 * (H + c)) == [(0, 1), (1, 3)]
+    assert sub_batches([5000], 100) == [(0, 1)] and sub_batches([], 100) == []
+    for sizes, bound in [([10, 1000, 10, 10], 600), ([100] * 7 + [900] * 3, 1300), ([1, 2, 3] * 50, 64)]:
+        got = sub_batches(sizes, bound)  # uneven sizes: every batch within the bound, all covered
+        assert [s for s, _ in got] == [0] + [e for _, e in got[:-1]] and got[-1][1] == len(sizes)
+        assert all(sum(sizes[s:e]) + H * (e - s) <= bound or e - s == 1 for s, e in got)

@@ -22,12 +22,12 @@ class MooncakeTierOptions:
     verify: bool = True  # CRC-32C of every payload on fetch
     fetch_workers: int = 2
     verify_batch_bytes: int = 8 << 20  # sub-batch of a fetch checked while the next one lands
-    # in place: a phase of a window in gets of about this many bytes. A get's transfers end
-    # together, so fewer, larger gets keep more in flight (a 64 MiB window of 256 KB objects over
-    # tcp: 0.75-0.76 of one raw get with 32 MiB gets, 0.62-0.71 with 8 MiB,
-    # benchmarks/results/mooncake_tier.txt); it bounds how late a passed deadline is noticed, not
-    # memory (nothing is staged but the views)
-    in_place_batch_bytes: int = 32 << 20
+    # in place: a read (or a phase of one) in gets of at most this many bytes. Each get costs a
+    # round trip and its transfers end together, so fewer, larger gets are faster (64 MiB windows
+    # over tcp, one get against 2-3: benchmarks/results/mooncake_tier.txt); it bounds how late a
+    # passed deadline is noticed (one get: ~60 ms at 2 GB/s), not memory (nothing is staged but
+    # the views)
+    in_place_batch_bytes: int = 128 << 20
     verify_threads: int = 1
     put_batch_bytes: int = 64 << 20
     local_reads: bool = True  # objects in this client's own segment: one checksumming copy (mooncake_local.py)
