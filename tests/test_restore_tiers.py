@@ -16,7 +16,7 @@ from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.probe import probe_prefix
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig
 from bsr_runtime.state_hash import state_hash
-from bsr_runtime.tiers import FilesystemTier
+from bsr_runtime.tiers import FETCH_HEADROOM, FilesystemTier
 
 REGS = {
     "dsv4": lambda: presets.dsv4_flash(scale=1 / 64),
@@ -38,6 +38,7 @@ def _restore_and_check(tier, sp, w, depth, n, seed):
     assert rep.tier == tier.name
     assert rep.committed_tokens == n * sp.reg.chunk_tokens <= probe.prefix_chunks * sp.reg.chunk_tokens
     assert rep.peak_staging_bytes == (min(w, n) if w else n) * sp.reg.chunk_bytes
+    assert rep.header_room_bytes == (w if w else n) * FETCH_HEADROOM  # the pool's room, beside W*c
     if n == sp.num_chunks:
         assert state_hash(sp.reg, req.kv, req.block_tables, n) == sp.state_hash
     return rep
@@ -111,3 +112,22 @@ def test_objects_come_from_the_named_tier(mooncake_stored, tmp_path):
         keys = PrefixKeys(sp.keyspace, sp.tokens, sp.reg.chunk_tokens)
         assert probe_prefix(fs, keys).prefix_chunks == 0
         assert probe_prefix(tier, keys).prefix_chunks == sp.num_chunks
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("w, depth", [(0, 1), (3, 1), (3, 2), (32, 2)])
+def test_mooncake_restore_from_a_store_host_lands_each_window_in_one_get(mooncake_stored, mooncake_master, w, depth):
+    """A pure client (no segment) restoring what another client holds: every object crosses tcp
+    and lands whole in the slot, its header in the room before its chunk: one get per fetched
+    window (at depth 2 the plan's windows are slot-sized), no landing copy."""
+    from bsr_runtime.tiers.mooncake import MooncakeTier
+
+    holder, sp = mooncake_stored["dsv4"]
+    reader = MooncakeTier(sp.reg.chunk_bytes, sp.reg.fingerprint, mooncake_master.master_address,
+                          mooncake_master.metadata_server, global_segment_size=0)
+    try:
+        rep = _restore_and_check(reader, sp, w, depth, sp.num_chunks, seed=40 + w + depth)
+        assert reader.stats["get_calls"] == reader.stats["fetches"] == rep.windows
+        assert not reader._reads.landing._free and not reader._registrations.temp
+    finally:
+        reader.close()
