@@ -289,17 +289,25 @@ __global__ void __launch_bounds__(BSR_THREADS)
     }
 }
 
-// ---- host emulation: the same pieces, batches and units, threads run one after another ----
-template <bool GATHER>
-int host_window(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk, int64_t num_chunks,
-                const int64_t* desc, int64_t num_tensors, const int64_t* table_ptrs, int64_t num_groups,
-                int64_t split) {
+// The window arguments both entry points check before anything else.
+static int check_window(int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk, int64_t num_chunks,
+                        int64_t num_tensors, int64_t num_groups) {
     if (num_chunks < 0 || first_chunk < 0 || num_tensors < 0 || num_groups < 0 || chunk_bytes <= 0 ||
         chunk_stride < chunk_bytes)
         return set_error(BSR_ERR_INVALID, "invalid window: chunk_bytes=%lld chunk_stride=%lld first_chunk=%lld "
                          "num_chunks=%lld num_tensors=%lld num_groups=%lld", (long long)chunk_bytes,
                          (long long)chunk_stride, (long long)first_chunk, (long long)num_chunks,
                          (long long)num_tensors, (long long)num_groups);
+    return BSR_OK;
+}
+
+// ---- host emulation: the same pieces, batches and units, threads run one after another ----
+template <bool GATHER>
+int host_window(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk, int64_t num_chunks,
+                const int64_t* desc, int64_t num_tensors, const int64_t* table_ptrs, int64_t num_groups,
+                int64_t split) {
+    const int bad = check_window(chunk_bytes, chunk_stride, first_chunk, num_chunks, num_tensors, num_groups);
+    if (bad != BSR_OK) return bad;
     if (num_chunks == 0 || num_tensors == 0) return BSR_OK;
     if (!staging || !desc || !table_ptrs) return set_error(BSR_ERR_INVALID, "null staging, descriptor or table pointer");
     int64_t max_entries = 1;
@@ -381,12 +389,8 @@ template <bool GATHER>
 int device_window(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk, int64_t num_chunks,
                   const int64_t* desc, int64_t num_tensors, const int64_t* table_ptrs, int64_t num_groups,
                   void* stream) {
-    if (num_chunks < 0 || first_chunk < 0 || num_tensors < 0 || num_groups < 0 || chunk_bytes <= 0 ||
-        chunk_stride < chunk_bytes)
-        return set_error(BSR_ERR_INVALID, "invalid window: chunk_bytes=%lld chunk_stride=%lld first_chunk=%lld "
-                         "num_chunks=%lld num_tensors=%lld num_groups=%lld", (long long)chunk_bytes,
-                         (long long)chunk_stride, (long long)first_chunk, (long long)num_chunks,
-                         (long long)num_tensors, (long long)num_groups);
+    const int bad = check_window(chunk_bytes, chunk_stride, first_chunk, num_chunks, num_tensors, num_groups);
+    if (bad != BSR_OK) return bad;
     if (num_chunks == 0 || num_tensors == 0) return BSR_OK;
     if (!staging || !desc || !table_ptrs) return set_error(BSR_ERR_INVALID, "null staging, descriptor or table pointer");
 

@@ -1,5 +1,6 @@
 """Helpers of the Mooncake read-path tests: payloads, where an object lies in a holder's segment,
-and a byte flipped in that segment memory for the length of a block."""
+a byte flipped in that segment memory for the length of a block, and poisoned views between
+guard bytes (adjacent, or each after some header room)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,42 @@ def fetch(tier, keys: list[str], pool: StagingPool) -> list[torch.Tensor]:
         return [v.clone() for v in views]
     finally:
         pool.release(lease)
+
+
+def stored(holder, tag: str, n: int, seed: int, size: int) -> tuple[list[str], list[torch.Tensor]]:
+    """n random payloads of `size` bytes put by `holder` under tag/0 .. tag/n-1."""
+    keys = [f"{tag}/{i}" for i in range(n)]
+    data = payloads(n, seed, size)
+    holder.put(keys, data)
+    return keys, data
+
+
+class GuardedViews:
+    """`slots` views of `size` bytes in one registered buffer, each after `room` bytes of header room
+    (0: the views are adjacent), between two guards of `guard` bytes; all poisoned."""
+
+    def __init__(self, reader, slots: int, size: int, room: int = 0, guard: int = 4096) -> None:
+        self.slots, self.size, self.room_bytes, self.guard = slots, size, room, guard
+        self.buf = torch.full((2 * guard + slots * (room + size),), POISON, dtype=torch.uint8)
+        self.reader = reader
+        reader.register_staging(self.buf)
+
+    def slot(self, j: int) -> torch.Tensor:
+        s = self.guard + j * (self.room_bytes + self.size) + self.room_bytes
+        return self.buf[s : s + self.size]
+
+    def room(self, j: int) -> torch.Tensor:
+        s = self.guard + j * (self.room_bytes + self.size)
+        return self.buf[s : s + self.room_bytes]
+
+    def ptrs(self, slots: list[int]) -> list[int]:
+        return [self.slot(j).data_ptr() for j in slots]
+
+    def untouched(self, used: list[int]) -> bool:
+        """The guards, and every slot not in `used` with its room, still hold only the poison."""
+        rest = [self.buf[: self.guard], self.buf[-self.guard :]]
+        rest += [r for j in range(self.slots) if j not in used for r in (self.room(j), self.slot(j))]
+        return all(bool((r == POISON).all()) for r in rest)
+
+    def close(self) -> None:
+        self.reader.unregister_staging(self.buf)

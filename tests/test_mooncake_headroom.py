@@ -12,7 +12,8 @@ import time
 
 import pytest
 import torch
-from mooncake_util import assert_same, fetch, flipped, payloads, segment_address
+from mooncake_util import GuardedViews, assert_same, fetch, flipped, segment_address
+from mooncake_util import stored as put_payloads
 
 from bsr_harness.testdata import POISON
 from bsr_kernels import host_crc
@@ -28,39 +29,14 @@ from bsr_runtime.tiers.mooncake_object import HEADER_SIZE as H  # noqa: E402
 
 FP = "h3adr00m" * 5
 C = 64 * 1024 + 80  # not a power of two on purpose
-GUARD = 4096
 SLOTS = 6
 ROOM = FETCH_HEADROOM
 STRIDE = ROOM + C
 
 
-class RoomyViews:
+def RoomyViews(reader) -> GuardedViews:  # noqa: N802 - reads as the class it makes
     """SLOTS views of C bytes, each after ROOM bytes of header room, between two guards, poisoned."""
-
-    def __init__(self, reader) -> None:
-        self.buf = torch.full((2 * GUARD + SLOTS * STRIDE,), POISON, dtype=torch.uint8)
-        self.reader = reader
-        reader.register_staging(self.buf)
-
-    def slot(self, j: int) -> torch.Tensor:
-        s = GUARD + j * STRIDE + ROOM
-        return self.buf[s : s + C]
-
-    def room(self, j: int) -> torch.Tensor:
-        s = GUARD + j * STRIDE
-        return self.buf[s : s + ROOM]
-
-    def ptrs(self, slots: list[int]) -> list[int]:
-        return [self.slot(j).data_ptr() for j in slots]
-
-    def untouched(self, used: list[int]) -> bool:
-        """Guards, and every slot not in `used` with its room, still hold only the poison."""
-        rest = [self.buf[:GUARD], self.buf[-GUARD:]]
-        rest += [r for j in range(SLOTS) if j not in used for r in (self.room(j), self.slot(j))]
-        return all(bool((r == POISON).all()) for r in rest)
-
-    def close(self) -> None:
-        self.reader.unregister_staging(self.buf)
+    return GuardedViews(reader, SLOTS, C, room=ROOM)
 
 
 @pytest.fixture
@@ -82,10 +58,7 @@ def views(reader):
 
 
 def stored(holder, tag: str, n: int, seed: int) -> tuple[list[str], list[torch.Tensor]]:
-    keys = [f"{tag}/{i}" for i in range(n)]
-    data = payloads(n, seed, C)
-    holder.put(keys, data)
-    return keys, data
+    return put_payloads(holder, tag, n, seed, C)
 
 
 def read(reader, keys, ptrs, *, collect: bool, deadline: float | None = None, headroom: int = ROOM):

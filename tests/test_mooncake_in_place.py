@@ -11,7 +11,8 @@ import time
 
 import pytest
 import torch
-from mooncake_util import assert_same, flipped, payloads, segment_address
+from mooncake_util import GuardedViews, assert_same, flipped, segment_address
+from mooncake_util import stored as put_payloads
 
 from bsr_harness.testdata import POISON
 from bsr_kernels import host_crc
@@ -27,31 +28,12 @@ from bsr_runtime.tiers.mooncake_reads import run_positions  # noqa: E402
 
 FP = "1n91ace" * 5
 C = 64 * 1024 + 80  # not a power of two on purpose
-GUARD = 4096
 SLOTS = 8
 
 
-class Views:
-    """SLOTS slots of C bytes between two guards in one registered buffer, poisoned."""
-
-    def __init__(self, reader) -> None:
-        self.buf = torch.full((2 * GUARD + SLOTS * C,), POISON, dtype=torch.uint8)
-        self.reader = reader
-        reader.register_staging(self.buf)
-
-    def slot(self, j: int) -> torch.Tensor:
-        return self.buf[GUARD + j * C : GUARD + (j + 1) * C]
-
-    def ptrs(self, slots: list[int]) -> list[int]:
-        return [self.slot(j).data_ptr() for j in slots]
-
-    def untouched(self, used: list[int]) -> bool:
-        """Guards and every slot not in `used` still hold only the poison."""
-        rest = [self.buf[:GUARD], self.buf[-GUARD:]] + [self.slot(j) for j in range(SLOTS) if j not in used]
-        return all(bool((r == POISON).all()) for r in rest)
-
-    def close(self) -> None:
-        self.reader.unregister_staging(self.buf)
+def Views(reader) -> GuardedViews:  # noqa: N802 - reads as the class it makes
+    """SLOTS adjacent views of C bytes between two guards in one registered buffer, poisoned."""
+    return GuardedViews(reader, SLOTS, C)
 
 
 @pytest.fixture
@@ -73,10 +55,7 @@ def views(reader):
 
 
 def stored(holder, tag: str, n: int, seed: int) -> tuple[list[str], list[torch.Tensor]]:
-    keys = [f"{tag}/{i}" for i in range(n)]
-    data = payloads(n, seed, C)
-    holder.put(keys, data)
-    return keys, data
+    return put_payloads(holder, tag, n, seed, C)
 
 
 def read(reader, keys, ptrs, *, collect: bool, deadline: float | None = None):

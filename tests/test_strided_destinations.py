@@ -28,6 +28,7 @@ from kernel_util import (
     registrations,
     same_bytes,
     strided_like,
+    untouched_outside_window,
 )
 
 from bsr_kernels import WindowInstaller, gather_window, install_window
@@ -48,18 +49,6 @@ def _layout(name: str):
 LAYOUTS = (*KV_LAYOUTS, "mla", "mla_sliced")
 
 
-def _untouched_outside_window(case, views) -> None:
-    reg = case.reg
-    lo_tok, hi_tok = case.first_chunk * reg.chunk_tokens, (case.first_chunk + case.num_chunks) * reg.chunk_tokens
-    for spec, t in zip(reg.specs, views):
-        tpb = spec.tokens_per_block
-        window = case.tables[spec.group][lo_tok // tpb : -(-hi_tok // tpb)]
-        touched = set(window[window >= 0].tolist())
-        for blk in range(t.shape[0]):
-            if blk not in touched:
-                assert bool((t[blk].view(torch.uint8) == POISON).all()), f"{spec.name} block {blk} written"
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("first_chunk,num_chunks", [(0, 1), (1, 2)])
@@ -71,7 +60,7 @@ def test_install_matches_oracle(backend, layout, first_chunk, num_chunks):
     expect_views, expect = alloc(case.num_blocks[0])
     naive_install(case, expect_views)
     same_bytes(buffers, expect, f"{backend} {layout}")
-    _untouched_outside_window(case, views)
+    untouched_outside_window(case, views)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
