@@ -18,7 +18,9 @@ Called directly on the fetching thread, without the local path (what a client wi
 objects does): "room_path" = that read; and into adjacent views without room (a caller's own
 buffers, e.g. LMCache's): "get_path" = the landed path (whole-object gets + checksumming copy),
 "in_place_path" = the two-phase in-place path (headers in the tail of the view before, borrowed
-and put back). GB/s count payload bytes.
+and put back). "tier_put" = put() from adjacent views (staged in the tier's registered buffer, a
+copy), "tier_put_room" = put() from the slot with header room (headers written into the room, each
+object upserted from there). GB/s count payload bytes.
 Numbers are loopback tcp on this host, not RDMA.
 """
 
@@ -123,7 +125,11 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
         plugin._tier.register_staging(flat.buffer)
         fns["plugin_load"] = lambda: _check_all(plugin._load_verified(pnames, flat_ptrs, [c] * n), n)
     t = interleaved(fns, reps)
-    t_put = interleaved({"tier_put": lambda: tier.put(keys, src_views)}, max(3, reps // 2))["tier_put"]
+    tier.fetch(keys, views, time.monotonic() + 60, headroom=pool.headroom).wait()  # the slot holds the payloads
+    t_puts = interleaved({"tier_put": lambda: tier.put(keys, src_views),  # adjacent views: staged (a copy)
+                          "tier_put_room": lambda: tier.put(keys, views, headroom=pool.headroom)},  # in place
+                         max(3, reps // 2))
+    t_put = t_puts["tier_put"]
     tier.fetch(keys, views, time.monotonic() + 60, headroom=pool.headroom).wait()
     assert torch.equal(lease.view.reshape(-1), src)
     total = n * c
@@ -137,6 +143,7 @@ def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict
     if "plugin_load" in t:
         out["plugin_vs_tier"] = round(t["tier_fetch"] / t["plugin_load"], 3)
     out["tier_put_GBps"] = gbps(total, t_put)
+    out["tier_put_room_GBps"] = gbps(total, t_puts["tier_put_room"])
     out["raw_upsert_GBps"] = gbps(total, t["raw_upsert"])
     if plugin is not None:
         plugin._tier.unregister_staging(flat.buffer)
@@ -251,7 +258,7 @@ def table(out: dict) -> str:
             "room_path_vs_raw", "get_path_vs_raw",
             "in_place_path_vs_raw",
             "plugin_load_GBps",
-            "plugin_vs_tier", "tier_put_GBps", "raw_upsert_GBps"]
+            "plugin_vs_tier", "tier_put_GBps", "tier_put_room_GBps", "raw_upsert_GBps"]
     lines = ["placement   " + " ".join(f"{c:>16}" for c in cols)]
     for placement in ("local", "store_host"):
         for row in out[placement]:

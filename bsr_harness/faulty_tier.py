@@ -238,9 +238,9 @@ class FaultyTier(Tier):
             handle.set_error(err)
         return handle
 
-    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
+    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor], *, headroom: int = 0) -> None:
         self._check("put")
-        self.inner.put(keys, views)
+        self.inner.put(keys, views, headroom=headroom)
 
     def delete(self, keys: Sequence[str]) -> None:
         self._check("delete")

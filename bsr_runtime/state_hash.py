@@ -22,7 +22,10 @@ class ChunkHasher:
         self._h = hashlib.sha256()
 
     def update(self, staged: torch.Tensor) -> None:
-        self._h.update(staged.cpu().numpy().tobytes() if staged.device.type != "cpu" else staged.numpy())
+        """Staged bytes: 1-D, or 2-D (chunks, chunk_bytes) rows with gaps between them (hashed row by row:
+        the same digest as the rows back to back)."""
+        for row in (staged if staged.dim() == 2 else (staged,)):
+            self._h.update(row.cpu().numpy().tobytes() if row.device.type != "cpu" else row.numpy())
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()

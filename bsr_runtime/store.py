@@ -17,7 +17,7 @@ from .admission import Admission, SerialAdmission
 from .keys import KeySpace, PrefixKeys
 from .plan import Window, plan_windows
 from .state_hash import ChunkHasher
-from .tiers.base import Tier
+from .tiers.base import FETCH_HEADROOM, Tier
 from .validation import check_int
 from .window_loop import WindowFailed, WindowLoop
 
@@ -52,7 +52,7 @@ class TierStoreStage:
 
     def commit(self) -> None:
         self.hasher.update(self.lease.view)
-        self.tier.put(self.keys, self.lease.chunks())
+        self.tier.put(self.keys, self.lease.chunks(), headroom=self.lease.pool.headroom)
 
     def release(self) -> None:
         if not self._released:
@@ -84,7 +84,8 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
     kv, tables = check_destinations(reg, kv, block_tables, 0, n_total)
     if not 0 <= first_chunk <= n_total:
         raise ValueError(f"first_chunk {first_chunk} outside 0..{n_total}")
-    pool = StagingPool(reg.chunk_bytes, max(1, min(window_chunks, n_total - first_chunk)))
+    # header room before each chunk: a tier that stores a header with each object writes it there
+    pool = StagingPool(reg.chunk_bytes, max(1, min(window_chunks, n_total - first_chunk)), headroom=FETCH_HEADROOM)
     loop = WindowLoop(admission or SerialAdmission(), reg.chunk_bytes, stream)
     hasher = ChunkHasher()
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from mooncake_util import GuardedViews, assert_same, fetch, flipped, segment_address
+from mooncake_util import GuardedViews, assert_same, fetch, flipped, payloads, segment_address
 from mooncake_util import stored as put_payloads
 
 from bsr_harness.testdata import POISON
@@ -212,3 +212,28 @@ def test_sub_batches_are_few_even_and_bounded():
         got = sub_batches(sizes, bound)  # uneven sizes: every batch within the bound, all covered
         assert [s for s, _ in got] == [0] + [e for _, e in got[:-1]] and got[-1][1] == len(sizes)
         assert all(sum(sizes[s:e]) + H * (e - s) <= bound or e - s == 1 for s, e in got)
+
+
+def test_a_put_with_headroom_needs_room_before_each_view(holder):
+    """A view at its buffer's very start has no room before it: refused before anything is written."""
+    with pytest.raises(ValueError, match="header after its buffer's start"):
+        holder.put(["no-room/0"], [torch.zeros(C, dtype=torch.uint8)], headroom=ROOM)
+    assert holder.probe(["no-room/0"]) == [False]
+
+
+def test_a_put_with_headroom_writes_only_the_room_and_reads_back(holder, reader):
+    """put(headroom=...) writes each header into the room before its view (nothing else), and the
+    objects read back through every path."""
+    views = GuardedViews(holder, SLOTS, C, room=ROOM)
+    data = payloads(3, 91, C)
+    for j, d in zip((0, 2, 4), data, strict=True):
+        views.slot(j).copy_(d)
+    keys = [f"put-room/{i}" for i in range(3)]
+    holder.put(keys, [views.slot(j) for j in (0, 2, 4)], headroom=ROOM)
+    assert_same([views.slot(j) for j in (0, 2, 4)], data)  # the payloads as they were
+    assert views.untouched([0, 2, 4]) and all(not bool((views.room(j) == POISON).all()) for j in (0, 2, 4))
+    views.close()
+    back = GuardedViews(reader, SLOTS, C, room=ROOM)
+    assert read(reader, keys, back.ptrs([1, 3, 5]), collect=False) == {}
+    assert_same([back.slot(j) for j in (1, 3, 5)], data)
+    back.close()

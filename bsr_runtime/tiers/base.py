@@ -99,8 +99,9 @@ class Tier(ABC):
         completes (a StagingPool with headroom; FETCH_HEADROOM fits a Mooncake object's header)."""
 
     @abstractmethod
-    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
-        """Store each view (uint8, chunk_bytes) under its key, overwriting atomically."""
+    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor], *, headroom: int = 0) -> None:
+        """Store each view (uint8, chunk_bytes) under its key, overwriting atomically. `headroom`:
+        the bytes before each view are scratch the tier may overwrite (never the views)."""
 
     def delete(self, keys: Sequence[str]) -> None:  # pragma: no cover - optional
         raise NotImplementedError

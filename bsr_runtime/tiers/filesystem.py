@@ -310,7 +310,7 @@ class FilesystemTier(Tier):
         return self.chunk_bytes
 
     # -- put / delete ----------------------------------------------------------------------
-    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
+    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor], *, headroom: int = 0) -> None:
         """Write each view under its key atomically (temp file + os.replace), in parallel."""
         self._check("put")
         keys = list(keys)

@@ -98,7 +98,7 @@ class MemoryTier(Tier):
         handle.set_result(nbytes)
         return handle
 
-    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
+    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor], *, headroom: int = 0) -> None:
         self._check("put")
         keys = list(keys)
         arrays = host_views(keys, views, self.chunk_bytes, "memory tier put")

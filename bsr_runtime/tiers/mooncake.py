@@ -31,8 +31,9 @@ under the wrong key (swapped, or another tenant's copied under these keys), of a
 registration or tenant, damaged, or in the old two-key format is a CorruptObjectError.
 `verify=False` skips the payload CRC comparison (headers are still checked).
 
-Writes: put() stages header + payload in a registered buffer and writes them with one
-`batch_upsert_from` per batch (upsert replaces an existing key, which the Tier contract asks for;
+Writes: put() writes header + payload with one `batch_upsert_from` per batch: in place when the
+views have header room (a store's staging: the header written into the 128 bytes before each
+view), else staged in a registered buffer (upsert replaces an existing key, which the Tier contract asks for;
 `batch_put_from[_multi_buffers]` on an existing key returns 0 and keeps the old object). Views
 read in place are registered once (register_staging) or for one call.
 probe() asks `batch_is_exist` once, one key per chunk.
@@ -253,13 +254,32 @@ class MooncakeTier(Tier):
                          deadline, verify=self.verify, headroom=headroom)
         return len(keys) * self.chunk_bytes
 
-    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
-        """Header + payload per object, staged in a registered buffer, one upsert per batch."""
+    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor], *, headroom: int = 0) -> None:
+        """Header + payload per object, one upsert per batch: written in place (header in the room
+        before each view, the object upserted from there) when headroom >= HEADER_SIZE, else staged
+        in a registered buffer."""
         store = self._live_store()
         keys = list(keys)
         self._check_views(keys, views)
+        put = self._put_in_place if headroom >= HEADER_SIZE else self._put_batch
         for s in range(0, len(keys), self._put_objects):
-            self._put_batch(store, keys[s : s + self._put_objects], views[s : s + self._put_objects])
+            put(store, keys[s : s + self._put_objects], views[s : s + self._put_objects])
+
+    def _put_in_place(self, store, keys: list[str], views: Sequence[torch.Tensor]) -> None:
+        """Each object as header (written into the room before its view) + the view itself: no copy."""
+        if any(v.storage_offset() < HEADER_SIZE for v in views):
+            raise ValueError("put(headroom=...): a view starts less than a header after its buffer's start")
+        rows = [v.as_strided((self.object_bytes,), (1,), v.storage_offset() - HEADER_SIZE) for v in views]
+        for row, k in zip(rows, keys, strict=True):
+            self.codec.write_header(row, k, self.chunk_bytes)
+        starts = [r.data_ptr() for r in rows]
+        taken = self._registrations.take(starts, self.object_bytes)
+        try:
+            codes = per_key(store.batch_upsert_from(keys, starts, [self.object_bytes] * len(keys)), len(keys),
+                            "batch_upsert_from")
+        finally:
+            self._registrations.give_back(taken)
+        self._put_done(keys, codes)
 
     def _put_batch(self, store, keys: list[str], views: Sequence[torch.Tensor]) -> None:
         n, ob = len(keys), self.object_bytes
@@ -274,6 +294,9 @@ class MooncakeTier(Tier):
                             "batch_upsert_from")
         finally:
             self._staging.release(buf)
+        self._put_done(keys, codes)
+
+    def _put_done(self, keys: list[str], codes: list[int]) -> None:
         self.stats["puts"] += 1
         bad = [(k, c) for k, c in zip(keys, codes, strict=True) if c != 0]
         if bad:

@@ -137,7 +137,7 @@ class LMCacheTier(Tier):
         evict_l2_loaded(self.sm, result, okeys)
         return len(keys) * c
 
-    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> None:
+    def put(self, keys: Sequence[str], views: Sequence[torch.Tensor], *, headroom: int = 0) -> None:
         c = self.chunk_bytes
         okeys = self._object_keys(keys)
         reserved = self.sm.reserve_write(okeys, self.adapter.layout)
