@@ -166,15 +166,14 @@ class Prepared:
         self.desc = descriptor_table(reg, kv, cpu)
         self.ptrs, self.tables = block_table_pointers(block_tables, cpu)
 
-    def run(self, kind: str, staging: torch.Tensor, first_chunk: int, num_chunks: int, chunk_stride: int = 0) -> None:
-        """One window; chunk c of `staging` at byte c * chunk_stride (0: chunk_bytes, back to back)."""
+    def run(self, kind: str, staging: torch.Tensor, first_chunk: int, num_chunks: int, chunk_stride: int) -> None:
+        """One window; chunk c of `staging` at byte c * chunk_stride."""
         if num_chunks == 0:
             return
         if staging.device.type != "cpu":
             raise ValueError(f"the cpu backend needs host staging, got {staging.device}")
         fn = self.lib.bsr_cpu_install_strided if kind == "install" else self.lib.bsr_cpu_gather_strided
-        cb = self.reg.chunk_bytes
-        rc = fn(staging.data_ptr(), cb, chunk_stride or cb, first_chunk, num_chunks, self.desc.data_ptr(),
+        rc = fn(staging.data_ptr(), self.reg.chunk_bytes, chunk_stride, first_chunk, num_chunks, self.desc.data_ptr(),
                 self.reg.num_tensors, self.ptrs.data_ptr(), self.reg.num_groups, self.threads)
         if rc != 0:
             raise RuntimeError(f"bsr_cpu_{kind}: {(self.lib.bsr_cpu_last_error() or b'').decode(errors='replace')}")
@@ -183,10 +182,10 @@ class Prepared:
 def install(reg: Registration, a: WindowArgs, threads: int = 0) -> None:
     """One call: scatter the window's staged chunks into every tensor's destination blocks."""
     Prepared(reg, a.kv, a.block_tables, threads).run("install", a.staging, a.first_chunk, a.num_chunks,
-                                                     a.stride(reg.chunk_bytes))
+                                                     a.chunk_stride)
 
 
 def gather(reg: Registration, a: WindowArgs, threads: int = 0) -> None:
     """The inverse of install (-1 entries and segment padding read as zero)."""
     Prepared(reg, a.kv, a.block_tables, threads).run("gather", a.staging, a.first_chunk, a.num_chunks,
-                                                     a.stride(reg.chunk_bytes))
+                                                     a.chunk_stride)

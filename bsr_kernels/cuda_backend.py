@@ -208,7 +208,7 @@ def _check_entries(reg: Registration) -> None:
 def _device_staging(kind: str, a: WindowArgs, device: torch.device, zero_copy: bool,
                     chunk_bytes: int) -> tuple[torch.Tensor, int, bool]:
     """(the staging the kernel reads/writes, its chunk stride, whether it stands in for a.staging)."""
-    staging, stride, n = a.staging, a.stride(chunk_bytes), a.num_chunks
+    staging, stride, n = a.staging, a.chunk_stride, a.num_chunks
     if staging.device.type == "cpu" and zero_copy:
         if not staging.is_pinned():
             raise ValueError(
@@ -287,7 +287,7 @@ def _host_call(kind: str, reg: Registration, a: WindowArgs, lib: ctypes.CDLL | N
     desc = descriptor_table(reg, a.kv, cpu)
     ptrs, tables = block_table_pointers(a.block_tables, cpu)
     fn = getattr(lib, HOST_FUNCTIONS[kind == "gather"])
-    rc = fn(a.staging.data_ptr(), reg.chunk_bytes, a.stride(reg.chunk_bytes), a.first_chunk, a.num_chunks,
+    rc = fn(a.staging.data_ptr(), reg.chunk_bytes, a.chunk_stride, a.first_chunk, a.num_chunks,
             desc.data_ptr(), reg.num_tensors, ptrs.data_ptr(), reg.num_groups, split)
     del tables
     if rc != 0:

@@ -177,9 +177,8 @@ def _tile_starts(reg: Registration, num_chunks: int, tile_bytes: int, device: to
 def _window(reg: Registration, a: WindowArgs) -> tuple[torch.Tensor, int]:
     """(the window's staging, its chunk stride): 1-D, the window's bytes; 2-D (chunk-strided), the
     window's rows."""
-    if a.staging.dim() == 2:
-        return a.staging[: a.num_chunks], a.stride(reg.chunk_bytes)
-    return a.staging[: a.num_chunks * reg.chunk_bytes], reg.chunk_bytes
+    rows = a.staging[: a.num_chunks] if a.staging.dim() == 2 else a.staging[: a.num_chunks * reg.chunk_bytes]
+    return rows, a.chunk_stride
 
 
 def install(reg: Registration, a: WindowArgs, stream=None) -> None:

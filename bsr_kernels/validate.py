@@ -21,15 +21,7 @@ class WindowArgs:
     block_tables: tuple[torch.Tensor, ...]  # int64, contiguous, on the block tables' device
     first_chunk: int
     num_chunks: int
-    # bytes from one staged chunk to the next (check_staging); 0: derived by `stride`
-    chunk_stride: int = 0
-
-    def stride(self, chunk_bytes: int) -> int:
-        """Bytes from staged chunk c to chunk c + 1: `chunk_stride`, else the staging's row stride
-        (2-D staging), else `chunk_bytes` (1-D staging: chunks back to back)."""
-        if self.chunk_stride:
-            return self.chunk_stride
-        return self.staging.stride(0) if self.staging.dim() == 2 else chunk_bytes
+    chunk_stride: int  # bytes from one staged chunk to the next (check_staging's result)
 
 
 def check_window(

@@ -88,7 +88,7 @@ def test_library_rejects_out_of_range_block():
     reg = kv_registration(layers=1)
     kv = tuple(poisoned(reg, [4]))
     tables = (torch.tensor([0, 1, 99, 3] * 8, dtype=torch.int64),)  # bypasses validation on purpose
-    args = WindowArgs(torch.zeros(reg.chunk_bytes, dtype=torch.uint8), kv, tables, 0, 1)
+    args = WindowArgs(torch.zeros(reg.chunk_bytes, dtype=torch.uint8), kv, tables, 0, 1, reg.chunk_bytes)
     with pytest.raises(RuntimeError, match="block id 99 outside"):
         cpu_backend.install(reg, args)
 

@@ -260,7 +260,7 @@ def test_out_of_range_block_is_an_error(lib):
     kv = reg.allocate(4)
     tables = (torch.tensor([0, 1, 99, 3] * 8, dtype=torch.int64),)  # 99: past the 4 blocks
     staging = _random_bytes(reg.chunk_bytes, torch.Generator().manual_seed(0))
-    args = WindowArgs(staging, tuple(kv), tables, 0, 1)  # bypasses check_window on purpose
+    args = WindowArgs(staging, tuple(kv), tables, 0, 1, reg.chunk_bytes)  # bypasses check_window on purpose
     with pytest.raises(RuntimeError, match="block id outside"):
         cuda_backend.host_install(reg, args, lib)
 
@@ -367,7 +367,7 @@ def test_dsv4_widths(lib):
 def test_zero_copy_needs_pinned_staging():
     reg = presets.llama_like(layers=1)
     staging = torch.zeros(reg.chunk_bytes, dtype=torch.uint8)  # pageable
-    args = WindowArgs(staging, tuple(reg.allocate(4)), (torch.arange(32),), 0, 1)
+    args = WindowArgs(staging, tuple(reg.allocate(4)), (torch.arange(32),), 0, 1, reg.chunk_bytes)
     with pytest.raises(ValueError, match="pinned"):
         cuda_backend._device_staging("install", args, torch.device("cuda", 0), True, reg.chunk_bytes)
 

@@ -214,11 +214,17 @@ def test_sub_batches_are_few_even_and_bounded():
         assert all(sum(sizes[s:e]) + H * (e - s) <= bound or e - s == 1 for s, e in got)
 
 
-def test_a_put_with_headroom_needs_room_before_each_view(holder):
-    """A view at its buffer's very start has no room before it: refused before anything is written."""
+def test_a_put_with_headroom_needs_room_before_each_view(holder, mooncake_tier_factory):
+    """A view at its buffer's very start has no room before it: refused before any object is
+    written, also those of earlier views and batches (puts of one object per batch here)."""
+    writer = mooncake_tier_factory(C, FP, global_segment_size=64 << 20, put_batch_bytes=H + C)
+    views = GuardedViews(writer, 2, C, room=ROOM)
+    keys = ["no-room/0", "no-room/1", "no-room/2"]
     with pytest.raises(ValueError, match="header after its buffer's start"):
-        holder.put(["no-room/0"], [torch.zeros(C, dtype=torch.uint8)], headroom=ROOM)
-    assert holder.probe(["no-room/0"]) == [False]
+        writer.put(keys, [views.slot(0), views.slot(1), torch.zeros(C, dtype=torch.uint8)], headroom=ROOM)
+    assert writer.probe(keys) == [False] * 3
+    assert views.untouched([])  # not even a header written
+    views.close()
 
 
 def test_a_put_with_headroom_writes_only_the_room_and_reads_back(holder, reader):

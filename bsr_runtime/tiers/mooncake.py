@@ -261,14 +261,15 @@ class MooncakeTier(Tier):
         store = self._live_store()
         keys = list(keys)
         self._check_views(keys, views)
-        put = self._put_in_place if headroom >= HEADER_SIZE else self._put_batch
+        in_place = headroom >= HEADER_SIZE
+        if in_place and any(v.storage_offset() < HEADER_SIZE for v in views):  # before any object is written
+            raise ValueError("put(headroom=...): a view starts less than a header after its buffer's start")
+        put = self._put_in_place if in_place else self._put_batch
         for s in range(0, len(keys), self._put_objects):
             put(store, keys[s : s + self._put_objects], views[s : s + self._put_objects])
 
     def _put_in_place(self, store, keys: list[str], views: Sequence[torch.Tensor]) -> None:
         """Each object as header (written into the room before its view) + the view itself: no copy."""
-        if any(v.storage_offset() < HEADER_SIZE for v in views):
-            raise ValueError("put(headroom=...): a view starts less than a header after its buffer's start")
         rows = [v.as_strided((self.object_bytes,), (1,), v.storage_offset() - HEADER_SIZE) for v in views]
         for row, k in zip(rows, keys, strict=True):
             self.codec.write_header(row, k, self.chunk_bytes)

@@ -152,11 +152,14 @@ class ReadPaths:
         self.headers.close()
         self.landing.close()
 
-    def _lands_whole(self, ptrs: Sequence[int], sizes: Sequence[int]) -> bool:
-        """land_whole None (tcp): land whole when the read fits one landing buffer (one get and one
+    def _lands_whole(self, ptrs: Sequence[int], sizes: Sequence[int], room: bool) -> bool:
+        """Views with room: in place (one get, no copy) unless land_whole=True. Without room,
+        land_whole None (tcp): land whole when the read fits one landing buffer (one get and one
         copy, against two gets in place: in a restore of 4 MB windows over tcp the second get cost
         more than the copy, benchmarks/results/sweep_mooncake_scale64_r5.txt) or when no two views
         are adjacent (nothing to land in place)."""
+        if room:
+            return self.land_whole is True
         if self.land_whole is None:
             small = sum(sizes) + H * len(sizes) <= self.batch_bytes
             return self.can_land and (small or not any(run_positions(ptrs, sizes)))
@@ -179,8 +182,7 @@ class ReadPaths:
                                              [sizes[i] for i in rest])
                 found: Problems = {}
                 try:
-                    # with room an object lands whole in place in one get: no copy, unless asked for
-                    if (self.land_whole is True) if room else self._lands_whole(sub[1], sub[2]):
+                    if self._lands_whole(sub[1], sub[2], room):
                         self._landed(codec, *sub, headers[done * H :], deadline, verify, collect, found)
                     else:
                         self._in_place(codec, *sub, headers[done * H :], deadline, verify, collect, found, room)
@@ -255,8 +257,8 @@ class ReadPaths:
         even = [i for i in range(n) if pos[i] % 2 == 0]
         odd = [i for i in range(n) if pos[i] % 2 == 1]
         crcs = np.zeros(n, dtype=np.uint32) if verify and host_crc.available() else None
-        taken = (self._registrations.take([p - H for p in ptrs], [s + H for s in sizes]) if room
-                 else self._registrations.take(ptrs, sizes))
+        before = H if room else 0  # the room is written too
+        taken = self._registrations.take([p - before for p in ptrs], [s + before for s in sizes])
         checks: list[Future] = []
         try:
             landed, stopped = self._land(keys, ptrs, sizes, whole, base, hdr, even, odd, True, deadline, collect,
@@ -290,9 +292,9 @@ class ReadPaths:
     def _land(self, keys, ptrs, sizes, whole, base, hdr, todo, later, first, deadline, collect, problems,
               checks) -> tuple[list[int], bool]:
         """One phase of _in_place: get the objects in `todo` in sub-batches, the headers of those
-        landed whole (at ptrs[i] - H) copied to the header area. Returns the ones that landed and whether the read
-        stopped early (past the deadline, the objects not started, `later` included, are then
-        problems). The first sub-batch of the `first` phase always goes: the fetch checked the
+        landed whole (at ptrs[i] - H) copied to the header area. Returns the ones that landed and
+        whether the read stopped early (past the deadline, the objects not started, `later`
+        included, are then problems). The first sub-batch of the `first` phase always goes: the fetch checked the
         deadline."""
         landed: list[int] = []
         for s, e in sub_batches([sizes[i] for i in todo], self.in_place_batch_bytes):
@@ -310,7 +312,7 @@ class ReadPaths:
                                 len(part), "batch_get_into_multi_buffers")
             good = self._check_codes(keys, sizes, part, codes, collect, problems)
             inner = [i for i in good if whole[i]]
-            hdr[inner] = _Tails(ptrs, inner).read()  # headers that landed in the view before
+            hdr[inner] = _Tails(ptrs, inner).read()  # headers that landed in the room or the view before
             landed += good
         return landed, False
 
