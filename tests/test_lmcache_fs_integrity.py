@@ -20,6 +20,7 @@ from restore_util import random_tables  # noqa: E402
 from bsr_harness.testdata import POISON  # noqa: E402
 from bsr_kernels import presets  # noqa: E402
 from bsr_runtime.integrations.lmcache import LMCacheAdapter, LMCacheKeys, fs_l2, load_adapter_config  # noqa: E402
+from bsr_runtime.integrations.lmcache.fs_l2_object import HEADER_SIZE  # noqa: E402
 from bsr_runtime.keys import KeySpace  # noqa: E402
 from bsr_runtime.restore import RestoreRequest  # noqa: E402
 from bsr_runtime.state_hash import state_hash  # noqa: E402
@@ -30,6 +31,7 @@ REG = presets.dsv4_flash(scale=1 / 1024)
 C = REG.chunk_bytes
 N = 8
 OBJ_4K = -(-C // 4096) * 4096
+FILE_BYTES = HEADER_SIZE + C  # one object file: header + payload
 SPACE_A = KeySpace(REG.fingerprint, salt="tenant-a")
 SPACE_B = KeySpace(REG.fingerprint, salt="tenant-b")
 
@@ -140,8 +142,6 @@ def test_other_tenants_objects_fail_closed(stored, copy, conc, caplog):
 @pytest.mark.parametrize("conc", [1, 4])
 def test_headerless_file_fails_closed(stored, copy, conc, caplog):
     """A file in LMCache's own format (the raw object bytes, no header) is refused, not migrated."""
-    from bsr_runtime.integrations.lmcache.fs_l2_object import HEADER_SIZE
-
     path = _paths(copy, stored, SPACE_A)[2]
     with open(path, "rb") as f:
         payload = f.read()[HEADER_SIZE:]
@@ -152,9 +152,96 @@ def test_headerless_file_fails_closed(stored, copy, conc, caplog):
 
 
 def test_file_size_is_header_plus_object(stored):
-    from bsr_runtime.integrations.lmcache.fs_l2_object import HEADER_SIZE, MAGIC
+    from bsr_runtime.integrations.lmcache.fs_l2_object import MAGIC
 
     for path in _paths(stored.base, stored, SPACE_A):
         assert os.path.getsize(path) == HEADER_SIZE + C  # LMCache's logical object size
         with open(path, "rb") as f:
             assert f.read(4) == MAGIC
+
+
+# -- the plugin's tasks, called directly (one thread-pool call per task or load part) ---------------
+class _L1Object:
+    """What the plugin reads of an LMCache MemoryObj: `byte_array` (writable) and `data_ptr`."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        self.byte_array = memoryview(t.numpy())
+        self.data_ptr = t.data_ptr()
+
+
+def _objects(seed: int, fill: int | None = None) -> list[_L1Object]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(N):
+        t = torch.full((C,), fill, dtype=torch.uint8) if fill is not None else torch.randint(
+            0, 256, (C,), dtype=torch.uint8, generator=gen)
+        out.append(_L1Object(t))
+    return out
+
+
+def _done(fd: int, query, task_id):
+    import select
+
+    while True:
+        result = query(task_id)
+        if result is not None:
+            return result
+        ready, _, _ = select.select([fd], [], [], 30.0)
+        assert ready, "the plugin's task did not complete"
+        os.read(fd, 8)  # LMCache's eventfd: reading resets it
+
+
+class _CountingExecutorCalls:
+    def __init__(self, loop) -> None:
+        self.calls, self._run = 0, loop.run_in_executor
+        loop.run_in_executor = self
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self._run(*args)
+
+
+@pytest.mark.parametrize("conc", [1, 3, 8, 16])
+def test_plugin_tasks_store_lookup_load(stored, tmp_path, conc):
+    """Store: an existing file is kept (not rewritten), a key whose write fails is reported (success False)
+    and leaves no file; lookup: exactly the keys with files; load into poisoned objects: exactly those keys,
+    byte for byte, the others untouched. Each store or lookup is one thread-pool call, a load min(conc, n)."""
+    from bsr_runtime.integrations.lmcache.fs_l2 import ConcurrentFSL2Adapter, ConcurrentFSL2AdapterConfig
+
+    keys = stored.keys(SPACE_A)
+    src, older = _objects(seed=conc), _objects(seed=99)
+    ad = ConcurrentFSL2Adapter(ConcurrentFSL2AdapterConfig(str(tmp_path), load_concurrency=conc))
+    try:
+        calls = _CountingExecutorCalls(ad._loop)
+        store = lambda ks, objs: _done(ad.get_store_event_fd(),  # noqa: E731
+                                       lambda t: ad.pop_completed_store_tasks().get(t), ad.submit_store_task(ks, objs))
+        assert store([keys[1]], [older[1]]) == FILE_BYTES  # written before: kept as it is
+        failing = ad._key_to_file_and_tmp_path(keys[4])[1]
+        os.makedirs(failing)  # its temp file cannot be created
+        calls.calls = 0
+        result = store(keys, src)
+        assert result < 0  # L2StoreResult: -1 = failed
+        assert calls.calls == 1
+        assert not os.path.exists(ad._key_to_path(keys[4])) and os.path.isdir(failing)
+        present = [i for i in range(N) if i != 4]
+
+        calls.calls = 0
+        bits = _done(ad.get_lookup_and_lock_event_fd(), ad.query_lookup_and_lock_result,
+                     ad.submit_lookup_and_lock_task(keys, {}))
+        assert bits.get_indices_list() == present and calls.calls == 1
+
+        dst = _objects(seed=0, fill=POISON)
+        calls.calls = 0
+        bits = _done(ad.get_load_event_fd(), ad.query_load_result, ad.submit_load_task(keys, dst))
+        assert bits.get_indices_list() == present
+        assert calls.calls == min(conc, N)
+        for i in range(N):
+            want = older[1].t if i == 1 else src[i].t
+            if i == 4:
+                assert bool((dst[i].t == POISON).all())
+            else:
+                assert torch.equal(dst[i].t, want), i
+    finally:
+        ad.close()
+
