@@ -102,10 +102,12 @@ def source_hashes(src: SourceState, chunk_counts: Sequence[int]) -> dict[int, st
 class TierTarget:
     """What a sweep restores from: a BSR tier, restored by one BoundedRestorer per W."""
 
-    def __init__(self, tier: Tier, reg: Registration, windows: Sequence[int], *, depth: int = 2,
+    def __init__(self, tier: Tier, reg: Registration, windows: Sequence[int], *, depth: int | None = None,
                  fetch_timeout_s: float = 120.0, backend: str = "auto") -> None:
+        """`depth` None: the tier's preferred pipeline depth."""
         self.tier = tier
         self.name = tier.name
+        depth = tier.preferred_pipeline_depth if depth is None else depth
         self.restorers = {w: BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
                                                                 fetch_timeout_s=fetch_timeout_s, backend=backend))
                           for w in windows}
@@ -147,7 +149,7 @@ class AdapterTarget:
 
 
 def sweep(src: SourceState, target: Tier | TierTarget | AdapterTarget, token_counts: Sequence[int],
-          windows: Sequence[int], *, depth: int = 2, fetch_timeout_s: float = 120.0, backend: str = "auto",
+          windows: Sequence[int], *, depth: int | None = None, fetch_timeout_s: float = 120.0, backend: str = "auto",
           expected: dict[int, str] | None = None, dst: Destinations | None = None, repeat: int = 1,
           on_row: Callable[[SweepRow], None] | None = None) -> list[SweepRow]:
     """One row per (tokens, W), the median of `repeat` runs. `expected` maps chunk counts to
@@ -194,7 +196,7 @@ def sweep(src: SourceState, target: Tier | TierTarget | AdapterTarget, token_cou
 
 
 def ladder(src: SourceState, tier: Tier, tokens: int, window: int, *, first_rung: int = 1 << 20,
-           depth: int = 2, dst: Destinations | None = None, max_rungs: int = 40) -> dict:
+           depth: int | None = None, dst: Destinations | None = None, max_rungs: int = 40) -> dict:
     """Whole-plan capacity ladder for one prefix: W = 0 with staging capacity raised through
     doubling rungs until the full prefix restores (state hash equal), beside BSR at `window`
     with capacity W*c."""
@@ -204,6 +206,7 @@ def ladder(src: SourceState, tier: Tier, tokens: int, window: int, *, first_rung
         raise ValueError(f"ladder prefix of {tokens} tokens: need 1..{src.num_chunks} chunks")
     dst = dst or Destinations(reg, src.num_chunks, seed=1)
     expected = state_hash(reg, src.kv, src.block_tables, n)
+    depth = tier.preferred_pipeline_depth if depth is None else depth
 
     def attempt(w: int, capacity: int):
         dst.poison()

@@ -195,6 +195,10 @@ class FaultyTier(Tier):
             raise AttributeError(name)
         return getattr(inner, name)
 
+    @property
+    def preferred_pipeline_depth(self) -> int:
+        return self.inner.preferred_pipeline_depth
+
     def _check(self, op: str) -> None:
         if self._closed:
             raise TierUnavailableError(f"{self.name} tier: {op} after close()")

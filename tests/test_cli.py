@@ -35,8 +35,18 @@ def test_sweep_json_rows_and_bound(tmp_path, capsys):
         assert r["state_hash_ok"] and r["committed_tokens"] == r["tokens"] and r["chunk_bytes"] == C
         w, n = r["window_chunks"], r["chunks"]
         assert r["peak_staging_bytes"] == (min(w, n) if w else n) * C
+        assert r["pipeline_depth"] == 2  # the filesystem tier's preferred depth (no --depth given)
     assert png.stat().st_size > 1000
     assert "state hash ok" in out
+
+
+def test_sweep_depth_given_overrides_the_tiers(tmp_path, capsys):
+    js = tmp_path / "rows.json"
+    rc, _, _ = run(["sweep", "--tokens", "2048", "--window", "4", "--depth", "1", "--quiet", "--json", str(js)],
+                   capsys)
+    assert rc == 0
+    (row,) = json.loads(js.read_text())
+    assert row["pipeline_depth"] == 1 and row["windows"] == 2 and row["state_hash_ok"]
 
 
 def test_wlaw_peak_is_w_times_c(tmp_path, capsys):
@@ -126,6 +136,7 @@ def test_sweep_on_mooncake_starts_and_stops_its_master(tmp_path, capsys):
     assert rc == 0
     rows = json.loads(js.read_text())
     assert {r["tier"] for r in rows} == {"mooncake"} and all(r["state_hash_ok"] for r in rows)
+    assert {r["pipeline_depth"] for r in rows} == {1}  # Mooncake over tcp prefers depth 1
     after = {p.pid for p in psutil.Process().children(recursive=True)}
     assert after <= before
 

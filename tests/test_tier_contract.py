@@ -400,3 +400,11 @@ def test_faulty_close_fails_late_completions(store):
         t.probe(keys)
     with pytest.raises(TierUnavailableError):
         inner.probe(keys)
+
+
+def test_preferred_pipeline_depth(store, faulty):
+    """Mooncake over tcp restores at depth 1 when the caller does not choose (its fetch keeps the host's
+    cores busy); the filesystem and memory tiers at 2. A FaultyTier reports its inner tier's."""
+    want = 1 if store.kind in MOONCAKE_PATHS else 2
+    assert store.tier().preferred_pipeline_depth == want
+    assert faulty.preferred_pipeline_depth == want

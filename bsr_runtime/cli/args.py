@@ -155,8 +155,9 @@ def add_common(p: argparse.ArgumentParser, *, tier_default: str = "fs") -> None:
     g.add_argument("--metadata-server", metavar="URL",
                    help="its metadata server (default http://HOST:8080/metadata)")
     r = p.add_argument_group("restore")
-    r.add_argument("--depth", type=int, choices=(1, 2), default=2,
-                   help="pipeline depth: 2 fetches window j+1 while window j installs (default 2)")
+    r.add_argument("--depth", type=int, choices=(1, 2), default=None,
+                   help="pipeline depth: 2 fetches window j+1 while window j installs (default: the tier's, "
+                        "1 for Mooncake over tcp, 2 for the others; LMCache retrieves at 1)")
     r.add_argument("--timeout", type=seconds_type, default=120.0,
                    help="fetch timeout per window, seconds (default 120)")
     r.add_argument("--backend", default="auto", choices=("auto", "torch", "cpu", "triton", "cuda"),

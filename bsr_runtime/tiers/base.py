@@ -103,6 +103,14 @@ class Tier(ABC):
         """Store each view (uint8, chunk_bytes) under its key, overwriting atomically. `headroom`:
         the bytes before each view are scratch the tier may overwrite (never the views)."""
 
+    @property
+    def preferred_pipeline_depth(self) -> int:
+        """The pipeline depth a caller that does not choose one restores from this tier at. 2 overlaps
+        window j+1's fetch with window j's install, which pays where the fetch leaves the host's cores
+        to the install (DMA, one page-cache reader thread); 1 where the fetch itself keeps the cores
+        busy (MooncakeTier over tcp)."""
+        return 2
+
     def delete(self, keys: Sequence[str]) -> None:  # pragma: no cover - optional
         raise NotImplementedError
 

@@ -136,6 +136,16 @@ class MooncakeTier(Tier):
         self._staging = RegisteredBuffers(self._register_owned, self._unregister_owned)  # put staging
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bsr-mooncake-fetch")
 
+    @property
+    def preferred_pipeline_depth(self) -> int:
+        """1 over tcp: the socket copies, the transfer engine's threads and a store host on the same
+        machine take the cores in proportion to the bytes, so an install overlapped with the next fetch
+        only competes with it, and depth 2 halves each window (twice the windows, each with its fixed
+        cost). Measured on 2 vCPUs (benchmarks/results/sweep_mooncake_scale64_r5.txt): depth 1 at or
+        below the whole plan from 64K tokens up, depth 2 up to 1.2x. RDMA moves bytes without the
+        cores: 2."""
+        return 1 if self.protocol == "tcp" else 2
+
     # -- helpers ---------------------------------------------------------------------------
     def _live_store(self):
         if self._store is None or self._closed:
