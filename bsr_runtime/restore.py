@@ -221,8 +221,11 @@ class BoundedRestorer:
         """
         reg, cfg = self.reg, self.config
         self._check(req, tier, num_chunks)
+        # at depth 2 every install but the last runs while the next window's fetch uses the host: the
+        # native cpu backend then keeps to one thread (depth 1: a second one from its size threshold up)
         installer = self.make_installer(reg, req.kv, req.block_tables, num_chunks, backend=cfg.backend,
-                                        stream=self.stream, fingerprint=reg.fingerprint)
+                                        stream=self.stream, fingerprint=reg.fingerprint,
+                                        cpu_threads=1 if cfg.pipeline_depth == 2 else 0)
         w = cfg.prefetch_window_chunks
         report = RestoreReport(
             request_id=req.request_id, tier=tier.name, ok=False, num_chunks=num_chunks, committed_tokens=0,

@@ -181,3 +181,22 @@ def test_loop_order_at_depth_two_and_abandon_on_failure():
                      lambda v, first, n: "x")
     assert ei.value.window == 1 and loop.stats.failed_window == 1
     assert ("abandon", 1) in log and ("release", 1) not in log and budget.used_bytes == 0
+
+
+@pytest.mark.parametrize("depth, threads", [(1, 0), (2, 1)])
+def test_installs_keep_to_one_thread_while_the_next_fetch_runs(depth, threads):
+    """At depth 2 each install but the last overlaps the next window's fetch: the restorer asks the
+    installer for one cpu thread; at depth 1 for the backend's own choice (0: two from its threshold)."""
+    tier, stored = _stored()
+    asked = []
+
+    def make(*a, **kw):
+        asked.append(kw.get("cpu_threads"))
+        return WindowInstaller(*a, **kw)
+
+    with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=4, pipeline_depth=depth),
+                         make_installer=make) as restorer:
+        req = fresh_request(stored, seed=3)
+        rep = restorer.restore(req, tier, stored.num_chunks)
+    assert rep.ok and asked == [threads]
+    assert state_hash(REG, req.kv, req.block_tables, stored.num_chunks) == stored.state_hash
