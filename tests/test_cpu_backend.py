@@ -17,6 +17,7 @@ from kernel_util import (
     naive_install,
     poisoned,
     same_bytes,
+    untouched_outside_window,
 )
 
 from bsr_kernels import WindowInstaller, gather_window, install, install_window, presets
@@ -44,6 +45,40 @@ def test_forced_threads_match_oracle(threads, layout):
     out = torch.full((3 * reg.chunk_bytes,), POISON, dtype=torch.uint8)
     gather_window(out, reg, views, case.tables, 1, 3, backend="cpu", cpu_threads=threads)
     assert torch.equal(out, naive_gather(case, views))
+
+
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_threads_on_a_large_window_match_oracle(threads):
+    """A 4 MB window of 167-tensor chunks split over several threads, against the entry-by-entry
+    oracle, on poisoned destinations with holes; blocks outside the window stay poisoned; gather of
+    the same window gives the staged bytes back."""
+    reg = presets.dsv4_flash(scale=1 / 64)
+    case = make_case(reg, 2, 16, seed=40 + threads, hole_frac=0.2)
+    kv = poisoned(reg, case.num_blocks)
+    install_window(case.staging, reg, kv, case.tables, 2, 16, backend="cpu", cpu_threads=threads)
+    ref = poisoned(reg, case.num_blocks)
+    naive_install(case, ref)
+    same_bytes(kv, ref, f"cpu x{threads}, many grabs")
+    untouched_outside_window(case, kv)
+    out = torch.full((16 * reg.chunk_bytes,), POISON, dtype=torch.uint8)
+    gather_window(out, reg, kv, case.tables, 2, 16, backend="cpu", cpu_threads=threads)
+    assert torch.equal(out, naive_gather(case, kv))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_bad_block_in_the_last_chunk_is_reported(threads):
+    """An out-of-range block id in the window's last chunk (another thread's slice when split) is the
+    call's error, whichever thread met it, and the call returns."""
+    from bsr_kernels.validate import WindowArgs
+
+    reg = presets.dsv4_flash(scale=1 / 64)
+    case = make_case(reg, 0, 16, seed=7, hole_frac=0.0)
+    tables = [t.clone() for t in case.tables]
+    tables[0][-1] = 10_000_000  # bypasses validation on purpose
+    kv = tuple(poisoned(reg, case.num_blocks))
+    args = WindowArgs(case.staging, kv, tuple(tables), 0, 16, reg.chunk_bytes)
+    with pytest.raises(RuntimeError, match="block id 10000000 outside"):
+        cpu_backend.install(reg, args, threads)
 
 
 def test_auto_threads_above_threshold_match_oracle():
