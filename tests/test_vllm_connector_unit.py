@@ -41,6 +41,31 @@ def test_config_parsing_and_errors():
         ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "load_mode": "lazy"})
 
 
+def test_pipeline_depth_is_the_first_tiers_unless_configured(tmp_path):
+    from bsr_runtime.tiers import FilesystemTier, MemoryTier
+
+    class PrefersOne(MemoryTier):  # stands for Mooncake over tcp or LMCache (tested in test_tier_contract.py)
+        preferred_pipeline_depth = 1
+
+    fs = FilesystemTier(tmp_path, 4096, "f" * 16)
+    one = PrefersOne(4096, "f" * 16)
+    try:
+        cfg = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "window_chunks": 8})
+        assert cfg.pipeline_depth is None
+        assert cfg.restore_config([fs, one]).pipeline_depth == 2
+        assert cfg.restore_config([one, fs]).pipeline_depth == 1
+        rc = cfg.restore_config([fs])
+        assert (rc.prefetch_window_chunks, rc.fetch_timeout_s, rc.backend) == (8, cfg.fetch_timeout_s, cfg.backend)
+        set_one = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "pipeline_depth": 1})
+        assert set_one.restore_config([fs]).pipeline_depth == 1
+        three = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "pipeline_depth": 3})
+        with pytest.raises(ValueError, match="pipeline_depth"):
+            three.restore_config([fs])
+    finally:
+        fs.close()
+        one.close()
+
+
 def _kv_cache_config():
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,

@@ -90,7 +90,9 @@ def test_restore_fs_windowed(model, store, cold, prompts):
         load = worker.loads[-1]
         assert got[2] == 12 * U.CHUNK  # num_cached_tokens: the restored chunks
         _same(got, cold["p1"])
-        assert load["committed"] and load["num_chunks"] == 12 and load["windows"] == 6
+        # the filesystem tier's preferred depth 2: two slots of W/2 = 1 chunk, 12 windows, staging W*c
+        assert load["committed"] and load["num_chunks"] == 12 and load["pipeline_depth"] == 2
+        assert load["windows"] == 12
         assert load["peak_staging_bytes"] == W * store["c"]
         assert worker.saves and all(s["stored"] == 0 for s in worker.saves)  # the tier holds it all
         # (e) tenants: bob never hits alice's objects, alice does

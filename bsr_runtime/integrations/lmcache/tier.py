@@ -78,6 +78,13 @@ class LMCacheTier(Tier):
     def _spec(self, okeys: list[ObjectKey], **kw) -> PrefetchTaskSpec:
         return PrefetchTaskSpec([GroupedObjectKeys(okeys, 0, self.adapter.layout)], **kw)
 
+    @property
+    def preferred_pipeline_depth(self) -> int:
+        """1, as LMCache's own retrieve: each fetch pays LMCache's fixed prefetch cost, and depth 2's
+        half-size windows pay it twice as often (a depth-2 retrieve measured 0.58-0.60 s against
+        0.51-0.53 s at 512K tokens: benchmarks/results/sweep_lmcache_fs_scale64_r5.txt)."""
+        return 1
+
     def probe(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []

@@ -3,7 +3,7 @@
     {"tiers": [{"type": "filesystem", "root": "/ssd/bsr"},
                {"type": "mooncake", "master_address": "H:50051", "metadata_server": "http://H:8080/metadata"},
                {"type": "lmcache-fs", "root": "/ssd/lmcache"}],
-     "window_chunks": 32, "pipeline_depth": 1, "fetch_timeout_s": 30, "salt": "", "model_id": null,
+     "window_chunks": 32, "pipeline_depth": null, "fetch_timeout_s": 30, "salt": "", "model_id": null,
      "save": true, "report_path": null}
 
 Tier options are those of the tier factory (bsr_runtime/tiers/factory.py); a Mooncake tier
@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from bsr_kernels import Registration
 
+from ...restore import RestoreConfig
 from ...tiers.base import Tier
 from ...tiers.factory import make_tier
 
@@ -67,7 +69,7 @@ class ConnectorConfig:
     # with one group)
     load_mode: str = "auto"
     window_chunks: int = 32  # W
-    pipeline_depth: int = 1
+    pipeline_depth: int | None = None  # None: the first tier's preferred depth (Tier.preferred_pipeline_depth)
     fetch_timeout_s: float = 30.0
     backend: str = "auto"
     salt: str = ""  # tenant of this engine (a request's cache_salt is added to it)
@@ -96,6 +98,13 @@ class ConnectorConfig:
         if isinstance(cfg.window_chunks, bool) or not isinstance(cfg.window_chunks, int) or cfg.window_chunks < 0:
             raise ValueError(f"window_chunks must be an integer >= 0, got {cfg.window_chunks!r}")
         return cfg
+
+    def restore_config(self, tiers: Sequence[Tier]) -> RestoreConfig:
+        """The restores' configuration; without a configured pipeline depth the first (planning) tier's
+        preferred one: 1 for Mooncake over tcp and LMCache, 2 for the filesystem."""
+        depth = self.pipeline_depth if self.pipeline_depth is not None else tiers[0].preferred_pipeline_depth
+        return RestoreConfig(prefetch_window_chunks=self.window_chunks, pipeline_depth=depth,
+                             fetch_timeout_s=self.fetch_timeout_s, backend=self.backend)
 
     def load_async(self, num_groups: int) -> bool:
         return self.load_mode == "async" or (self.load_mode == "auto" and num_groups > 1)

@@ -51,8 +51,7 @@ class SchedulerSide:
         self.reg = reg
         self.block_ids_of = block_ids_of  # request id -> its current block ids per group (vLLM's)
         self.load_async = cfg.load_async(reg.num_groups)
-        restore = RestoreConfig(prefetch_window_chunks=cfg.window_chunks, pipeline_depth=cfg.pipeline_depth,
-                                fetch_timeout_s=cfg.fetch_timeout_s, backend=cfg.backend)
+        restore = cfg.restore_config(tiers)
         # the scheduler never restores: W = 0 keeps the restorer from allocating a staging pool
         self.core = CoreConnector(reg, tiers, config=RestoreConfig(0, backend=cfg.backend), tp_rank=0,
                                   tp_world=tp_world, salt=cfg.salt, model=model, probe_all_ranks=True)

@@ -23,7 +23,6 @@ import torch
 
 from ...connector import BSRConnector as CoreConnector
 from ...keys import PrefixKeys
-from ...restore import RestoreConfig
 from ...store import store_prefix
 from ...tiers.base import Tier, TierError
 from .config import ConnectorConfig, write_report
@@ -41,10 +40,10 @@ class WorkerSide:
         self.reg = reg
         self.tiers = tiers
         self.tp_rank = tp_rank
-        config = RestoreConfig(prefetch_window_chunks=cfg.window_chunks, pipeline_depth=cfg.pipeline_depth,
-                               fetch_timeout_s=cfg.fetch_timeout_s, backend=cfg.backend)
-        self.core = CoreConnector(reg, tiers, config=config, tp_rank=tp_rank, tp_world=tp_world, salt=cfg.salt,
-                                  model=model, agree=agree, agree_plan=False, agree_timeout_s=cfg.agree_timeout_s)
+        self.restore_config = cfg.restore_config(tiers)
+        self.core = CoreConnector(reg, tiers, config=self.restore_config, tp_rank=tp_rank, tp_world=tp_world,
+                                  salt=cfg.salt, model=model, agree=agree, agree_plan=False,
+                                  agree_timeout_s=cfg.agree_timeout_s)
         self.kv: list[torch.Tensor] | None = None
         self.load_async = cfg.load_async(reg.num_groups)
         self._failed_this_step: set[str] = set()
@@ -68,7 +67,8 @@ class WorkerSide:
                    "tiers_tried": outcome.tiers_tried, "invalid_blocks": outcome.invalid_blocks,
                    "total_blocks": outcome.total_blocks,
                    "peak_staging_bytes": max((a.peak_staging_bytes for a in outcome.attempts), default=0),
-                   "window_chunks": self.cfg.window_chunks, "chunk_bytes": self.reg.chunk_bytes,
+                   "window_chunks": self.cfg.window_chunks, "pipeline_depth": self.restore_config.pipeline_depth,
+                   "chunk_bytes": self.reg.chunk_bytes,
                    "seconds": sum(a.seconds for a in outcome.attempts), "windows": att.windows if att else 0,
                    "valid_per_group": outcome.valid_per_group, "agreed": outcome.agreed,
                    "fingerprint": self.reg.fingerprint, "model": self.core.keyspace.model, "error": outcome.error}
