@@ -125,7 +125,7 @@ def cold_save_restore(model: str, tokens: Sequence[int], tiers: list[dict], *, w
         llm.reset_prefix_cache()
         restored = generate(llm, tokens, max_tokens=max_tokens)
         if standalone:
-            out["standalone_restore_s"] = _standalone_restore(worker, tokens, load["num_chunks"], window_chunks)
+            out["standalone_restore_s"] = _standalone_restore(worker, tokens, load["num_chunks"])
     finally:
         shutdown(llm)
     out.update(restored_chunks=load["num_chunks"], restore_s=load["seconds"], windows=load["windows"],
@@ -148,12 +148,12 @@ def _best(repeat: int, fn, llm) -> float:
     return best
 
 
-def _standalone_restore(worker, tokens: Sequence[int], num_chunks: int, window_chunks: int, repeat: int = 3) -> float:
+def _standalone_restore(worker, tokens: Sequence[int], num_chunks: int, repeat: int = 3) -> float:
     """Best of `repeat` BoundedRestorer restores of the engine's objects into a fresh cache of the
-    engine's layout (same registration, tier, keys, W), outside vLLM."""
+    engine's layout (same registration, tier, keys, W and pipeline depth), outside vLLM."""
     import torch
 
-    from ...restore import BoundedRestorer, RestoreConfig, RestoreRequest
+    from ...restore import BoundedRestorer, RestoreRequest
     from .registration import cpu_kv_views
 
     reg = worker.reg
@@ -168,7 +168,7 @@ def _standalone_restore(worker, tokens: Sequence[int], num_chunks: int, window_c
     tables = [torch.arange(1, nb, dtype=torch.int64) for _ in range(reg.num_groups)]
     req = RestoreRequest("standalone", list(tokens), worker.core.keyspace, kv, tables)
     best = float("inf")
-    with BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=window_chunks)) as r:
+    with BoundedRestorer(reg, worker.restore_config) as r:
         for _ in range(repeat):
             rep = r.restore(req, tier, num_chunks)
             assert rep.ok, rep.error
