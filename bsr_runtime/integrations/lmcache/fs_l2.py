@@ -10,12 +10,12 @@ in LMCache's format) is logged and the key is not loaded, so the restore fails c
 report the file (its existence); deletes are LMCache's. O_DIRECT is not used (the header breaks its
 alignment): use_odirect is ignored with a warning.
 
-Every task is as few hand-offs between the adapter's threads as it can be: a lookup (the key's file
-exists) and a store are one call on the event loop's thread pool for all their keys; a load is split into
-`load_concurrency` contiguous parts, one call each (per key: open, header into a small buffer, payload
-straight into the preallocated L1 memory object the prefetch controller passed in, CRC in place).
-FSL2Adapter awaits one or more pool calls per key; on this 2-vCPU host each hand-off costs tens of
-microseconds, and the batched tasks restore a 512K-token prefix about twice as fast
+Each task hands work between the adapter's threads as few times as it can: a lookup (does the key's
+file exist) and a store are one call on the event loop's thread pool for all their keys; a load is split
+into `load_concurrency` contiguous parts, one call each (per key: open, header into a small buffer,
+payload straight into the preallocated L1 memory object the prefetch controller passed in, CRC in
+place). FSL2Adapter awaits one or more pool calls per key; on this 2-vCPU host each hand-off costs tens
+of microseconds, and the batched tasks restore a 512K-token prefix about twice as fast
 (benchmarks/results/sweep_lmcache_fs_scale64_r5.txt).
 
     {"type": "plugin", "module_path": "bsr_runtime.integrations.lmcache.fs_l2",
