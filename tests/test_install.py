@@ -23,6 +23,7 @@ from kernel_util import (
     random_kv,
     registrations,
     snapshot,
+    untouched_outside_window,
 )
 
 from bsr_kernels import gather_window, install_window, presets
@@ -52,20 +53,6 @@ def _oracle(case: Case) -> list[torch.Tensor]:
     return kv
 
 
-def _check_untouched_outside_window(case: Case, kv: list[torch.Tensor]) -> None:
-    """Blocks no table entry of the window points at are still fully poisoned."""
-    reg = case.reg
-    first_tok = case.first_chunk * reg.chunk_tokens
-    end_tok = (case.first_chunk + case.num_chunks) * reg.chunk_tokens
-    for spec, t in zip(reg.specs, kv):
-        tpb = spec.tokens_per_block
-        in_window = case.tables[spec.group][first_tok // tpb : -(-end_tok // tpb)]
-        touched = set(in_window[in_window >= 0].tolist())
-        for blk in range(t.shape[0]):
-            if blk not in touched:
-                assert bool((t[blk].view(torch.uint8) == POISON).all()), f"{spec.name} block {blk} written"
-
-
 PRESETS = {
     "dsv4": lambda: presets.dsv4_flash(scale=1 / 64),
     "dsv4-mtp": lambda: presets.dsv4_flash(mtp=True, scale=1 / 64),
@@ -79,7 +66,7 @@ def test_torch_backend_matches_oracle_on_presets(preset, first_chunk, num_chunks
     case = make_case(PRESETS[preset](), first_chunk, num_chunks, seed=first_chunk * 7 + num_chunks)
     kv = _installed(case, "torch")
     assert_same(kv, _oracle(case), case.reg, f"{preset} torch vs oracle")
-    _check_untouched_outside_window(case, kv)
+    untouched_outside_window(case, kv)
 
 
 @pytest.mark.parametrize("backend", OTHER_BACKENDS)
@@ -88,7 +75,7 @@ def test_backends_match_torch_on_presets(backend, preset):
     case = make_case(PRESETS[preset](), first_chunk=2, num_chunks=2, seed=11)
     kv = _installed(case, backend)
     assert_same(kv, _installed(case, "torch"), case.reg, f"{preset} {backend} vs torch")
-    _check_untouched_outside_window(case, kv)
+    untouched_outside_window(case, kv)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -97,7 +84,7 @@ def test_torch_backend_matches_oracle_random(reg, first_chunk, num_chunks, seed)
     case = make_case(reg, first_chunk, num_chunks, seed)
     kv = _installed(case, "torch")
     assert_same(kv, _oracle(case), reg, "torch vs oracle")
-    _check_untouched_outside_window(case, kv)
+    untouched_outside_window(case, kv)
 
 
 @pytest.mark.parametrize("backend", OTHER_BACKENDS)
@@ -107,7 +94,7 @@ def test_backends_match_torch_random(backend, reg, first_chunk, num_chunks, seed
     case = make_case(reg, first_chunk, num_chunks, seed)
     kv = _installed(case, backend)
     assert_same(kv, _installed(case, "torch"), reg, f"{backend} vs torch")
-    _check_untouched_outside_window(case, kv)
+    untouched_outside_window(case, kv)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
