@@ -160,7 +160,7 @@ def test_file_size_is_header_plus_object(stored):
             assert f.read(4) == MAGIC
 
 
-# -- the plugin's tasks, called directly (one thread-pool call per task or load part) ---------------
+# -- the plugin's tasks, called directly (pool jobs per task) -------------------------------------
 class _L1Object:
     """What the plugin reads of an LMCache MemoryObj: `byte_array` (writable) and `data_ptr`."""
 
@@ -192,49 +192,65 @@ def _done(fd: int, query, task_id):
         os.read(fd, 8)  # LMCache's eventfd: reading resets it
 
 
-class _CountingExecutorCalls:
-    def __init__(self, loop) -> None:
-        self.calls, self._run = 0, loop.run_in_executor
-        loop.run_in_executor = self
+class _CountingPoolJobs:
+    """Counts the jobs the plugin hands to its pool (each is one hand-off between threads)."""
+
+    def __init__(self, ad) -> None:
+        self.calls, self._submit = 0, ad._pool.submit
+        ad._pool.submit = self
 
     def __call__(self, *args):
         self.calls += 1
-        return self._run(*args)
+        return self._submit(*args)
+
+
+def _plugin(tmp_path, conc: int):
+    from bsr_runtime.integrations.lmcache.fs_l2 import ConcurrentFSL2Adapter, ConcurrentFSL2AdapterConfig
+
+    return ConcurrentFSL2Adapter(ConcurrentFSL2AdapterConfig(str(tmp_path), load_concurrency=conc))
+
+
+def _store(ad, keys, objs):
+    return _done(ad.get_store_event_fd(), lambda t: ad.pop_completed_store_tasks().get(t),
+                 ad.submit_store_task(keys, objs))
+
+
+def _lookup(ad, keys):
+    return _done(ad.get_lookup_and_lock_event_fd(), ad.query_lookup_and_lock_result,
+                 ad.submit_lookup_and_lock_task(keys, {}))
+
+
+def _load(ad, keys, objs):
+    return _done(ad.get_load_event_fd(), ad.query_load_result, ad.submit_load_task(keys, objs))
 
 
 @pytest.mark.parametrize("conc", [1, 3, 8, 16])
 def test_plugin_tasks_store_lookup_load(stored, tmp_path, conc):
     """Store: an existing file is kept (not rewritten), a key whose write fails is reported (success False)
     and leaves no file; lookup: exactly the keys with files; load into poisoned objects: exactly those keys,
-    byte for byte, the others untouched. Each store or lookup is one thread-pool call, a load min(conc, n)."""
-    from bsr_runtime.integrations.lmcache.fs_l2 import ConcurrentFSL2Adapter, ConcurrentFSL2AdapterConfig
-
+    byte for byte, the others untouched. A store is one pool job, a window's lookup none (it runs on the
+    submitting thread), a load min(conc, n) jobs."""
     keys = stored.keys(SPACE_A)
     src, older = _objects(seed=conc), _objects(seed=99)
-    ad = ConcurrentFSL2Adapter(ConcurrentFSL2AdapterConfig(str(tmp_path), load_concurrency=conc))
+    ad = _plugin(tmp_path, conc)
     try:
-        calls = _CountingExecutorCalls(ad._loop)
-        store = lambda ks, objs: _done(ad.get_store_event_fd(),  # noqa: E731
-                                       lambda t: ad.pop_completed_store_tasks().get(t), ad.submit_store_task(ks, objs))
-        assert store([keys[1]], [older[1]]) == FILE_BYTES  # written before: kept as it is
+        calls = _CountingPoolJobs(ad)
+        assert _store(ad, [keys[1]], [older[1]]) == FILE_BYTES  # written before: kept as it is
         failing = ad._key_to_file_and_tmp_path(keys[4])[1]
         os.makedirs(failing)  # its temp file cannot be created
         calls.calls = 0
-        result = store(keys, src)
+        result = _store(ad, keys, src)
         assert result < 0  # L2StoreResult: -1 = failed
         assert calls.calls == 1
         assert not os.path.exists(ad._key_to_path(keys[4])) and os.path.isdir(failing)
         present = [i for i in range(N) if i != 4]
 
         calls.calls = 0
-        bits = _done(ad.get_lookup_and_lock_event_fd(), ad.query_lookup_and_lock_result,
-                     ad.submit_lookup_and_lock_task(keys, {}))
-        assert bits.get_indices_list() == present and calls.calls == 1
+        assert _lookup(ad, keys).get_indices_list() == present and calls.calls == 0
 
         dst = _objects(seed=0, fill=POISON)
         calls.calls = 0
-        bits = _done(ad.get_load_event_fd(), ad.query_load_result, ad.submit_load_task(keys, dst))
-        assert bits.get_indices_list() == present
+        assert _load(ad, keys, dst).get_indices_list() == present
         assert calls.calls == min(conc, N)
         for i in range(N):
             want = older[1].t if i == 1 else src[i].t
@@ -242,6 +258,51 @@ def test_plugin_tasks_store_lookup_load(stored, tmp_path, conc):
                 assert bool((dst[i].t == POISON).all())
             else:
                 assert torch.equal(dst[i].t, want), i
+    finally:
+        ad.close()
+
+
+def test_plugin_long_lookup_runs_on_the_pool(stored, tmp_path):
+    """A lookup longer than INLINE_LOOKUP_KEYS is one pool job (not stat calls on LMCache's controller
+    thread), with the same answer: every key present, the repeated ones included."""
+    from bsr_runtime.integrations.lmcache import fs_l2
+
+    keys = stored.keys(SPACE_A)
+    ad = _plugin(tmp_path, 1)
+    try:
+        _store(ad, keys, _objects(seed=3))
+        many = (keys * (fs_l2.INLINE_LOOKUP_KEYS // N + 1))[: fs_l2.INLINE_LOOKUP_KEYS + 1]
+        calls = _CountingPoolJobs(ad)
+        assert _lookup(ad, many).get_indices_list() == list(range(len(many)))
+        assert calls.calls == 1
+    finally:
+        ad.close()
+
+
+@pytest.mark.parametrize("task", ["store", "lookup", "load"])
+def test_plugin_task_that_raises_still_completes(stored, tmp_path, monkeypatch, task):
+    """An exception inside a task (here: every key's path) completes it as failed, nothing found or loaded,
+    rather than leaving LMCache's controller waiting for it; the poisoned objects stay untouched."""
+    keys = stored.keys(SPACE_A)
+    src = _objects(seed=7)
+    ad = _plugin(tmp_path, 3)
+    try:
+        _store(ad, keys, src)
+
+        def broken(*_a, **_k):
+            raise RuntimeError("injected")
+
+        if task == "store":
+            monkeypatch.setattr(ad, "_store_all", broken)
+            assert _store(ad, keys, src) < 0
+        elif task == "lookup":
+            monkeypatch.setattr(ad, "_key_to_path", broken)
+            assert _lookup(ad, keys).get_indices_list() == []
+        else:
+            monkeypatch.setattr(ad, "_load_one", broken)
+            dst = _objects(seed=0, fill=POISON)
+            assert _load(ad, keys, dst).get_indices_list() == []
+            assert all(bool((o.t == POISON).all()) for o in dst)
     finally:
         ad.close()
 

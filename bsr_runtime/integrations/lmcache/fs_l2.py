@@ -10,13 +10,16 @@ in LMCache's format) is logged and the key is not loaded, so the restore fails c
 report the file (its existence); deletes are LMCache's. O_DIRECT is not used (the header breaks its
 alignment): use_odirect is ignored with a warning.
 
-Each task hands work between the adapter's threads as few times as it can: a lookup (does the key's
-file exist) and a store are one call on the event loop's thread pool for all their keys; a load is split
-into `load_concurrency` contiguous parts, one call each (per key: open, header into a small buffer,
-payload straight into the preallocated L1 memory object the prefetch controller passed in, CRC in
-place). FSL2Adapter awaits one or more pool calls per key; on this 2-vCPU host each hand-off costs tens
-of microseconds, and the batched tasks restore a 512K-token prefix about twice as fast
-(benchmarks/results/sweep_lmcache_fs_scale64_r5.txt).
+Each task hands work between threads as few times as it can. FSL2Adapter sends every task from
+LMCache's controller thread to its event loop, which awaits one or more thread-pool calls per key, and
+back. This plugin runs a task as jobs of its own pool, submitted by the controller thread, which an
+eventfd wakes when the task is done: a store is one job, a load `load_concurrency` contiguous parts
+(per key: open, header into a small buffer, payload straight into the preallocated L1 memory object
+the prefetch controller passed in, CRC in place), and a lookup of at most INLINE_LOOKUP_KEYS keys (a
+restore window's) runs on the controller thread itself, its stat calls costing less than two hand-offs.
+On this 2-vCPU host each hand-off costs tens of microseconds, and a windowed retrieve pays them once
+per window (benchmarks/results/sweep_lmcache_fs_scale64_r5.txt). Every task completes, whatever it
+raises, so the controller never waits for one forever.
 
     {"type": "plugin", "module_path": "bsr_runtime.integrations.lmcache.fs_l2",
      "class_name": "ConcurrentFSL2Adapter",
@@ -28,9 +31,10 @@ of microseconds, and the batched tasks restore a 512K-token prefix about twice a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmcache.lmcache_native import Bitmap
@@ -77,6 +81,24 @@ def _env_load_concurrency() -> int:
     return cfg.fs_load_concurrency
 
 
+INLINE_LOOKUP_KEYS = 64  # ~6 us of stat per key here: at most ~0.4 ms on LMCache's controller thread
+
+
+class _PartedLoad:
+    """A load task's parts: each reports its loaded indices; the last one gets the task's bitmap."""
+
+    def __init__(self, task_id: int, n: int, parts: int) -> None:
+        self.task_id, self._bitmap, self._left = task_id, Bitmap(n), parts
+        self._lock = threading.Lock()
+
+    def part_done(self, loaded: list[int]) -> Bitmap | None:
+        with self._lock:
+            for i in loaded:
+                self._bitmap.set(i)
+            self._left -= 1
+            return self._bitmap if self._left == 0 else None
+
+
 class ConcurrentFSL2Adapter(FSL2Adapter):
     """FSL2Adapter whose object files carry a checked header and whose loads read `load_concurrency` keys at a time."""
 
@@ -88,21 +110,69 @@ class ConcurrentFSL2Adapter(FSL2Adapter):
         conc = getattr(config, "load_concurrency", None)
         self.load_concurrency = int(conc) if conc is not None else _env_load_concurrency()
         logger.info("ConcurrentFSL2Adapter: load_concurrency=%d", self.load_concurrency)
+        # stores, lookups and load parts run here, submitted by LMCache's controller thread: one hand-off
+        # there and an eventfd back (FSL2Adapter goes through its event loop, then its thread pool)
+        self._pool = ThreadPoolExecutor(max_workers=max(2, self.load_concurrency), thread_name_prefix="bsr-fs-l2")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)  # running tasks finish before the eventfds close
+        super().close()
 
     def report_status(self) -> dict:
         status = super().report_status()
         status.update(type="ConcurrentFSL2Adapter", load_concurrency=self.load_concurrency, use_odirect=False)
         return status
 
-    async def _execute_store(self, keys, objects, task_id) -> None:
-        """FSL2Adapter's store (skip keys already on disk, write a temp file, rename), header + payload,
-        every key in one thread-pool call (FSL2Adapter awaits about six calls per key)."""
-        success, stored = await self._loop.run_in_executor(None, self._store_all, keys, objects)
-        if stored:
-            self._notify_keys_stored([key for key, _ in stored], [size for _, size in stored])
+    # -- tasks: submitted by LMCache's controller thread straight to the plugin's pool ----------------
+    def submit_store_task(self, keys, objects) -> int:
+        task_id = self._task_id()
+        self._submit(self._run_store, keys, objects, task_id)
+        return task_id
+
+    def submit_lookup_and_lock_task(self, keys, group_layout_descs) -> int:
+        """A lookup of at most INLINE_LOOKUP_KEYS keys runs on the calling thread (a window's stat calls
+        cost less than handing them to the pool and back); a longer one on the pool."""
+        task_id = self._task_id()
+        if len(keys) <= INLINE_LOOKUP_KEYS:
+            self._run_lookup(keys, task_id)
+        else:
+            self._submit(self._run_lookup, keys, task_id)
+        return task_id
+
+    def submit_load_task(self, keys, objects) -> int:
+        """The keys split into `load_concurrency` contiguous parts, one pool job each; the part that
+        finishes last completes the task."""
+        task_id = self._task_id()
+        n = len(keys)
+        parts = max(1, min(self.load_concurrency, n))
+        load = _PartedLoad(task_id, n, parts)
+        for p in range(parts):
+            self._submit(self._run_load_part, keys, objects, load, n * p // parts, n * (p + 1) // parts)
+        return task_id
+
+    def _task_id(self) -> int:
         with self._lock:
-            self._completed_store_tasks[task_id] = L2StoreResult(success, sum(size for _, size in stored))
-        self._store_efd.notify()
+            return self._get_next_task_id()
+
+    def _submit(self, fn, *args) -> None:
+        try:
+            self._pool.submit(fn, *args)
+        except RuntimeError:  # the pool is shut down: the adapter is closing
+            logger.warning("ConcurrentFSL2Adapter: task submitted after close, not run")
+
+    def _run_store(self, keys, objects, task_id) -> None:
+        success, stored = False, []
+        try:
+            success, stored = self._store_all(keys, objects)
+            if stored:
+                self._notify_keys_stored([key for key, _ in stored], [size for _, size in stored])
+        except Exception:
+            logger.exception("ConcurrentFSL2Adapter store task %d failed", task_id)
+            success = False
+        finally:  # the controller always hears back, or it waits for this task forever
+            with self._lock:
+                self._completed_store_tasks[task_id] = L2StoreResult(success, sum(size for _, size in stored))
+            self._store_efd.notify()
 
     def _store_all(self, keys, objects) -> tuple[bool, list[tuple[Any, int]]]:
         """(every key stored or already on disk, [(key, file size) of each file written])."""
@@ -126,42 +196,43 @@ class ConcurrentFSL2Adapter(FSL2Adapter):
             stored.append((key, HEADER_SIZE + len(buf)))  # the file's size, as delete() reports it
         return success, stored
 
-    async def _execute_lookup(self, keys, task_id) -> None:
-        """FSL2Adapter's lookup (a key is present iff its file exists), every key in one thread-pool
-        call: one hand-off between the adapter's threads per task instead of two per key."""
-        present = await self._loop.run_in_executor(None, self._existing, keys)
+    def _run_lookup(self, keys, task_id) -> None:
+        """FSL2Adapter's lookup: a key is present iff its file exists."""
         bitmap = Bitmap(len(keys))
-        for i in present:
-            bitmap.set(i)
-        with self._lock:
-            self._completed_lookup_tasks[task_id] = bitmap
-        self._lookup_efd.notify()
+        try:
+            for i, key in enumerate(keys):
+                if os.path.exists(self._key_to_path(key)):
+                    bitmap.set(i)
+        except Exception:
+            logger.exception("ConcurrentFSL2Adapter lookup task %d failed", task_id)
+            bitmap = Bitmap(len(keys))  # nothing found: the prefetch misses, the restore fails closed
+        finally:
+            with self._lock:
+                self._completed_lookup_tasks[task_id] = bitmap
+            self._lookup_efd.notify()
 
-    def _existing(self, keys) -> list[int]:
-        return [i for i, key in enumerate(keys) if os.path.exists(self._key_to_path(key))]
+    def _run_load_part(self, keys, objects, load: _PartedLoad, begin: int, end: int) -> None:
+        loaded: list[int] = []
+        try:
+            loaded = [i for i in range(begin, end) if self._load_one(keys[i], objects[i])]
+        except Exception:
+            logger.exception("ConcurrentFSL2Adapter load task %d failed", load.task_id)
+        finally:
+            bitmap = load.part_done(loaded)
+            if bitmap is not None:  # the last part: publish the task
+                self._finish_load(keys, load.task_id, bitmap)
 
-    async def _execute_load(self, keys, objects, task_id) -> None:
-        """The keys split into `load_concurrency` contiguous parts, each read by one thread-pool call
-        (one hand-off per part, not two per key)."""
-        n = len(keys)
-        parts = max(1, min(self.load_concurrency, n))
-        loaded = await asyncio.gather(*(
-            self._loop.run_in_executor(None, self._load_part, keys, objects, n * p // parts, n * (p + 1) // parts)
-            for p in range(parts)))
-        bitmap = Bitmap(n)
-        for part in loaded:
-            for i in part:
-                bitmap.set(i)
-        loaded_keys = [keys[i] for i in bitmap.get_indices_list()]
-        if loaded_keys:
-            self._notify_keys_accessed(loaded_keys)
-        with self._lock:
-            self._completed_load_tasks[task_id] = bitmap
-        self._load_efd.notify()
-
-    def _load_part(self, keys, objects, begin: int, end: int) -> list[int]:
-        """Indices in [begin, end) whose file is the key's own intact object, now in its L1 object."""
-        return [i for i in range(begin, end) if self._load_one(keys[i], objects[i])]
+    def _finish_load(self, keys, task_id, bitmap) -> None:
+        try:
+            loaded_keys = [keys[i] for i in bitmap.get_indices_list()]
+            if loaded_keys:
+                self._notify_keys_accessed(loaded_keys)
+        except Exception:
+            logger.exception("ConcurrentFSL2Adapter: access notification of load task %d failed", task_id)
+        finally:
+            with self._lock:
+                self._completed_load_tasks[task_id] = bitmap
+            self._load_efd.notify()
 
     def _load_one(self, key, obj) -> bool:
         """One key, checked: open, header into a small buffer, payload straight into the preallocated
