@@ -6,6 +6,7 @@ retrieve fails closed (ok=False, committed_tokens=0, L1 back to its baseline) in
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 
@@ -306,3 +307,51 @@ def test_plugin_task_that_raises_still_completes(stored, tmp_path, monkeypatch, 
     finally:
         ad.close()
 
+
+
+# -- log lines: one per retrieve, not one per window ----------------------------------------------
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.parametrize("level", [logging.INFO, logging.DEBUG], ids=["info", "debug"])
+def test_windowed_retrieve_logs_one_line(stored, copy, level):
+    """At INFO, a retrieve of N chunks at W = 2 logs one line of its own and none of LMCache's
+    per-prefetch lines for its N/2 windows, while a prefetch of another caller still logs its line; at
+    DEBUG the window lines are kept."""
+    from lmcache.v1.distributed.api import GroupedObjectKeys, PrefetchTaskSpec
+    from lmcache.v1.distributed.storage_manager import StorageManager
+
+    from bsr_runtime.integrations.lmcache import retrieve as retrieve_module
+
+    loggers = [logging.getLogger(StorageManager.__module__), logging.getLogger(retrieve_module.__name__)]
+    handler, levels = _Lines(), [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(level)
+    try:
+        with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(copy)], load_adapter_config()) as ad:
+            req = stored.request(SPACE_A, seed=3)
+            rep = ad.retrieve(req, N, window_chunks=2)
+            assert rep.ok and rep.windows == N // 2
+            windows = [m for m in handler.lines if m.startswith("Prefetch request completed")]
+            ours = [m for m in handler.lines if m.startswith(f"BSR retrieve {req.request_id}:")]
+            assert len(ours) == 1 and f"{N} chunks" in ours[0], handler.lines
+            assert len(windows) == (N // 2 if level == logging.DEBUG else 0), windows
+            okeys = ad.keys(SPACE_A, req.tokens).window(0, 2)
+            spec = PrefetchTaskSpec([GroupedObjectKeys(okeys, 0, ad.layout)], num_kv_readers=1,
+                                    fetching_policy="prefix")
+            handle = ad.sm.submit_prefetch_task(spec, external_request_id="someone-else")
+            assert ad.sm.wait_prefetch_status(handle, 30.0)
+            result = ad.sm.query_prefetch_status(handle)
+            retrieve_module.release_result(ad.sm, result, okeys, evict_loaded=True)
+            assert any("someone-else" in m for m in handler.lines[-2:]), handler.lines[-3:]
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(lv)

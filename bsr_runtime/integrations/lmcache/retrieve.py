@@ -25,6 +25,8 @@ way.
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from lmcache.logging import init_logger
 from lmcache.v1.distributed.api import GroupedObjectKeys, ObjectKey, PrefetchHandle, PrefetchTaskSpec
 from lmcache.v1.distributed.storage_manager import StorageManager
 
@@ -45,6 +48,31 @@ from .objects import LMCacheKeys, _owners, _runs
 
 if TYPE_CHECKING:
     from .adapter import LMCacheAdapter
+
+
+logger = init_logger(__name__)
+
+# A window's prefetch is tagged "<request id>/bsr-w<index>" (the retrieve) or "bsr-w" (LMCacheTier.fetch).
+# LMCache logs one INFO line per completed prefetch; a windowed restore would log N/W of them (2,047 at
+# W = 1 for a 512K-token prefix). Below DEBUG they are dropped, and the retrieve logs one line of its
+# own, as LMCache's whole-plan prefetch does (the tier's restores have their reports).
+WINDOW_TAG = "bsr-w"
+_WINDOW_ID = re.compile(r"(^|/)bsr-w\d*$")
+
+
+class _WindowPrefetchLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not any(isinstance(a, str) and _WINDOW_ID.search(a) for a in args)
+
+
+def fold_window_lines() -> None:
+    """Install the filter on LMCache's StorageManager logger, once per process."""
+    sm_logger = logging.getLogger(StorageManager.__module__)
+    if not any(isinstance(f, _WindowPrefetchLines) for f in sm_logger.filters):
+        sm_logger.addFilter(_WindowPrefetchLines())
 
 
 @dataclass
@@ -144,7 +172,7 @@ class L1RestoreStage:
         self.result = self.owners = self._read = None
         spec = PrefetchTaskSpec([GroupedObjectKeys(self.keys, 0, ad.layout)], num_kv_readers=1,
                                 fetching_policy="prefix")
-        self.handle = self.sm.submit_prefetch_task(spec, external_request_id=f"{request_id}/w{win.index}")
+        self.handle = self.sm.submit_prefetch_task(spec, external_request_id=f"{request_id}/{WINDOW_TAG}{win.index}")
         self._state = _PREFETCHING
 
     def wait(self) -> list[tuple[int, int, torch.Tensor]]:
@@ -220,6 +248,7 @@ def retrieve(ad: LMCacheAdapter, req: RestoreRequest, num_chunks: int, window_ch
         raise ValueError(f"window_chunks (W) must be in [0, {MAX_WINDOW_CHUNKS}], got {w}")
     if num_chunks < 0 or num_chunks * reg.chunk_tokens > len(req.tokens):
         raise ValueError(f"confirmed prefix of {num_chunks} chunks exceeds the request's {len(req.tokens)} tokens")
+    fold_window_lines()
     keys = ad.keys(req.keyspace, req.tokens)
     # destinations, tables and fingerprint checked once, before any byte moves; each run of L1
     # objects then only has its staging and chunk range checked (not a descriptor table per run)
@@ -261,7 +290,19 @@ def retrieve(ad: LMCacheAdapter, req: RestoreRequest, num_chunks: int, window_ch
         _copy_stats(rep, loop, measure, ad.tracker.used(), t0)
     if not rep.ok:
         fail_closed(ad, req, rep)
+    _log(rep)
     return rep
+
+
+def _log(rep: LMCacheRestoreReport) -> None:
+    where = f"W={rep.window_chunks}, {rep.windows_installed}/{rep.windows} windows" if rep.window_chunks else \
+        "whole plan (W=0)"
+    if rep.ok:
+        logger.info("BSR retrieve %s: %d chunks (%d hit) in %.1f ms, %s, L1 peak +%d B",
+                    rep.request_id, rep.num_chunks, rep.hit_chunks, rep.total_s * 1e3, where, rep.peak_staging_bytes)
+    else:
+        logger.warning("BSR retrieve %s failed closed after %.1f ms, %s: %s", rep.request_id, rep.total_s * 1e3,
+                       where, rep.error)
 
 
 def _new_report(ad: LMCacheAdapter, req: RestoreRequest, num_chunks: int, w: int) -> LMCacheRestoreReport:

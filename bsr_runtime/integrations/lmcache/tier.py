@@ -47,7 +47,7 @@ from .adapter import LMCacheAdapter
 from .config import fs_l2, load_adapter_config, mooncake_l2
 from .objects import _owners
 from .probe import _probe_l1
-from .retrieve import evict_l2_loaded, release_result
+from .retrieve import WINDOW_TAG, evict_l2_loaded, fold_window_lines, release_result
 from .store import abort_writes, flush_l1, wait_in_l2
 
 _RANK = re.compile(r"-r(\d+)of(\d+)-")
@@ -63,6 +63,7 @@ class LMCacheTier(Tier):
         self.name = adapter.tier_name()
         self.put_timeout_s = put_timeout_s
         self._model = f"bsr-{adapter.reg.fingerprint[:16]}"
+        fold_window_lines()
 
     def _object_keys(self, keys: Sequence[str]) -> list[ObjectKey]:
         out = []
@@ -113,7 +114,7 @@ class LMCacheTier(Tier):
         c = self.chunk_bytes
         okeys = self._object_keys(keys)
         h = self.sm.submit_prefetch_task(self._spec(okeys, num_kv_readers=1, fetching_policy="prefix"),
-                                         external_request_id="bsr-fetch")
+                                         external_request_id=WINDOW_TAG)
         result = self.adapter.late.wait(h, okeys, max(0.001, deadline - time.monotonic()))
         if result is None:
             raise FetchTimeoutError(f"LMCache prefetch of {len(keys)} objects missed its deadline")
