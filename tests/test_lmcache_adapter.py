@@ -95,17 +95,19 @@ class Sampler:
         self.sm = sm
         self.peak = 0
         self.samples = 0
-        self._stop = threading.Event()
+        self._stop, self._started = threading.Event(), threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, self.sm.get_l1_usage()[0])
             self.samples += 1
+            self._started.set()
             time.sleep(0.0002)
 
     def __enter__(self):
         self._t.start()
+        self._started.wait()  # sampling before the retrieve starts
         return self
 
     def __exit__(self, *exc):
@@ -195,9 +197,10 @@ def test_windowed_retrieve_small_l1(stored, small, w):
     assert state_hash(REG, req.kv, req.block_tables, N) == stored.hash[N]
     # RWS: LMCache's L1 usage above the baseline never exceeds one window of objects
     assert rep.peak_staging_bytes == min(w, N) * OBJ_4K  # W*c + W*(align padding)
-    assert s.peak - base <= min(w, N) * OBJ_4K and s.samples > 10
+    assert s.peak - base <= min(w, N) * OBJ_4K and s.samples >= 3  # a 2-window retrieve takes a few ms
     assert rep.l1_samples >= rep.windows
-    assert rep.install_launches == N  # 4 KiB-aligned objects are not back to back: one launch each
+    # a window's 4 KiB-aligned objects lie OBJ_4K apart in L1: one strided launch per window
+    assert rep.install_launches == rep.windows
     assert not rep.invalid_block_ids and not rep.force_local
 
 
@@ -211,7 +214,7 @@ def test_prefix_eight_times_larger_than_l1(stored):
             rep = ad.retrieve(req, N, window_chunks=4)
         assert rep.ok, rep.error
         assert state_hash(REG, req.kv, req.block_tables, N) == stored.hash[N]
-        assert s.samples > 10 and s.peak <= 4 * OBJ_4K and rep.peak_staging_bytes == 4 * OBJ_4K
+        assert s.samples >= 3 and s.peak <= 4 * OBJ_4K and rep.peak_staging_bytes == 4 * OBJ_4K
         whole = ad.retrieve(stored.request(seed=82, rid="eightfold-w0"), N, window_chunks=0)
         assert not whole.ok and whole.hit_chunks == 0 and whole.committed_tokens == 0
 
@@ -259,9 +262,17 @@ def test_missing_key_after_probe_fails_closed(stored, small):
     assert rep.peak_staging_bytes <= 8 * OBJ_4K
 
 
-def test_prefetch_timeout_fails_closed_and_late_objects_are_released(stored, small):
+def test_prefetch_timeout_fails_closed_and_late_objects_are_released(stored, small, monkeypatch):
     sm = small.sm
     base = sm.get_l1_usage()[0]
+    (_, plugin), = small.l2_adapters()
+    load_one = plugin._load_one
+
+    def slow_load_one(key, obj):  # the prefetch surely misses a 1 us deadline, whoever holds the GIL
+        time.sleep(0.02)
+        return load_one(key, obj)
+
+    monkeypatch.setattr(plugin, "_load_one", slow_load_one)
     impatient = LMCacheAdapter(REG, sm, config(prefetch_timeout_s=1e-6))
     req = stored.request(seed=65, rid="late")
     rep = impatient.retrieve(req, N, window_chunks=8)
@@ -277,12 +288,14 @@ def test_prefetch_timeout_fails_closed_and_late_objects_are_released(stored, sma
         time.sleep(0.01)
     assert settled()
     impatient.close()  # joins the thread that released the late prefetch
+    monkeypatch.setattr(plugin, "_load_one", load_one)
     assert small.retrieve(stored.request(seed=66), N, window_chunks=8).ok
 
 
 def test_one_installer_per_retrieve(stored, small, monkeypatch):
     """The destinations are validated and the install state prepared once per retrieve (not once
-    per run of L1 objects: that cost ~0.9 ms a launch at 1/64 scale); each run is one install."""
+    per run of L1 objects: that cost ~0.9 ms a launch at 1/64 scale); each run is one install, and a
+    window's objects, OBJ_4K apart in L1, are one run."""
     import bsr_runtime.integrations.lmcache.retrieve as lm_retrieve
 
     made, installs = [], []
@@ -300,14 +313,14 @@ def test_one_installer_per_retrieve(stored, small, monkeypatch):
     req = stored.request(seed=69, rid="one-installer")
     rep = small.retrieve(req, N, window_chunks=8)
     assert rep.ok, rep.error
-    assert made == [N] and len(installs) == rep.install_launches == N
-    assert sorted(f for f, _ in installs) == list(range(N))
+    assert made == [N] and len(installs) == rep.install_launches == rep.windows  # one strided run a window
+    assert sorted(installs) == [(f, min(8, N - f)) for f in range(0, N, 8)]
     assert state_hash(REG, req.kv, req.block_tables, N) == stored.hash[N]
     bad = stored.request(seed=70, rid="bad-destinations")
     bad.block_tables[0][0] = 10**9  # a block id past the destination: refused before any byte moves
     with pytest.raises(ValueError):
         small.retrieve(bad, N, window_chunks=8)
-    assert made == [N, N] and len(installs) == N
+    assert made == [N, N] and len(installs) == rep.windows
 
 
 def test_unexpected_install_error_fails_closed_and_releases_everything(stored, small, monkeypatch):

@@ -72,9 +72,12 @@ def _owners(result, keys: list[ObjectKey]) -> dict | None:
     return {k: owners[k] for k in keys if k in owners} or None
 
 
-def _runs(objs, chunk_bytes: int) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """(first index, count, uint8 view) per run of consecutive objects that lie back to back in one
-    L1 storage; the views alias LMCache's L1 memory (no copy). None entries break runs."""
+def _runs(objs, chunk_bytes: int, stride: int | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(first index, count, uint8 view) per run of consecutive objects that lie `stride` bytes apart
+    (LMCache's object size, align_up(c, align_bytes); default c) in one L1 storage: a (count, c) view
+    with that row stride, or 1-D when stride == c. The views alias LMCache's L1 memory (no copy), one
+    install or gather launch per run. None entries break runs."""
+    stride = chunk_bytes if stride is None else stride
     start = 0
     n = len(objs)
     while start < n:
@@ -86,14 +89,18 @@ def _runs(objs, chunk_bytes: int) -> Iterator[tuple[int, int, torch.Tensor]]:
             raise RuntimeError("an L1 memory object has no tensor (invalidated or not host memory)")
         end = start + 1
         while (end < n and objs[end] is not None
-               and objs[end].data_ptr == objs[start].data_ptr + (end - start) * chunk_bytes):
+               and objs[end].data_ptr == objs[start].data_ptr + (end - start) * stride):
             end += 1
         count = end - start
         storage = raw.untyped_storage()
-        if raw.storage_offset() * raw.element_size() + count * chunk_bytes > storage.nbytes():
+        offset = raw.storage_offset() * raw.element_size()
+        if offset + (count - 1) * stride + chunk_bytes > storage.nbytes():
             count, end = 1, start + 1  # not one storage: one object at a time
-        view = torch.empty(0, dtype=torch.uint8, device=raw.device).set_(
-            storage, raw.storage_offset() * raw.element_size(), (count * chunk_bytes,))
+        view = torch.empty(0, dtype=torch.uint8, device=raw.device)
+        if stride == chunk_bytes or count == 1:
+            view.set_(storage, offset, (count * chunk_bytes,))
+        else:
+            view.set_(storage, offset, (count, chunk_bytes), (stride, 1))
         yield start, count, view
         start = end
 

@@ -164,7 +164,8 @@ class L1RestoreStage:
     def __init__(self, ad: LMCacheAdapter, keys: LMCacheKeys, win: Window, request_id: str, *,
                  evict_retained: bool, synchronize: Callable[[], None], on_hits: Callable[[int], None]) -> None:
         self.sm, self.late, self.tracker = ad.sm, ad.late, ad.tracker
-        self.chunk_bytes, self.timeout_s = ad.reg.chunk_bytes, ad.config.prefetch_timeout_s
+        self.chunk_bytes, self.object_bytes = ad.reg.chunk_bytes, ad.l1_object_bytes
+        self.timeout_s = ad.config.prefetch_timeout_s
         self.index, self.label = win.index, _label(win.index, win.first_chunk, win.num_chunks)
         self.first = win.first_chunk
         self.keys = keys.window(win.first_chunk, win.num_chunks)
@@ -198,7 +199,7 @@ class L1RestoreStage:
         if objs is None:
             raise L1WindowError(f"window {self.index}: prefetched objects not readable in L1")
         try:
-            return list(_runs(objs, self.chunk_bytes))
+            return list(_runs(objs, self.chunk_bytes, self.object_bytes))
         except Exception as e:
             raise L1WindowError(f"{self.label}: install failed: {type(e).__name__}: {e}") from e
 

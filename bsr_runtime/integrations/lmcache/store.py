@@ -53,13 +53,14 @@ class L1StoreStage:
     def __init__(self, job: StoreJob, win: Window) -> None:
         self.job, self.sm = job, job.ad.sm
         self.first, self.chunk_bytes = win.first_chunk, job.ad.reg.chunk_bytes
+        self.object_bytes = job.ad.l1_object_bytes
         self.batch = job.keys.window(win.first_chunk, win.num_chunks)
         self.reserved = self.sm.reserve_write(self.batch, job.ad.layout)
         self.objs = [self.reserved.get(k) for k in self.batch]  # None: already resident, or no room
         self._written = False
 
     def runs(self) -> list[tuple[int, int, torch.Tensor]]:
-        return list(_runs(self.objs, self.chunk_bytes))
+        return list(_runs(self.objs, self.chunk_bytes, self.object_bytes))
 
     def record(self, stream) -> None:
         pass  # gathers into L1 are synchronized device-wide (or on the adapter's stream)
