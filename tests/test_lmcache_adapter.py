@@ -27,6 +27,7 @@ from bsr_runtime.admission import ByteBudget  # noqa: E402
 from bsr_runtime.integrations.lmcache import (  # noqa: E402
     LMCacheAdapter,
     LMCacheKeys,
+    build_storage_manager,
     fs_l2,
     load_adapter_config,
     mooncake_l2,
@@ -553,3 +554,29 @@ def test_mooncake_master_stopped_fails_closed(stored):
             assert not rep.ok and rep.committed_tokens == 0 and rep.invalid_block_ids == all_block_ids(req, n)
             assert ad.l1_usage()[0] == 0 == rep.l1_after_bytes
             master.restart()  # a Mooncake client closes in ~10 s when its master is gone; ~2 s when it is back
+
+
+@pytest.mark.parametrize("temporary", [True, False])
+def test_l2_loaded_objects_left_to_the_default_policy(stored, temporary, monkeypatch):
+    """LMCache's default prefetch policy frees what it loaded from L2 when the read finishes: an adapter
+    that made its StorageManager with that policy deletes nothing per window; over a StorageManager of
+    unknown policy it deletes the L2-loaded keys itself. Either way L1 returns to its baseline."""
+    sm = build_storage_manager(32 * OBJ_4K, [fs_l2(stored.base)])
+    try:
+        ad = LMCacheAdapter(REG, sm, config(), l2_loads_are_temporary=temporary)
+        deletes = []
+        delete = sm.delete_l1_keys
+        monkeypatch.setattr(sm, "delete_l1_keys",
+                            lambda keys, *a, **k: deletes.append(len(keys)) or delete(keys, *a, **k))
+        base = sm.get_l1_usage()[0]
+        req = stored.request(seed=71, rid=f"temporary-{temporary}")
+        rep = ad.retrieve(req, N, window_chunks=8)
+        assert rep.ok, rep.error
+        assert state_hash(REG, req.kv, req.block_tables, N) == stored.hash[N]
+        assert sm.get_l1_usage()[0] == base == rep.l1_after_bytes
+        assert deletes == ([] if temporary else [8] * (N // 8))
+    finally:
+        sm.close()
+    made = LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(stored.base)], config())
+    with made:
+        assert made.l2_loads_are_temporary

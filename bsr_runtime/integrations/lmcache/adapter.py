@@ -37,7 +37,8 @@ class LMCacheAdapter:
 
     def __init__(self, reg: Registration, storage_manager: StorageManager, config=None, *,
                  admission: SerialAdmission | ByteBudget | None = None, stream: torch.cuda.Stream | None = None,
-                 owns_storage_manager: bool = False, l2_lookup_timeout_s: float = 10.0, markers=None) -> None:
+                 owns_storage_manager: bool = False, l2_lookup_timeout_s: float = 10.0, markers=None,
+                 l2_loads_are_temporary: bool = False) -> None:
         self.reg = reg
         self.sm = storage_manager
         self.config = config if config is not None else load_adapter_config()
@@ -49,6 +50,9 @@ class LMCacheAdapter:
         self.force_local: set[str] = set()  # request ids that failed closed (see clear_force_local)
         self.markers = markers  # optional shared force-local table: anything with set(request_id, reason)
         self._owns = owns_storage_manager
+        # True when the prefetch policy is known to keep nothing it loads from L2 (LMCache's default
+        # policy: finish_read frees those objects), so a window need not delete them from L1 itself
+        self.l2_loads_are_temporary = l2_loads_are_temporary
         self.tracker = L1UsageTracker(storage_manager)
         self.l2 = L2Lookups(storage_manager, self.layout, l2_lookup_timeout_s)
         self.late = LatePrefetches(storage_manager, lambda: self.config.prefetch_timeout_s)
@@ -65,7 +69,8 @@ class LMCacheAdapter:
         sm = build_storage_manager(l1_bytes, l2, align_bytes=align_bytes, store_policy=store_policy,
                                    prefetch_policy=prefetch_policy)
         try:
-            return cls(reg, sm, config, owns_storage_manager=True, **kw)
+            return cls(reg, sm, config, owns_storage_manager=True,
+                       l2_loads_are_temporary=prefetch_policy == "default", **kw)
         except BaseException:
             sm.close()
             raise

@@ -262,8 +262,10 @@ def retrieve(ad: LMCacheAdapter, req: RestoreRequest, num_chunks: int, window_ch
     def on_hits(n: int) -> None:
         rep.hit_chunks += n
 
+    evict_retained = cfg.evict_retained and w > 0 and not ad.l2_loads_are_temporary
+
     def stage(win: Window) -> L1RestoreStage:
-        return L1RestoreStage(ad, keys, win, req.request_id, evict_retained=cfg.evict_retained and w > 0,
+        return L1RestoreStage(ad, keys, win, req.request_id, evict_retained=evict_retained,
                               synchronize=lambda: ad.synchronize(kv), on_hits=on_hits)
 
     def install(view: torch.Tensor, first: int, count: int) -> str | None:
