@@ -243,3 +243,46 @@ def test_a_put_with_headroom_writes_only_the_room_and_reads_back(holder, reader)
     assert read(reader, keys, back.ptrs([1, 3, 5]), collect=False) == {}
     assert_same([back.slot(j) for j in (1, 3, 5)], data)
     back.close()
+
+
+# -- per-view room: the alignment padding of the object before (LMCache's L1 objects) ---------------
+PAD = 4800  # align_up(c, 4096) - c for the sweep's 249,152 B chunks
+
+
+def test_padding_rooms():
+    from bsr_runtime.integrations.lmcache.mooncake_l2 import padding_rooms
+
+    phys = C + PAD
+    ptrs = [0, phys, 2 * phys, 5 * phys, 6 * phys, 3 * phys]
+    assert padding_rooms(ptrs, [C] * 6, [phys] * 6) == [0, PAD, PAD, 0, PAD, 0]  # runs, gaps, order
+    assert padding_rooms([0, C], [C, C], [C, C]) == [0, 0]  # no padding: adjacent, no room
+    assert padding_rooms([], [], []) == []
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2, 3], [0, 1, 2, 4, 5], [3, 4, 1]])
+def test_objects_land_whole_in_the_padding_of_the_object_before(holder, mooncake_tier_factory, slots):
+    """Views as LMCache lays out its L1 objects (C bytes each, PAD bytes of padding after each): where
+    a view follows the one before's padding, its object lands whole with its header in that padding;
+    the first of each run takes a two-buffer get. One get, no landing copy, nothing written before
+    the first view of a run nor into unused slots, the right bytes in every view."""
+    from bsr_runtime.integrations.lmcache.mooncake_l2 import padding_rooms
+
+    reader = mooncake_tier_factory(C, FP, global_segment_size=0)  # the tcp default: land_whole None
+    views = GuardedViews(reader, SLOTS + 1, C, room=PAD)  # slot j's room is slot j-1's padding
+    try:
+        keys, data = stored(holder, "pad" + "".join(map(str, slots)), len(slots), seed=90 + len(slots))
+        ptrs = [views.slot(j + 1).data_ptr() for j in slots]  # slot 0 unused: its padding guards slot 1
+        rooms = padding_rooms(ptrs, [C] * len(slots), [C + PAD] * len(slots))
+        assert rooms == [PAD if i and slots[i] == slots[i - 1] + 1 else 0 for i in range(len(slots))]
+        assert read(reader, keys, ptrs, collect=False, headroom=rooms) == {}
+        assert_same([views.slot(j + 1) for j in slots], data)
+        used = [j + 1 for j in slots]
+        assert views.untouched(used)  # unused slots with their rooms, and the guards
+        firsts = [j + 1 for i, j in enumerate(slots) if not rooms[i]]
+        assert all(bool((views.room(j) == POISON).all()) for j in firsts)  # not this read's bytes
+        assert reader.stats["get_calls"] == 1 and no_leftovers(reader)
+        with flipped(segment_address(holder, keys[-1], C) + H + 7, 0x04):  # damage is still refused
+            problems = read(reader, keys, ptrs, collect=True, headroom=rooms)
+        assert set(problems) == {len(slots) - 1} and isinstance(problems[len(slots) - 1], CorruptObjectError)
+    finally:
+        views.close()

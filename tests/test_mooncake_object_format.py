@@ -149,7 +149,7 @@ def test_damaged_header_or_payload_is_refused(tier, offset):
 # a clear bit in the load bitmap, which fails the retrieve above closed)
 # ---------------------------------------------------------------------------------------------
 class _Obj:
-    """The shape of an L1 MemoryObj as the plugin uses it (data_ptr, get_size)."""
+    """The shape of an L1 MemoryObj as the plugin uses it (data_ptr, get_size, get_physical_size)."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
@@ -157,6 +157,9 @@ class _Obj:
 
     def get_size(self) -> int:
         return self.t.numel()
+
+    def get_physical_size(self) -> int:
+        return self.t.numel()  # no padding: each object its own tensor
 
 
 def _wait(poll, timeout: float = 20.0):

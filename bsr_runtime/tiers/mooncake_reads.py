@@ -9,7 +9,8 @@ tiers/mooncake.py for why each exists and which one a read takes):
   sub-batch on a verifier thread while the next lands in the other buffer;
 - in place: each object whole, by one transfer, where its payload goes, its header in the H bytes
   before the payload, CRCs in place. With `headroom` >= H (the caller's staging leaves scratch
-  before each view, StagingPool(headroom=...)) every object lands so in one get; otherwise those
+  before each view, StagingPool(headroom=...); or, per view, the alignment padding of the object
+  before it, as LMCache's L1 objects have) every object lands so in one get; otherwise those
   bytes are the tail of the view before it, borrowed and put back (_in_place).
 Nothing outside the views and this object's own buffers is ever written.
 `collect=False` (the tier) raises the first problem and stops; `collect=True` (the plugin) reads
@@ -153,11 +154,11 @@ class ReadPaths:
         self.landing.close()
 
     def _lands_whole(self, ptrs: Sequence[int], sizes: Sequence[int], room: bool) -> bool:
-        """Views with room: in place (one get, no copy) unless land_whole=True. Without room,
-        land_whole None (tcp): land whole when the read fits one landing buffer (one get and one
-        copy, against two gets in place: in a restore of 4 MB windows over tcp the second get cost
-        more than the copy, benchmarks/results/sweep_mooncake_scale64_r5.txt) or when no two views
-        are adjacent (nothing to land in place)."""
+        """`room`: some views have scratch bytes before them: in place (one get, no copy) unless
+        land_whole=True. Without room, land_whole None (tcp): land whole when the read fits one
+        landing buffer (one get and one copy, against two gets in place: in a restore of 4 MB windows
+        over tcp the second get cost more than the copy, benchmarks/results/sweep_mooncake_scale64_r5.txt)
+        or when no two views are adjacent (nothing to land in place)."""
         if room:
             return self.land_whole is True
         if self.land_whole is None:
@@ -166,10 +167,12 @@ class ReadPaths:
         return self.land_whole
 
     def read(self, codec: ObjectCodec, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
-             deadline: float, *, verify: bool = True, collect: bool = False, headroom: int = 0) -> Problems:
-        """`headroom`: bytes before each view that are scratch (the read may overwrite them)."""
+             deadline: float, *, verify: bool = True, collect: bool = False,
+             headroom: int | Sequence[int] = 0) -> Problems:
+        """`headroom`: bytes before each view (or before view i) that are scratch (the read may
+        overwrite them)."""
         keys, ptrs, sizes = list(keys), list(ptrs), list(sizes)
-        room = headroom >= H
+        rooms = [h >= H for h in headroom] if isinstance(headroom, Sequence) else [headroom >= H] * len(keys)
         problems: Problems = {}
         headers = self.headers.acquire(max(1, len(keys)) * H)
         try:
@@ -182,10 +185,12 @@ class ReadPaths:
                                              [sizes[i] for i in rest])
                 found: Problems = {}
                 try:
-                    if self._lands_whole(sub[1], sub[2], room):
+                    sub_rooms = [rooms[i] for i in rest]
+                    if self._lands_whole(sub[1], sub[2], any(sub_rooms)):
                         self._landed(codec, *sub, headers[done * H :], deadline, verify, collect, found)
                     else:
-                        self._in_place(codec, *sub, headers[done * H :], deadline, verify, collect, found, room)
+                        self._in_place(codec, *sub, headers[done * H :], deadline, verify, collect, found,
+                                       sub_rooms)
                 finally:
                     problems.update({rest[j]: e for j, e in found.items()})
         except _Stop:
@@ -241,24 +246,28 @@ class ReadPaths:
             pending.result()
 
     def _in_place(self, codec, keys, ptrs, sizes, headers, deadline, verify, collect, problems,
-                  room: bool = False) -> None:
+                  rooms: Sequence[bool] | None = None) -> None:
         """Each object lands whole, by one transfer, where its payload goes: its header in the H
-        bytes before the payload. With `room` those bytes are scratch: every object lands so, in one
-        phase. Otherwise, inside a run of adjacent views those bytes are the tail of the view
+        bytes before the payload. Where `rooms[i]`, those bytes are scratch: object i lands so in the
+        first phase. Otherwise, inside a run of adjacent views those bytes are the tail of the view
         before, so a run lands in two phases, even positions first, then odd ones; the tails the odd
         phase overwrites (even views, landed) are saved before it and put back after it whatever
         happened. A run's first object then has no bytes of its own before it: its header lands in
         the header area (a two-buffer get). The CRCs of the even views are computed (from the saved
         tails) on a verifier thread while the odd phase lands."""
+        rooms = list(rooms) if rooms is not None else [False] * len(keys)
         pos = run_positions(ptrs, sizes)
-        whole = [bool(p) or room for p in pos]  # lands at ptrs[i] - H
+        for i, r in enumerate(rooms):  # a view with room borrows no tail: a run starts there
+            pos[i] = 0 if r else (pos[i - 1] + 1 if pos[i] else 0)
+        whole = [bool(p) or r for p, r in zip(pos, rooms)]  # lands at ptrs[i] - H
         n, base = len(keys), headers.data_ptr()
         hdr = headers[: n * H].numpy().reshape(n, H)
         even = [i for i in range(n) if pos[i] % 2 == 0]
         odd = [i for i in range(n) if pos[i] % 2 == 1]
         crcs = np.zeros(n, dtype=np.uint32) if verify and host_crc.available() else None
-        before = H if room else 0  # the room is written too
-        taken = self._registrations.take([p - before for p in ptrs], [s + before for s in sizes])
+        before = [H if r else 0 for r in rooms]  # the room is written too
+        taken = self._registrations.take([p - b for p, b in zip(ptrs, before)],
+                                         [s + b for s, b in zip(sizes, before)])
         checks: list[Future] = []
         try:
             landed, stopped = self._land(keys, ptrs, sizes, whole, base, hdr, even, odd, True, deadline, collect,

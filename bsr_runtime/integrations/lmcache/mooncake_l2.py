@@ -44,6 +44,7 @@ import contextlib
 import ctypes
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -120,6 +121,24 @@ class BSRMooncakeL2AdapterConfig(L2AdapterConfigBase):
     def help(cls) -> str:
         fields = ", ".join(f"{k} ({t.__name__}, default {v!r})" for k, (t, v) in cls._FIELDS.items())
         return ("BSR Mooncake L2 plugin: master_address (HOST:PORT), metadata_server (URL), " + fields)
+
+
+def padding_rooms(ptrs: Sequence[int], sizes: Sequence[int], physical: Sequence[int]) -> list[int]:
+    """Scratch bytes before each L1 object of a load: where object i starts right where object i-1's
+    allocation ends, the alignment padding after i-1's payload (align_up(c) - c, 4,800 B for the
+    sweep's chunks): both are this load's own objects, and nothing reads padding. There object i
+    lands whole, its header in that padding, with no copy (tiers/mooncake_reads.py)."""
+    rooms = [0] * len(ptrs)
+    for i in range(1, len(ptrs)):
+        if ptrs[i] == ptrs[i - 1] + physical[i - 1] and physical[i - 1] > sizes[i - 1]:
+            rooms[i] = physical[i - 1] - sizes[i - 1]
+    return rooms
+
+
+def _physical_size(obj) -> int:
+    """The object's allocation (its size where the memory object does not say: no room then)."""
+    physical = getattr(obj, "get_physical_size", None)
+    return int(physical()) if physical is not None else int(obj.get_size())
 
 
 def _key_string(prefix: str, key) -> str:
@@ -299,8 +318,9 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
     def _load_task(self, task: int, keys, objects) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            good = self._load_verified(self._keys(keys), [o.data_ptr for o in objects],
-                                       [o.get_size() for o in objects])
+            ptrs, sizes = [o.data_ptr for o in objects], [o.get_size() for o in objects]
+            rooms = padding_rooms(ptrs, sizes, [_physical_size(o) for o in objects])
+            good = self._load_verified(self._keys(keys), ptrs, sizes, rooms)
             for i in good:
                 bitmap.set(i)
             if good:
@@ -311,10 +331,13 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
             self._loads[task] = bitmap
         self._load_efd.notify()
 
-    def _load_verified(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+    def _load_verified(self, names: list[str], ptrs: list[int], sizes: list[int],
+                       rooms: list[int] | None = None) -> list[int]:
         """Indices of the objects that landed and passed their checks: the MooncakeTier's read
-        paths (tiers/mooncake_reads.py), collecting per-object problems instead of failing all."""
-        bad = self._tier._reads.read(self._codec, names, ptrs, sizes, float("inf"), collect=True)
+        paths (tiers/mooncake_reads.py), collecting per-object problems instead of failing all.
+        `rooms`: scratch bytes before each object (padding_rooms)."""
+        bad = self._tier._reads.read(self._codec, names, ptrs, sizes, float("inf"), collect=True,
+                                     headroom=rooms if rooms is not None else 0)
         if bad:
             logger.warning("Mooncake L2: %d objects refused, first: %s", len(bad), bad[min(bad)])
         return [i for i in range(len(names)) if i not in bad]
