@@ -172,6 +172,8 @@ class ReadPaths:
         """`headroom`: bytes before each view (or before view i) that are scratch (the read may
         overwrite them)."""
         keys, ptrs, sizes = list(keys), list(ptrs), list(sizes)
+        if isinstance(headroom, Sequence) and len(headroom) != len(keys):
+            raise ValueError(f"headroom for {len(headroom)} views, the read has {len(keys)}")
         rooms = [h >= H for h in headroom] if isinstance(headroom, Sequence) else [headroom >= H] * len(keys)
         problems: Problems = {}
         headers = self.headers.acquire(max(1, len(keys)) * H)
