@@ -580,3 +580,33 @@ def test_l2_loaded_objects_left_to_the_default_policy(stored, temporary, monkeyp
     made = LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(stored.base)], config())
     with made:
         assert made.l2_loads_are_temporary
+
+
+@pytest.mark.parametrize("temporary", [True, False])
+def test_lmcache_tier_fetch_leaves_l2_loads_to_the_default_policy(tmp_path, temporary, monkeypatch):
+    """LMCacheTier (the vLLM connector's tier): put 6 objects, fetch them into poisoned views; the bytes
+    come back, L1 returns to its baseline, and the L2-loaded keys are deleted per fetch only when the
+    adapter cannot tell that LMCache frees them."""
+    from bsr_runtime.integrations.lmcache.tier import LMCacheTier
+
+    sm = build_storage_manager(16 * OBJ_4K, [fs_l2(str(tmp_path))])
+    tier = LMCacheTier(LMCacheAdapter(REG, sm, config(), l2_loads_are_temporary=temporary))
+    try:
+        gen = torch.Generator().manual_seed(72)
+        src = [torch.randint(0, 256, (C,), dtype=torch.uint8, generator=gen) for _ in range(6)]
+        keys = [f"bsr-tier-test-{i}-r0of1-" for i in range(6)]
+        tier.put(keys, src)
+        deletes = []
+        delete = sm.delete_l1_keys
+        monkeypatch.setattr(sm, "delete_l1_keys",
+                            lambda ks, *a, **k: deletes.append(len(ks)) or delete(ks, *a, **k))
+        base = sm.get_l1_usage()[0]
+        dst = [torch.full((C,), POISON, dtype=torch.uint8) for _ in range(6)]
+        assert tier.fetch(keys[:3], dst[:3], time.monotonic() + 30).wait() == 3 * C
+        assert tier.fetch(keys[3:], dst[3:], time.monotonic() + 30).wait() == 3 * C
+        assert all(torch.equal(a, b) for a, b in zip(src, dst))
+        assert sm.get_l1_usage()[0] == base
+        assert deletes == ([] if temporary else [3, 3])
+    finally:
+        tier.close()
+        sm.close()  # the adapter does not own it

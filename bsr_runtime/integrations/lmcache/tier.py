@@ -8,7 +8,8 @@ It drives the StorageManager of an `LMCacheAdapter` (adapter.py), configured the
   lookup-and-lock, unlocked at once (LMCacheAdapter's probe path); holds nothing.
 - fetch: one window: `submit_prefetch_task` of its keys (L2 -> L1), wait (deadline), every key must
   hit, `read_prefetched_results`, copy each object from L1 into the BSR staging slot,
-  `finish_read_prefetched`, delete the L2-loaded objects from L1. LMCache's L1 holds at most this
+  `finish_read_prefetched`, delete the L2-loaded objects from L1 (unless the prefetch policy is known
+  to keep none: LMCacheAdapter.l2_loads_are_temporary). LMCache's L1 holds at most this
   window's objects during the fetch, BSR's staging the window: both bounded by W.
 - put: `reserve_write` -> copy into the reserved L1 objects -> `finish_write`; LMCache's store
   controller writes them to the L2 adapters; the put waits until an L2 adapter holds them and
@@ -142,7 +143,8 @@ class LMCacheTier(Tier):
                 release_result(self.sm, result, okeys, evict_loaded=True)
             raise
         self.sm.finish_read_prefetched(okeys, read_locks=1, l1_owners=owners)
-        evict_l2_loaded(self.sm, result, okeys)
+        if not self.adapter.l2_loads_are_temporary:  # LMCache's default policy freed them already
+            evict_l2_loaded(self.sm, result, okeys)
         return len(keys) * c
 
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor], *, headroom: int = 0) -> None:
