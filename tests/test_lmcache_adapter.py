@@ -470,7 +470,8 @@ def test_admission_serializes_concurrent_retrieves(stored):
 # Mooncake L2 plugin against a real mooncake_master
 # ---------------------------------------------------------------------------------------------
 class Buffer:
-    """A host buffer in the shape of an L1 MemoryObj for the plugin's load (data_ptr, get_size)."""
+    """A host buffer in the shape of an L1 MemoryObj for the plugin's load (data_ptr, get_size,
+    get_physical_size)."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
@@ -478,6 +479,9 @@ class Buffer:
 
     def get_size(self) -> int:
         return self.t.numel()
+
+    def get_physical_size(self) -> int:
+        return self.t.numel()  # no padding: each buffer its own tensor
 
 
 def mc_l2(master, **kw):

@@ -248,7 +248,7 @@ class ReadPaths:
             pending.result()
 
     def _in_place(self, codec, keys, ptrs, sizes, headers, deadline, verify, collect, problems,
-                  rooms: Sequence[bool] | None = None) -> None:
+                  rooms: Sequence[bool]) -> None:
         """Each object lands whole, by one transfer, where its payload goes: its header in the H
         bytes before the payload. Where `rooms[i]`, those bytes are scratch: object i lands so in the
         first phase. Otherwise, inside a run of adjacent views those bytes are the tail of the view
@@ -257,7 +257,6 @@ class ReadPaths:
         happened. A run's first object then has no bytes of its own before it: its header lands in
         the header area (a two-buffer get). The CRCs of the even views are computed (from the saved
         tails) on a verifier thread while the odd phase lands."""
-        rooms = list(rooms) if rooms is not None else [False] * len(keys)
         pos = run_positions(ptrs, sizes)
         for i, r in enumerate(rooms):  # a view with room borrows no tail: a run starts there
             pos[i] = 0 if r else (pos[i - 1] + 1 if pos[i] else 0)

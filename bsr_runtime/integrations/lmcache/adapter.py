@@ -29,7 +29,7 @@ from .config import align_up, build_storage_manager, load_adapter_config
 from .l1_usage import L1UsageTracker
 from .objects import LMCacheKeys, _owners, chunk_layout, synchronize_device
 from .probe import PROBE_BATCH_CHUNKS, L2Lookups, LMCacheLookup, LMCacheProbeResult, probe
-from .retrieve import LatePrefetches, LMCacheRestoreReport
+from .retrieve import LatePrefetches, LMCacheRestoreReport, fold_window_lines
 
 
 class LMCacheAdapter:
@@ -56,6 +56,7 @@ class LMCacheAdapter:
         self.tracker = L1UsageTracker(storage_manager)
         self.l2 = L2Lookups(storage_manager, self.layout, l2_lookup_timeout_s)
         self.late = LatePrefetches(storage_manager, lambda: self.config.prefetch_timeout_s)
+        fold_window_lines()  # one log line per retrieve, not one per window (retrieve.py)
         align = storage_manager.l1_memory_desc.align_bytes
         if align % 16:
             raise ValueError(f"L1 align_bytes {align} is not a multiple of 16: staged objects must be 16-byte aligned")

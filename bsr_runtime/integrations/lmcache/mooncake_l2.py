@@ -135,12 +135,6 @@ def padding_rooms(ptrs: Sequence[int], sizes: Sequence[int], physical: Sequence[
     return rooms
 
 
-def _physical_size(obj) -> int:
-    """The object's allocation (its size where the memory object does not say: no room then)."""
-    physical = getattr(obj, "get_physical_size", None)
-    return int(physical()) if physical is not None else int(obj.get_size())
-
-
 def _key_string(prefix: str, key) -> str:
     base = (f"{prefix}/{key.model_name}{_SEP}{key.kv_rank:08x}{_SEP}{key.object_group_id:x}"
             f"{_SEP}{key.chunk_hash.hex()}")
@@ -319,7 +313,7 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
         bitmap = Bitmap(len(keys))
         try:
             ptrs, sizes = [o.data_ptr for o in objects], [o.get_size() for o in objects]
-            rooms = padding_rooms(ptrs, sizes, [_physical_size(o) for o in objects])
+            rooms = padding_rooms(ptrs, sizes, [o.get_physical_size() for o in objects])
             good = self._load_verified(self._keys(keys), ptrs, sizes, rooms)
             for i in good:
                 bitmap.set(i)
@@ -332,12 +326,11 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
         self._load_efd.notify()
 
     def _load_verified(self, names: list[str], ptrs: list[int], sizes: list[int],
-                       rooms: list[int] | None = None) -> list[int]:
+                       rooms: Sequence[int] | int = 0) -> list[int]:
         """Indices of the objects that landed and passed their checks: the MooncakeTier's read
         paths (tiers/mooncake_reads.py), collecting per-object problems instead of failing all.
-        `rooms`: scratch bytes before each object (padding_rooms)."""
-        bad = self._tier._reads.read(self._codec, names, ptrs, sizes, float("inf"), collect=True,
-                                     headroom=rooms if rooms is not None else 0)
+        `rooms`: scratch bytes before each object (padding_rooms), or before every one."""
+        bad = self._tier._reads.read(self._codec, names, ptrs, sizes, float("inf"), collect=True, headroom=rooms)
         if bad:
             logger.warning("Mooncake L2: %d objects refused, first: %s", len(bad), bad[min(bad)])
         return [i for i in range(len(names)) if i not in bad]

@@ -69,7 +69,7 @@ class _WindowPrefetchLines(logging.Filter):
 
 
 def fold_window_lines() -> None:
-    """Install the filter on LMCache's StorageManager logger, once per process."""
+    """Install the filter on LMCache's StorageManager logger, once per process (LMCacheAdapter does)."""
     sm_logger = logging.getLogger(StorageManager.__module__)
     if not any(isinstance(f, _WindowPrefetchLines) for f in sm_logger.filters):
         sm_logger.addFilter(_WindowPrefetchLines())
@@ -249,7 +249,6 @@ def retrieve(ad: LMCacheAdapter, req: RestoreRequest, num_chunks: int, window_ch
         raise ValueError(f"window_chunks (W) must be in [0, {MAX_WINDOW_CHUNKS}], got {w}")
     if num_chunks < 0 or num_chunks * reg.chunk_tokens > len(req.tokens):
         raise ValueError(f"confirmed prefix of {num_chunks} chunks exceeds the request's {len(req.tokens)} tokens")
-    fold_window_lines()
     keys = ad.keys(req.keyspace, req.tokens)
     # destinations, tables and fingerprint checked once, before any byte moves; each run of L1
     # objects then only has its staging and chunk range checked (not a descriptor table per run)

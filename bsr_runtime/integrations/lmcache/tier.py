@@ -48,7 +48,7 @@ from .adapter import LMCacheAdapter
 from .config import fs_l2, load_adapter_config, mooncake_l2
 from .objects import _owners
 from .probe import _probe_l1
-from .retrieve import WINDOW_TAG, evict_l2_loaded, fold_window_lines, release_result
+from .retrieve import WINDOW_TAG, evict_l2_loaded, release_result
 from .store import abort_writes, flush_l1, wait_in_l2
 
 _RANK = re.compile(r"-r(\d+)of(\d+)-")
@@ -64,7 +64,6 @@ class LMCacheTier(Tier):
         self.name = adapter.tier_name()
         self.put_timeout_s = put_timeout_s
         self._model = f"bsr-{adapter.reg.fingerprint[:16]}"
-        fold_window_lines()
 
     def _object_keys(self, keys: Sequence[str]) -> list[ObjectKey]:
         out = []
@@ -82,9 +81,10 @@ class LMCacheTier(Tier):
 
     @property
     def preferred_pipeline_depth(self) -> int:
-        """1, as LMCache's own retrieve: each fetch pays LMCache's fixed prefetch cost, and depth 2's
-        half-size windows pay it twice as often (a depth-2 retrieve measured 0.58-0.60 s against
-        0.51-0.53 s at 512K tokens: benchmarks/results/sweep_lmcache_fs_scale64_r5.txt)."""
+        """1, as LMCache's own retrieve: each fetch pays LMCache's per-request work (CPU, not latency),
+        and depth 2's half-size windows pay it twice as often (a depth-2 retrieve, a temporary patch
+        recorded in benchmarks/results/sweep_lmcache_fs_scale64_r5.txt: 1.34-1.99x the whole plan
+        against 1.20-1.56x at depth 1)."""
         return 1
 
     def probe(self, keys: Sequence[str]) -> list[bool]:
