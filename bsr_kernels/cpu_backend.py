@@ -29,7 +29,7 @@ from .native_library import LazyLibrary, LibraryNotLoaded, build_atomically, cac
 from .registration import Registration
 from .validate import WindowArgs
 
-ABI_VERSION = 3003  # BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION (csrc/bsr_layout.h) in the C sources
+ABI_VERSION = 4003  # BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION (csrc/bsr_layout.h) in the C sources
 # the window functions (chunk-strided staging since ABI 3); a library without them is stale
 WINDOW_FUNCTIONS = ("bsr_cpu_install_strided", "bsr_cpu_gather_strided")
 LIB_NAME = "libbsr_cpu.so"
@@ -65,6 +65,8 @@ def load(path: str | os.PathLike) -> ctypes.CDLL:
     lib.bsr_cpu_last_error.argtypes = []
     lib.bsr_cpu_parallel_bytes.restype = _i64
     lib.bsr_cpu_parallel_bytes.argtypes = []
+    lib.bsr_cpu_pool_spread.restype = ctypes.c_int
+    lib.bsr_cpu_pool_spread.argtypes = [ctypes.c_int]
     for name in WINDOW_FUNCTIONS:  # staging, chunk_bytes, chunk_stride, first, num, desc, n, ptrs, groups, threads
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
@@ -145,6 +147,15 @@ def parallel_bytes() -> int:
     """Window size from which threads=0 (auto) uses a second thread."""
     lib = library()
     return int(lib.bsr_cpu_parallel_bytes()) if lib is not None else 0
+
+
+def pool_spread(on: bool | None = None) -> bool:
+    """Whether the library's worker threads are kept off the CPU of the thread that calls it
+    (csrc/bsr_cpu_pool.c; on unless BSR_CPU_SPREAD=0). `on` sets it; returns the previous setting."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"CPU backend unavailable: {load_error()}")
+    return bool(lib.bsr_cpu_pool_spread(-1 if on is None else int(on)))
 
 
 class Prepared:

@@ -1,15 +1,23 @@
 /* bsr_cpu_pool.c: the persistent worker pool of the CPU library (see bsr_cpu_pool.h). */
+#define _GNU_SOURCE /* sched_getcpu, pthread_{get,set}affinity_np */
 #include "bsr_cpu_pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 
 static pthread_mutex_t g_pool_use = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_work = PTHREAD_COND_INITIALIZER, g_done = PTHREAD_COND_INITIALIZER;
 static int g_workers = 0, g_pending = 0;
 static const bsr_task* g_assigned[BSR_CPU_MAX_THREADS];
+static pthread_t g_tids[BSR_CPU_MAX_THREADS];
 static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
+/* Workers kept off the caller's CPU (see bsr_pool_spread): -1 unset (BSR_CPU_SPREAD, default on). */
+static int g_spread = -1;
+static int g_kept_off = -1; /* the CPU the workers' affinity excludes now; -1: none */
 
 static void* worker_main(void* arg) {
     const int me = (int)(intptr_t)arg;
@@ -33,10 +41,53 @@ static void atfork_child(void) {
     pthread_cond_init(&g_done, NULL);
     g_workers = 0;
     g_pending = 0;
+    g_kept_off = -1;
     for (int i = 0; i < BSR_CPU_MAX_THREADS; ++i) g_assigned[i] = NULL;
 }
 
 static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
+
+static int spread_on(void) {
+    if (g_spread < 0) {
+        const char* v = getenv("BSR_CPU_SPREAD");
+        g_spread = !(v && strcmp(v, "0") == 0);
+    }
+    return g_spread;
+}
+
+/* Give the workers the caller's affinity, less `off` (-1: the caller's whole affinity). */
+static void set_worker_affinity(int off) {
+    cpu_set_t mask;
+    if (pthread_getaffinity_np(pthread_self(), sizeof mask, &mask) != 0) return;
+    if (off >= 0) {
+        CPU_CLR(off, &mask);
+        if (CPU_COUNT(&mask) == 0) return; /* the caller may run on one CPU only: nothing to spread */
+    }
+    for (int i = 0; i < g_workers; ++i) pthread_setaffinity_np(g_tids[i], sizeof mask, &mask);
+    g_kept_off = off;
+}
+
+/* Why: a woken worker is often queued on the waking thread's CPU and shares it with the caller
+ * until the load balancer moves it (ms later): on 2 vCPUs a two-thread copy then runs at one
+ * thread's speed. Measured in benchmarks/bench_crc.py (spread on/off, from a pool thread). Only a
+ * change of the caller's CPU costs syscalls; called with g_mu held. */
+static void keep_workers_off_caller(void) {
+    const int cpu = sched_getcpu();
+    if (cpu >= 0 && cpu != g_kept_off) set_worker_affinity(cpu);
+}
+
+int bsr_pool_spread(int on) {
+    pthread_mutex_lock(&g_pool_use);
+    pthread_mutex_lock(&g_mu);
+    const int was = spread_on();
+    if (on >= 0) {
+        g_spread = on != 0;
+        if (!g_spread && g_kept_off >= 0) set_worker_affinity(-1);
+    }
+    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_unlock(&g_pool_use);
+    return was;
+}
 
 void bsr_pool_run(const bsr_task* tasks, int64_t n) {
     int64_t helpers = 0;
@@ -53,9 +104,12 @@ void bsr_pool_run(const bsr_task* tasks, int64_t n) {
             const int ok = pthread_create(&tid, &attr, worker_main, (void*)(intptr_t)g_workers) == 0;
             pthread_attr_destroy(&attr);
             if (!ok) break;
-            ++g_workers;
+            pthread_setname_np(tid, "bsr-cpu-pool"); /* what `top -H` and tests see */
+            g_tids[g_workers++] = tid;
+            g_kept_off = -1; /* the new worker has the creator's whole affinity */
         }
         helpers = n - 1 < g_workers ? n - 1 : g_workers;
+        if (helpers > 0 && spread_on()) keep_workers_off_caller();
         for (int64_t i = 0; i < helpers; ++i) g_assigned[i] = &tasks[i + 1];
         g_pending = (int)helpers;
         pthread_cond_broadcast(&g_work);

@@ -6,6 +6,10 @@
  * and returns when all have run. Workers are started at first use and kept (creating a thread per
  * call cost ~30 us); one call uses the pool at a time: a concurrent caller runs all its tasks in
  * its own thread. A fork child starts with no workers (pthread_atfork).
+ *
+ * Spread (on unless BSR_CPU_SPREAD=0): the workers' affinity excludes the CPU the caller runs on
+ * when it starts a call, so the helper is not queued behind the caller on one CPU.
+ * bsr_pool_spread(on) sets it (1/0) or only reads it (-1), returns the previous setting.
  */
 #ifndef BSR_CPU_POOL_H
 #define BSR_CPU_POOL_H
@@ -20,5 +24,6 @@ typedef struct bsr_task {
 } bsr_task;
 
 void bsr_pool_run(const bsr_task* tasks, int64_t n);
+int bsr_pool_spread(int on);
 
 #endif

@@ -26,7 +26,7 @@
 /* 2: + bsr_crc32c*, bsr_copy_crc32c (bsr_crc32c.c); 3: chunk-strided staging, bsr_cpu_install_strided and
  * bsr_cpu_gather_strided (a chunk_stride argument) replace bsr_cpu_install and bsr_cpu_gather, so a stale
  * library can neither be loaded by the new wrapper nor be called with the new arguments */
-#define BSR_CPU_ABI_VERSION 3
+#define BSR_CPU_ABI_VERSION 4
 /* auto: a second thread from 4 MiB per window up. Measured on a 2-core EPYC VM with
  * dsv4_flash(scale=1/16 and 1/64): one thread wins below ~3 MB, two win by ~20% at 6 MB. */
 #define BSR_CPU_PARALLEL_BYTES (4LL << 20)
@@ -219,6 +219,10 @@ BSR_CPU_API const char* bsr_cpu_last_error(void) { return g_error; }
 BSR_CPU_API int bsr_cpu_abi_version(void) { return BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION; }
 
 BSR_CPU_API int64_t bsr_cpu_parallel_bytes(void) { return BSR_CPU_PARALLEL_BYTES; }
+
+/* Keep the pool's workers off the caller's CPU (1), let the scheduler place them (0), or read the
+ * setting (-1); returns the previous one (bsr_cpu_pool.h). */
+BSR_CPU_API int bsr_cpu_pool_spread(int on) { return bsr_pool_spread(on); }
 
 /* Chunk c of the window is at staging + c * chunk_stride (chunk_stride >= chunk_bytes; chunk_bytes
  * for back-to-back chunks). */

@@ -174,6 +174,56 @@ def test_concurrent_callers_share_the_pool():
         same_bytes(bufs, expect, "concurrent cpu installs")
 
 
+def _pool_workers() -> list[int]:
+    """Thread ids of the library's pool workers (named bsr-cpu-pool by csrc/bsr_cpu_pool.c)."""
+    import os
+
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "bsr-cpu-pool":
+                    out.append(int(tid))
+        except OSError:  # the thread ended
+            continue
+    return out
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task") or len(__import__("os").sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs")
+def test_spread_keeps_the_pool_workers_off_the_callers_cpu():
+    """With spread on, a two-thread call leaves every worker allowed on all the caller's CPUs but
+    one (the one the caller ran on); off, the workers get the caller's whole affinity back; a
+    caller bound to one CPU changes nothing. The installs stay exact throughout."""
+    import os
+
+    mine = os.sched_getaffinity(0)
+    reg, case, views, bufs, expect = _two_thread_case(11)
+    was = cpu_backend.pool_spread(True)
+    try:
+        install_window(case.staging, reg, views, case.tables, 0, 4, backend="cpu", cpu_threads=2)
+        workers = _pool_workers()
+        assert workers, "no bsr-cpu-pool thread after a two-thread install"
+        for tid in workers:
+            allowed = os.sched_getaffinity(tid)
+            assert allowed < mine and len(allowed) == len(mine) - 1, (tid, allowed, mine)
+        assert cpu_backend.pool_spread(False) is True
+        assert all(os.sched_getaffinity(tid) == mine for tid in workers)
+        one = {min(mine)}
+        os.sched_setaffinity(0, one)
+        try:
+            cpu_backend.pool_spread(True)
+            reg2, case2, views2, bufs2, expect2 = _two_thread_case(12)
+            install_window(case2.staging, reg2, views2, case2.tables, 0, 4, backend="cpu", cpu_threads=2)
+            assert all(os.sched_getaffinity(tid) == mine for tid in workers)  # nothing to keep them off
+        finally:
+            os.sched_setaffinity(0, mine)
+        same_bytes(bufs, expect, "two-thread install with spread on")
+        same_bytes(bufs2, expect2, "two-thread install from a caller bound to one CPU")
+    finally:
+        cpu_backend.pool_spread(was)
+
+
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork")
 def test_fork_child_gets_a_fresh_pool():
     import os
