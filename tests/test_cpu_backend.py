@@ -6,6 +6,8 @@ Correctness across registrations and layouts is covered by the parametrized suit
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from kernel_util import (
@@ -189,14 +191,12 @@ def _pool_workers() -> list[int]:
     return out
 
 
-@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task") or len(__import__("os").sched_getaffinity(0)) < 2,
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs Linux and two CPUs")
 def test_spread_keeps_the_pool_workers_off_the_callers_cpu():
     """With spread on, a two-thread call leaves every worker allowed on all the caller's CPUs but
     one (the one the caller ran on); off, the workers get the caller's whole affinity back; a
     caller bound to one CPU changes nothing. The installs stay exact throughout."""
-    import os
-
     mine = os.sched_getaffinity(0)
     reg, case, views, bufs, expect = _two_thread_case(11)
     was = cpu_backend.pool_spread(True)
