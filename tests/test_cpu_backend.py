@@ -178,8 +178,6 @@ def test_concurrent_callers_share_the_pool():
 
 def _pool_workers() -> list[int]:
     """Thread ids of the library's pool workers (named bsr-cpu-pool by csrc/bsr_cpu_pool.c)."""
-    import os
-
     out = []
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -224,10 +222,8 @@ def test_spread_keeps_the_pool_workers_off_the_callers_cpu():
         cpu_backend.pool_spread(was)
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
 def test_fork_child_gets_a_fresh_pool():
-    import os
-
     reg, case, views, bufs, expect = _two_thread_case(7)
     install_window(case.staging, reg, views, case.tables, 0, 4, backend="cpu", cpu_threads=2)  # pool started
     pid = os.fork()
