@@ -29,7 +29,7 @@ from .native_library import LazyLibrary, LibraryNotLoaded, build_atomically, cac
 from .registration import Registration
 from .validate import WindowArgs
 
-ABI_VERSION = 4003  # BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION (csrc/bsr_layout.h) in the C sources
+ABI_VERSION = 5003  # BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION (csrc/bsr_layout.h) in the C sources
 # the window functions (chunk-strided staging since ABI 3); a library without them is stale
 WINDOW_FUNCTIONS = ("bsr_cpu_install_strided", "bsr_cpu_gather_strided")
 LIB_NAME = "libbsr_cpu.so"
@@ -67,6 +67,8 @@ def load(path: str | os.PathLike) -> ctypes.CDLL:
     lib.bsr_cpu_parallel_bytes.argtypes = []
     lib.bsr_cpu_pool_spread.restype = ctypes.c_int
     lib.bsr_cpu_pool_spread.argtypes = [ctypes.c_int]
+    lib.bsr_cpu_stream_bytes.restype = _i64
+    lib.bsr_cpu_stream_bytes.argtypes = [_i64]
     for name in WINDOW_FUNCTIONS:  # staging, chunk_bytes, chunk_stride, first, num, desc, n, ptrs, groups, threads
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
@@ -156,6 +158,18 @@ def pool_spread(on: bool | None = None) -> bool:
     if lib is None:
         raise RuntimeError(f"CPU backend unavailable: {load_error()}")
     return bool(lib.bsr_cpu_pool_spread(-1 if on is None else int(on)))
+
+
+def stream_bytes(nbytes: int | None = None) -> int:
+    """Calls of the library that move at least this many bytes use non-temporal stores
+    (csrc/bsr_stream.h; by default the last-level cache size, or $BSR_CPU_STREAM_BYTES). `nbytes`
+    sets it (0: always); returns the previous value."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"CPU backend unavailable: {load_error()}")
+    if nbytes is not None and nbytes < 0:
+        raise ValueError(f"stream_bytes must be >= 0, got {nbytes}")
+    return int(lib.bsr_cpu_stream_bytes(-1 if nbytes is None else int(nbytes)))
 
 
 class Prepared:

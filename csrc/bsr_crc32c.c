@@ -10,10 +10,12 @@
  * lookups; tables built at first use); else a byte-wise table. BSR_CRC_NO_FOLD=1 turns the
  * folding off (tests compare both with google_crc32c).
  *
- * copy + CRC: each object's payload moves in 16 KiB pieces, and each piece is checksummed in the
- * destination right after it landed, while it is still in L1/L2: one pass over memory instead of
- * a copy pass and a checksum pass, and the checksum is of the bytes that landed. Objects are split
- * over `threads` threads (0: 1, or 2 from BSR_CRC_PARALLEL_BYTES up) from the shared pool.
+ * copy + CRC: with the folding, each 256-byte block of a payload is loaded once, stored to the
+ * destination and folded from the same registers (fold_copy_update): one pass over memory, and
+ * the checksum is of exactly the bytes stored; a call that moves more than the last-level cache
+ * stores non-temporally (bsr_stream.h). Without it, the payload moves in 16 KiB pieces, each
+ * checksummed in the destination right after it landed, while it is still in L1/L2. Objects are
+ * split over `threads` threads (0: 1, or 2 from BSR_CRC_PARALLEL_BYTES up) from the shared pool.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -21,6 +23,7 @@
 #include <string.h>
 
 #include "bsr_cpu_pool.h"
+#include "bsr_stream.h"
 
 #define BSR_CPU_API __attribute__((visibility("default")))
 #define POLY 0x82F63B78u /* reflected Castagnoli */
@@ -179,6 +182,53 @@ static uint32_t fold_update(uint32_t r, const uint8_t* p, size_t n) {
     c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(x, 1));
     return hw_update((uint32_t)c, p, n);
 }
+
+/* fold_update that also stores every 256-byte block it folds to dst, from the same registers: the
+ * CRC is of exactly the bytes stored, and the data crosses memory once. `stream`: non-temporal
+ * stores (dst 64-byte aligned; bsr_stream.h). n >= 256; the tail (< 256 B) is copied, then
+ * checksummed where it landed. */
+__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2")))
+static uint32_t fold_copy_update(uint32_t r, uint8_t* dst, const uint8_t* p, size_t n, int stream) {
+    const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)g_k2048[1], (long long)g_k2048[0]));
+    const __m512i k512 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)g_k512[1], (long long)g_k512[0]));
+    __m512i x0 = _mm512_setzero_si512(), x1 = x0, x2 = x0, x3 = x0;
+    for (size_t off = 0; off + 256 <= n; off += 256) {
+        const __m512i y0 = _mm512_loadu_si512(p + off), y1 = _mm512_loadu_si512(p + off + 64);
+        const __m512i y2 = _mm512_loadu_si512(p + off + 128), y3 = _mm512_loadu_si512(p + off + 192);
+        if (stream) {
+            _mm512_stream_si512((void*)(dst + off), y0);
+            _mm512_stream_si512((void*)(dst + off + 64), y1);
+            _mm512_stream_si512((void*)(dst + off + 128), y2);
+            _mm512_stream_si512((void*)(dst + off + 192), y3);
+        } else {
+            _mm512_storeu_si512(dst + off, y0);
+            _mm512_storeu_si512(dst + off + 64, y1);
+            _mm512_storeu_si512(dst + off + 128, y2);
+            _mm512_storeu_si512(dst + off + 192, y3);
+        }
+        if (off == 0) { /* update(r, M) == update(0, M with r xor-ed into its first 4 bytes) */
+            x0 = _mm512_xor_si512(y0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)r)));
+            x1 = y1, x2 = y2, x3 = y3;
+        } else {
+            x0 = fold512(x0, k2048, y0);
+            x1 = fold512(x1, k2048, y1);
+            x2 = fold512(x2, k2048, y2);
+            x3 = fold512(x3, k2048, y3);
+        }
+    }
+    x1 = fold512(x0, k512, x1);
+    x2 = fold512(x1, k512, x2);
+    x3 = fold512(x2, k512, x3);
+    __m128i x = _mm_xor_si128(fold128(_mm512_extracti32x4_epi32(x3, 0), g_k384),
+                              fold128(_mm512_extracti32x4_epi32(x3, 1), g_k256));
+    x = _mm_xor_si128(x, fold128(_mm512_extracti32x4_epi32(x3, 2), g_k128));
+    x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(x3, 3));
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
+    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(x, 1));
+    const size_t done = n & ~(size_t)255;
+    memcpy(dst + done, p + done, n - done);
+    return hw_update((uint32_t)c, dst + done, n - done);
+}
 #endif
 
 static void build(void) {
@@ -221,6 +271,7 @@ typedef struct copy_job {
     const int64_t *src, *dst_head, *dst_body;
     int64_t head_bytes, body_bytes;
     uint32_t* crcs;
+    int stream; /* the call moves >= bsr_stream_threshold() bytes (bsr_stream.h) */
 } copy_job;
 
 static void copy_crc_range(void* arg) {
@@ -231,6 +282,12 @@ static void copy_crc_range(void* arg) {
         s += j->head_bytes;
         uint8_t* d = (uint8_t*)(uintptr_t)j->dst_body[i];
         uint32_t r = 0xFFFFFFFFu;
+#if defined(__x86_64__)
+        if (g_fold && j->body_bytes >= FOLD_MIN) { /* one pass: load, store, fold */
+            j->crcs[i] = ~fold_copy_update(r, d, s, (size_t)j->body_bytes, j->stream && ((uintptr_t)d & 63) == 0);
+            continue;
+        }
+#endif
         for (int64_t off = 0; off < j->body_bytes; off += PIECE) {
             const size_t k = (size_t)(j->body_bytes - off < PIECE ? j->body_bytes - off : PIECE);
             memcpy(d + off, s + off, k);
@@ -238,6 +295,7 @@ static void copy_crc_range(void* arg) {
         }
         j->crcs[i] = ~r;
     }
+    if (j->stream) bsr_stream_fence();
 }
 
 static void crc_range(void* arg) {
@@ -280,7 +338,7 @@ BSR_CPU_API int bsr_crc32c_many(int64_t n, const int64_t* ptrs, int64_t nbytes, 
     init();
     if (n < 0 || nbytes < 0 || (n > 0 && (!ptrs || !crcs))) return -1;
     if (n == 0) return 0;
-    copy_job proto = {0, 0, ptrs, NULL, NULL, 0, nbytes, crcs};
+    copy_job proto = {0, 0, ptrs, NULL, NULL, 0, nbytes, crcs, 0};
     run_split(crc_range, proto, n, threads);
     return 0;
 }
@@ -294,7 +352,8 @@ BSR_CPU_API int bsr_copy_crc32c(int64_t n, const int64_t* src, const int64_t* ds
         (n > 0 && head_bytes > 0 && !dst_head))
         return -1;
     if (n == 0) return 0;
-    copy_job proto = {0, 0, src, dst_head, dst_body, head_bytes, body_bytes, crcs};
+    copy_job proto = {0, 0, src, dst_head, dst_body, head_bytes, body_bytes, crcs,
+                      n * (head_bytes + body_bytes) >= bsr_stream_threshold()};
     run_split(copy_crc_range, proto, n, threads);
     return 0;
 }

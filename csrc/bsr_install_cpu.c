@@ -22,11 +22,13 @@
 
 #include "bsr_cpu_pool.h"
 #include "bsr_layout.h"
+#include "bsr_stream.h"
 
 /* 2: + bsr_crc32c*, bsr_copy_crc32c (bsr_crc32c.c); 3: chunk-strided staging, bsr_cpu_install_strided and
  * bsr_cpu_gather_strided (a chunk_stride argument) replace bsr_cpu_install and bsr_cpu_gather, so a stale
- * library can neither be loaded by the new wrapper nor be called with the new arguments */
-#define BSR_CPU_ABI_VERSION 4
+ * library can neither be loaded by the new wrapper nor be called with the new arguments; 4: bsr_cpu_pool_spread;
+ * 5: bsr_cpu_stream_bytes */
+#define BSR_CPU_ABI_VERSION 5
 /* auto: a second thread from 4 MiB per window up. Measured on a 2-core EPYC VM with
  * dsv4_flash(scale=1/16 and 1/64): one thread wins below ~3 MB, two win by ~20% at 6 MB. */
 #define BSR_CPU_PARALLEL_BYTES (4LL << 20)
@@ -55,6 +57,7 @@ typedef struct window {
     const int64_t* table_ptrs;
     int64_t num_groups;
     int gather;
+    int stream; /* non-temporal stores (bsr_stream.h): the window moves >= bsr_stream_threshold() bytes */
 } window;
 
 /* A pending contiguous run: `n` bytes between staging `s` and destination `d`. */
@@ -64,36 +67,43 @@ typedef struct run {
     int64_t n;
 } run;
 
-static inline void flush(run* r, int gather) {
+static inline void move(void* to, const void* from, int64_t n, int stream) {
+    if (stream)
+        bsr_copy_nt(to, from, (size_t)n);
+    else
+        memcpy(to, from, (size_t)n);
+}
+
+static inline void flush(run* r, int gather, int stream) {
     if (r->n > 0) {
         if (gather)
-            memcpy(r->s, r->d, (size_t)r->n);
+            move(r->s, r->d, r->n, stream);
         else
-            memcpy(r->d, r->s, (size_t)r->n);
+            move(r->d, r->s, r->n, stream);
     }
     r->n = 0;
 }
 
 /* Append [s, s + n) <-> [d, d + n) to the run, merging when both sides continue it. */
-static inline void push(run* r, uint8_t* s, uint8_t* d, int64_t n, int gather) {
+static inline void push(run* r, uint8_t* s, uint8_t* d, int64_t n, int gather, int stream) {
     if (r->n > 0 && r->s + r->n == s && r->d + r->n == d) {
         r->n += n;
         return;
     }
-    flush(r, gather);
+    flush(r, gather, stream);
     r->s = s;
     r->d = d;
     r->n = n;
 }
 
 /* One entry that spans several rows: row r of the staged entry <-> its strided place. */
-static inline void copy_rows(const bsr_desc* dd, uint8_t* s, uint8_t* d, int gather) {
+static inline void copy_rows(const bsr_desc* dd, uint8_t* s, uint8_t* d, int gather, int stream) {
     for (int64_t r = 0; r < dd->rows_per_entry; ++r) {
         uint8_t* dst = d + bsr_entry_offset(dd, r * dd->row_bytes);
         if (gather)
-            memcpy(s + r * dd->row_bytes, dst, (size_t)dd->row_bytes);
+            move(s + r * dd->row_bytes, dst, dd->row_bytes, stream);
         else
-            memcpy(dst, s + r * dd->row_bytes, (size_t)dd->row_bytes);
+            move(dst, s + r * dd->row_bytes, dd->row_bytes, stream);
     }
 }
 
@@ -113,27 +123,27 @@ static int copy_segment(const window* w, int64_t c, int64_t t) {
         const int64_t block = table[e / bs];
         uint8_t* s = stage + i * eb;
         if (block < -1 || block >= dd.num_blocks) {
-            flush(&r, w->gather);
+            flush(&r, w->gather, w->stream);
             return set_error(BSR_ERR_INVALID, "tensor %lld chunk %lld: block id %lld outside [-1, %lld)",
                              (long long)t, (long long)(w->first_chunk + c), (long long)block,
                              (long long)dd.num_blocks);
         }
         if (block < 0) { /* not resident: install skips it, gather reads zeros */
-            flush(&r, w->gather);
+            flush(&r, w->gather, w->stream);
             if (w->gather) memset(s, 0, (size_t)(n * eb));
         } else {
             uint8_t* d = base + block * dd.block_stride + slot * dd.slot_stride;
             if (packed) {
-                push(&r, s, d, n * eb, w->gather);
+                push(&r, s, d, n * eb, w->gather, w->stream);
             } else if (dd.rows_per_entry == 1) {
-                for (int64_t k = 0; k < n; ++k) push(&r, s + k * eb, d + k * dd.slot_stride, eb, w->gather);
+                for (int64_t k = 0; k < n; ++k) push(&r, s + k * eb, d + k * dd.slot_stride, eb, w->gather, w->stream);
             } else {
-                for (int64_t k = 0; k < n; ++k) copy_rows(&dd, s + k * eb, d + k * dd.slot_stride, w->gather);
+                for (int64_t k = 0; k < n; ++k) copy_rows(&dd, s + k * eb, d + k * dd.slot_stride, w->gather, w->stream);
             }
         }
         i += n;
     }
-    flush(&r, w->gather);
+    flush(&r, w->gather, w->stream);
     if (w->gather) { /* zero the padding after the segment (and before segment 0) */
         uint8_t* chunk = w->staging + c * w->chunk_stride;
         const int64_t end = bsr_next_segment(w->desc, t, w->num_tensors, w->chunk_bytes);
@@ -156,6 +166,7 @@ static void run_slice(void* arg) {
     sl->rc = BSR_OK;
     for (int64_t k = sl->begin; k < sl->end && sl->rc == BSR_OK; ++k)
         sl->rc = copy_segment(sl->w, k / sl->w->num_tensors, k % sl->w->num_tensors);
+    if (sl->w->stream) bsr_stream_fence();
     if (sl->rc != BSR_OK) snprintf(sl->error, sizeof(sl->error), "%s", g_error);
 }
 
@@ -185,6 +196,7 @@ static int run_window(window* w, int64_t threads) {
         seg_bytes += d.entries_per_chunk * d.entry_bytes;
     }
     const int64_t items = w->num_chunks * w->num_tensors, total = seg_bytes * w->num_chunks;
+    w->stream = total >= bsr_stream_threshold();
     if (threads <= 0) threads = total >= BSR_CPU_PARALLEL_BYTES ? 2 : 1;
     if (threads > BSR_CPU_MAX_THREADS) threads = BSR_CPU_MAX_THREADS;
     if (threads > items) threads = items;
@@ -224,13 +236,17 @@ BSR_CPU_API int64_t bsr_cpu_parallel_bytes(void) { return BSR_CPU_PARALLEL_BYTES
  * setting (-1); returns the previous one (bsr_cpu_pool.h). */
 BSR_CPU_API int bsr_cpu_pool_spread(int on) { return bsr_pool_spread(on); }
 
+/* Calls moving at least this many bytes use non-temporal stores (bsr_stream.h); < 0 only reads it.
+ * Returns the previous value. */
+BSR_CPU_API int64_t bsr_cpu_stream_bytes(int64_t bytes) { return bsr_stream_set_threshold(bytes); }
+
 /* Chunk c of the window is at staging + c * chunk_stride (chunk_stride >= chunk_bytes; chunk_bytes
  * for back-to-back chunks). */
 BSR_CPU_API int bsr_cpu_install_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
                                         int64_t num_chunks, const int64_t* desc, int64_t num_tensors,
                                         const int64_t* table_ptrs, int64_t num_groups, int64_t threads) {
     window w = {(uint8_t*)staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc, num_tensors, table_ptrs,
-                num_groups, 0};
+                num_groups, 0, 0};
     return run_window(&w, threads);
 }
 
@@ -238,6 +254,6 @@ BSR_CPU_API int bsr_cpu_gather_strided(void* staging, int64_t chunk_bytes, int64
                                        int64_t num_chunks, const int64_t* desc, int64_t num_tensors,
                                        const int64_t* table_ptrs, int64_t num_groups, int64_t threads) {
     window w = {(uint8_t*)staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc, num_tensors, table_ptrs,
-                num_groups, 1};
+                num_groups, 1, 0};
     return run_window(&w, threads);
 }

@@ -29,6 +29,26 @@ cpu_backend = pytest.importorskip("bsr_kernels.cpu_backend")
 pytestmark = pytest.mark.skipif(not cpu_backend.available(), reason=f"no CPU library: {cpu_backend.load_error()}")
 
 
+@pytest.fixture(params=[False, True], ids=["cached", "streamed"])
+def stream(request):
+    """Install/gather with normal stores or non-temporal ones (stream_bytes 0: every call streams)."""
+    was = cpu_backend.stream_bytes(0 if request.param else 1 << 62)
+    yield request.param
+    cpu_backend.stream_bytes(was)
+
+
+def test_stream_threshold_defaults_to_the_cache_and_can_be_set():
+    was = cpu_backend.stream_bytes()
+    assert was > 0  # the last-level cache size, or 32 MiB where the system does not say
+    try:
+        assert cpu_backend.stream_bytes(12345) == was
+        assert cpu_backend.stream_bytes() == 12345
+        with pytest.raises(ValueError, match=">= 0"):
+            cpu_backend.stream_bytes(-1)
+    finally:
+        cpu_backend.stream_bytes(was)
+
+
 def test_listed_and_picked_by_auto():
     assert "cpu" in available_backends("cpu")
     assert resolve_backend("auto", torch.device("cpu")) == "cpu"
@@ -36,7 +56,7 @@ def test_listed_and_picked_by_auto():
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
 @pytest.mark.parametrize("layout", ["contiguous", "vllm_cpu"])
-def test_forced_threads_match_oracle(threads, layout):
+def test_forced_threads_match_oracle(threads, layout, stream):
     reg = kv_registration(layers=3, heads=2, head_dim=8, block_size=16)
     case = make_case(reg, 1, 3, seed=threads, hole_frac=0.2)
     views, bufs = kv_pair_layout(layout, reg, case.num_blocks[0])
@@ -49,8 +69,8 @@ def test_forced_threads_match_oracle(threads, layout):
     assert torch.equal(out, naive_gather(case, views))
 
 
-@pytest.mark.parametrize("threads", [2, 3, 7])
-def test_threads_on_a_large_window_match_oracle(threads):
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_threads_on_a_large_window_match_oracle(threads, stream):
     """A 4 MB window of 167-tensor chunks split over several threads, against the entry-by-entry
     oracle, on poisoned destinations with holes; blocks outside the window stay poisoned; gather of
     the same window gives the staged bytes back."""

@@ -30,6 +30,17 @@ def rng():
     return np.random.default_rng()
 
 
+@pytest.fixture(params=[False, True], ids=["cached", "streamed"])
+def stream(request):
+    """Every copy of the library with normal stores (the default below the last-level cache size)
+    or non-temporal ones (stream_bytes 0: every call streams; csrc/bsr_stream.h)."""
+    from bsr_kernels import cpu_backend
+
+    was = cpu_backend.stream_bytes(0 if request.param else 1 << 62)
+    yield request.param
+    cpu_backend.stream_bytes(was)
+
+
 def test_uses_the_fastest_implementation_the_cpu_has():
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     if "sse4_2" not in flags:
@@ -104,7 +115,7 @@ def test_crc32c_extend_many_matches_continuation(rng, nbytes):
 
 @pytest.mark.parametrize("threads", [0, 1, 2])
 @pytest.mark.parametrize("head, body", [(128, 1 << 20), (128, 65_584), (0, 4096), (64, 1), (16, 0)])
-def test_copy_crc32c_lands_header_and_body_apart(rng, threads, head, body):
+def test_copy_crc32c_lands_header_and_body_apart(rng, threads, head, body, stream):
     n, guard = 9, 64
     src = rng.integers(0, 256, n * (head + body) + 1, dtype=np.uint8)[1:]  # odd source alignment
     heads = np.full(n * (head + guard) + guard, POISON, dtype=np.uint8)
@@ -125,6 +136,27 @@ def test_copy_crc32c_lands_header_and_body_apart(rng, threads, head, body):
         for j in range(n):
             mask[guard + j * (size + guard) : guard + j * (size + guard) + size] = False
         assert (arr[mask] == POISON).all()
+
+
+@pytest.mark.parametrize("body", [256, 1024, 1280, 4096 + 64, 65_536 + 255, 3 * 8192 + 3 * 256 + 13])
+@pytest.mark.parametrize("misalign", [0, 16, 63])
+def test_copy_crc32c_into_aligned_and_misaligned_bodies(rng, stream, body, misalign):
+    """Bodies 64-byte aligned (where the streamed copy uses non-temporal stores) or not, lengths on
+    and off the 256-byte steps of the fused fold-and-store loop: the bytes, the CRCs and the guards."""
+    n, guard, stride = 5, 64, -(-(body + 128) // 64) * 64
+    src = rng.integers(0, 256, n * body + 3, dtype=np.uint8)[3:]
+    raw = np.full(n * stride + 2 * guard + 64, POISON, dtype=np.uint8)
+    base = raw.ctypes.data + guard + (-(raw.ctypes.data + guard)) % 64 + misalign
+    off = base - raw.ctypes.data
+    bp = [base + i * stride for i in range(n)]
+    crcs = host_crc.copy_crc32c([src.ctypes.data + i * body for i in range(n)], None, bp, 0, body, threads=2)
+    mask = np.ones(raw.size, dtype=bool)
+    for i in range(n):
+        got = raw[off + i * stride : off + i * stride + body]
+        assert np.array_equal(got, src[i * body : (i + 1) * body]), i
+        assert crcs[i] == ref(got), i
+        mask[off + i * stride : off + i * stride + body] = False
+    assert (raw[mask] == POISON).all()
 
 
 def test_copy_crc32c_refuses_bad_arguments():

@@ -1,0 +1,89 @@
+"""Non-temporal stores in the CPU library (csrc/bsr_stream.h), on and off, side by side in one process.
+
+    python benchmarks/stream_stores.py [--reps 21] [--window-mib 64]
+
+Rows: the checksumming copy of a window of 256 KiB objects (host_crc.copy_crc32c, what the Mooncake
+tier's local reads and the landed path run), and the install of a window of dsv4-flash@1/16 chunks
+(backend "cpu"), each on 1 and 2 threads. "streamed": stream_bytes(0), every call uses non-temporal
+stores; "cached": normal stores. By default the library streams calls that move at least the
+last-level cache size (bsr_kernels.cpu_backend.stream_bytes()), so a window of --window-mib at or
+above it takes the streamed column. Medians of interleaved repetitions, each after a 128 MiB cache
+flush (the data starts in DRAM, as a restore's window does); ratio = cached / streamed time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bsr_kernels import cpu_backend, host_crc, install_window, presets  # noqa: E402
+from bsr_kernels.bench import make_window  # noqa: E402
+
+H, BODY = 128, 256 << 10
+
+
+def crc_calls(window: int) -> tuple[dict, object]:
+    n = window // BODY
+    src = np.random.default_rng(0).integers(0, 256, n * (H + BODY), dtype=np.uint8)
+    heads, bodies = np.empty(n * H, np.uint8), np.empty(n * BODY + 64, np.uint8)
+    base = bodies.ctypes.data + (-bodies.ctypes.data) % 64  # staging slots are aligned
+    sp = src.ctypes.data + np.arange(n, dtype=np.int64) * (H + BODY)
+    hp = heads.ctypes.data + np.arange(n, dtype=np.int64) * H
+    bp = base + np.arange(n, dtype=np.int64) * BODY
+    calls = {f"checksumming copy {t}t": (lambda t=t: host_crc.copy_crc32c(sp, hp, bp, H, BODY, threads=t))
+             for t in (1, 2)}
+    return calls, (src, heads, bodies)
+
+
+def install_calls(window: int) -> tuple[dict, object]:
+    reg = presets.dsv4_flash(scale=1 / 16)
+    w = max(1, window // reg.chunk_bytes)
+    staging, kv, tables = make_window(reg, w, "cpu")
+    calls = {f"install {t}t": (lambda t=t: install_window(staging, reg, kv, tables, 0, w, backend="cpu",
+                                                          cpu_threads=t)) for t in (1, 2)}
+    return calls, (staging, kv, tables)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--window-mib", type=float, default=64)
+    args = ap.parse_args()
+    if not cpu_backend.available():
+        sys.exit(f"libbsr_cpu.so is not available: {cpu_backend.load_error()}")
+    window = int(args.window_mib * (1 << 20))
+    default = cpu_backend.stream_bytes()
+    (crc, _crc_buffers), (inst, _install_buffers) = crc_calls(window), install_calls(window)  # kept alive
+    calls = {**crc, **inst}
+    flush = np.empty(128 << 20, np.uint8)
+    ts: dict = {(k, s): [] for k in calls for s in (True, False)}
+    try:
+        for r in range(args.reps + 1):
+            for streamed in ((True, False) if r % 2 else (False, True)):
+                cpu_backend.stream_bytes(0 if streamed else 1 << 62)
+                for k, fn in calls.items():
+                    flush.fill(r & 0xFF)
+                    t = time.perf_counter()
+                    fn()
+                    if r:  # the first round warms up
+                        ts[(k, streamed)].append(time.perf_counter() - t)
+    finally:
+        cpu_backend.stream_bytes(default)
+    mib = window / (1 << 20)
+    print(f"window {mib:.0f} MiB; the library streams from {default / (1 << 20):.0f} MiB up by default "
+          f"({'streamed' if window >= default else 'cached'} column)")
+    print(f"{'call':24} {'streamed GB/s':>14} {'cached GB/s':>12} {'cached/streamed':>16}")
+    for k in calls:
+        on, off = (statistics.median(ts[(k, s)]) for s in (True, False))
+        print(f"{k:24} {window / on / 1e9:14.1f} {window / off / 1e9:12.1f} {off / on:16.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+/* bsr_stream.c: non-temporal copies and their size threshold (see bsr_stream.h). */
+#include "bsr_stream.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
+#define DEFAULT_THRESHOLD (32LL << 20)
+#define NT_MIN 1024 /* below it the alignment head and tail are most of the copy */
+
+static int64_t g_threshold = -1; /* -1: not read yet */
+
+/* The largest cache level's size as Linux reports it for cpu0 (sysfs; in a VM what the guest is
+ * given: glibc's sysconf(_SC_LEVEL3_CACHE_SIZE) reported the host's 384 MiB on a 32 MiB guest). */
+static int64_t last_level_cache(void) {
+    int64_t best = 0;
+    for (int i = 0; i < 8; ++i) {
+        char path[96];
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        FILE* f = fopen(path, "r");
+        if (!f) continue;
+        long long v = 0;
+        char unit = 0;
+        if (fscanf(f, "%lld%c", &v, &unit) >= 1) {
+            const int64_t b = unit == 'K' ? v << 10 : unit == 'M' ? v << 20 : v;
+            if (b > best) best = b;
+        }
+        fclose(f);
+    }
+    return best;
+}
+
+static int64_t initial_threshold(void) {
+    const char* v = getenv("BSR_CPU_STREAM_BYTES");
+    if (v && *v) {
+        char* end;
+        const long long b = strtoll(v, &end, 10);
+        if (*end == 0 && b >= 0) return b;
+    }
+    const int64_t llc = last_level_cache();
+    return llc > 0 ? llc : DEFAULT_THRESHOLD;
+}
+
+int64_t bsr_stream_threshold(void) {
+    int64_t t = __atomic_load_n(&g_threshold, __ATOMIC_RELAXED);
+    if (t < 0) {
+        int64_t unset = -1;
+        t = initial_threshold();
+        if (!__atomic_compare_exchange_n(&g_threshold, &unset, t, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) t = unset;
+    }
+    return t;
+}
+
+int64_t bsr_stream_set_threshold(int64_t bytes) {
+    const int64_t was = bsr_stream_threshold();
+    if (bytes >= 0) __atomic_store_n(&g_threshold, bytes, __ATOMIC_RELAXED);
+    return was;
+}
+
+void bsr_copy_nt(void* dst, const void* src, size_t n) {
+#if defined(__x86_64__)
+    if (n >= NT_MIN) {
+        uint8_t* d = (uint8_t*)dst;
+        const uint8_t* s = (const uint8_t*)src;
+        const size_t head = (64 - ((uintptr_t)d & 63)) & 63;
+        memcpy(d, s, head);
+        d += head, s += head, n -= head;
+        for (; n >= 64; d += 64, s += 64, n -= 64) {
+            const __m128i a = _mm_loadu_si128((const __m128i*)s), b = _mm_loadu_si128((const __m128i*)(s + 16));
+            const __m128i c = _mm_loadu_si128((const __m128i*)(s + 32)), e = _mm_loadu_si128((const __m128i*)(s + 48));
+            _mm_stream_si128((__m128i*)d, a);
+            _mm_stream_si128((__m128i*)(d + 16), b);
+            _mm_stream_si128((__m128i*)(d + 32), c);
+            _mm_stream_si128((__m128i*)(d + 48), e);
+        }
+        memcpy(d, s, n);
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+void bsr_stream_fence(void) {
+#if defined(__x86_64__)
+    _mm_sfence(); /* non-temporal stores are weakly ordered: visible before the caller signals */
+#endif
+}
