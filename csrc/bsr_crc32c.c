@@ -155,57 +155,34 @@ static inline __m128i fold128(__m128i x, const uint64_t k[2]) {
     return _mm_xor_si128(_mm_clmulepi64_si128(x, kk, 0x00), _mm_clmulepi64_si128(x, kk, 0x11));
 }
 
-/* The raw register after n >= 256 bytes (then the 3-stream loop for the tail). */
 __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2")))
-static uint32_t fold_update(uint32_t r, const uint8_t* p, size_t n) {
-    const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)g_k2048[1], (long long)g_k2048[0]));
-    const __m512i k512 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)g_k512[1], (long long)g_k512[0]));
-    /* update(r, M) == update(0, M with r xor-ed into its first 4 bytes) */
-    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)r)));
-    __m512i x1 = _mm512_loadu_si512(p + 64), x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
-    p += 256;
-    n -= 256;
-    for (; n >= 256; p += 256, n -= 256) {
-        x0 = fold512(x0, k2048, _mm512_loadu_si512(p));
-        x1 = fold512(x1, k2048, _mm512_loadu_si512(p + 64));
-        x2 = fold512(x2, k2048, _mm512_loadu_si512(p + 128));
-        x3 = fold512(x3, k2048, _mm512_loadu_si512(p + 192));
+static inline void store256(uint8_t* d, __m512i a, __m512i b, __m512i c, __m512i e, int stream) {
+    if (stream) { /* d is 64-byte aligned */
+        _mm512_stream_si512((void*)d, a);
+        _mm512_stream_si512((void*)(d + 64), b);
+        _mm512_stream_si512((void*)(d + 128), c);
+        _mm512_stream_si512((void*)(d + 192), e);
+    } else {
+        _mm512_storeu_si512(d, a);
+        _mm512_storeu_si512(d + 64, b);
+        _mm512_storeu_si512(d + 128, c);
+        _mm512_storeu_si512(d + 192, e);
     }
-    x1 = fold512(x0, k512, x1);
-    x2 = fold512(x1, k512, x2);
-    x3 = fold512(x2, k512, x3);
-    __m128i x = _mm_xor_si128(fold128(_mm512_extracti32x4_epi32(x3, 0), g_k384),
-                              fold128(_mm512_extracti32x4_epi32(x3, 1), g_k256));
-    x = _mm_xor_si128(x, fold128(_mm512_extracti32x4_epi32(x3, 2), g_k128));
-    x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(x3, 3));
-    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
-    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(x, 1));
-    return hw_update((uint32_t)c, p, n);
 }
 
-/* fold_update that also stores every 256-byte block it folds to dst, from the same registers: the
- * CRC is of exactly the bytes stored, and the data crosses memory once. `stream`: non-temporal
- * stores (dst 64-byte aligned; bsr_stream.h). n >= 256; the tail (< 256 B) is copied, then
- * checksummed where it landed. */
+/* The raw register after the whole 256-byte blocks of p[0, n), n >= 256 (the caller adds the
+ * tail). With `dst`, each block is also stored there from the registers it is folded from: the
+ * CRC is of exactly the bytes stored, and the data crosses memory once (`stream`: non-temporal
+ * stores, dst 64-byte aligned; bsr_stream.h). */
 __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2")))
-static uint32_t fold_copy_update(uint32_t r, uint8_t* dst, const uint8_t* p, size_t n, int stream) {
+static uint32_t fold_blocks(uint32_t r, const uint8_t* p, size_t n, uint8_t* dst, int stream) {
     const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)g_k2048[1], (long long)g_k2048[0]));
     const __m512i k512 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)g_k512[1], (long long)g_k512[0]));
     __m512i x0 = _mm512_setzero_si512(), x1 = x0, x2 = x0, x3 = x0;
     for (size_t off = 0; off + 256 <= n; off += 256) {
         const __m512i y0 = _mm512_loadu_si512(p + off), y1 = _mm512_loadu_si512(p + off + 64);
         const __m512i y2 = _mm512_loadu_si512(p + off + 128), y3 = _mm512_loadu_si512(p + off + 192);
-        if (stream) {
-            _mm512_stream_si512((void*)(dst + off), y0);
-            _mm512_stream_si512((void*)(dst + off + 64), y1);
-            _mm512_stream_si512((void*)(dst + off + 128), y2);
-            _mm512_stream_si512((void*)(dst + off + 192), y3);
-        } else {
-            _mm512_storeu_si512(dst + off, y0);
-            _mm512_storeu_si512(dst + off + 64, y1);
-            _mm512_storeu_si512(dst + off + 128, y2);
-            _mm512_storeu_si512(dst + off + 192, y3);
-        }
+        if (dst) store256(dst + off, y0, y1, y2, y3, stream);
         if (off == 0) { /* update(r, M) == update(0, M with r xor-ed into its first 4 bytes) */
             x0 = _mm512_xor_si512(y0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)r)));
             x1 = y1, x2 = y2, x3 = y3;
@@ -224,10 +201,21 @@ static uint32_t fold_copy_update(uint32_t r, uint8_t* dst, const uint8_t* p, siz
     x = _mm_xor_si128(x, fold128(_mm512_extracti32x4_epi32(x3, 2), g_k128));
     x = _mm_xor_si128(x, _mm512_extracti32x4_epi32(x3, 3));
     uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
-    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(x, 1));
+    return (uint32_t)_mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(x, 1));
+}
+
+/* The raw register after n >= 256 bytes (the tail by the 3-stream loop). */
+static uint32_t fold_update(uint32_t r, const uint8_t* p, size_t n) {
+    const size_t done = n & ~(size_t)255;
+    return hw_update(fold_blocks(r, p, n, NULL, 0), p + done, n - done);
+}
+
+/* fold_update that also copies p[0, n) to dst; the tail (< 256 B) is checksummed where it landed. */
+static uint32_t fold_copy_update(uint32_t r, uint8_t* dst, const uint8_t* p, size_t n, int stream) {
+    const uint32_t c = fold_blocks(r, p, n, dst, stream);
     const size_t done = n & ~(size_t)255;
     memcpy(dst + done, p + done, n - done);
-    return hw_update((uint32_t)c, dst + done, n - done);
+    return hw_update(c, dst + done, n - done);
 }
 #endif
 
