@@ -55,8 +55,10 @@ static int spread_on(void) {
     return g_spread;
 }
 
-/* Give the workers the caller's affinity, less `off` (-1: the caller's whole affinity). */
+/* Give the workers the caller's affinity, less `off` (-1: the caller's whole affinity). Linux only:
+ * elsewhere the scheduler places them. */
 static void set_worker_affinity(int off) {
+#if defined(__linux__)
     cpu_set_t mask;
     if (pthread_getaffinity_np(pthread_self(), sizeof mask, &mask) != 0) return;
     if (off >= 0) {
@@ -65,6 +67,9 @@ static void set_worker_affinity(int off) {
     }
     for (int i = 0; i < g_workers; ++i) pthread_setaffinity_np(g_tids[i], sizeof mask, &mask);
     g_kept_off = off;
+#else
+    (void)off;
+#endif
 }
 
 /* Why: a woken worker is often queued on the waking thread's CPU and shares it with the caller
@@ -72,7 +77,11 @@ static void set_worker_affinity(int off) {
  * thread's speed. Measured in benchmarks/bench_crc.py (spread on/off, from a pool thread). Only a
  * change of the caller's CPU costs syscalls; called with g_mu held. */
 static void keep_workers_off_caller(void) {
+#if defined(__linux__)
     const int cpu = sched_getcpu();
+#else
+    const int cpu = -1;
+#endif
     if (cpu >= 0 && cpu != g_kept_off) set_worker_affinity(cpu);
 }
 
@@ -104,7 +113,9 @@ void bsr_pool_run(const bsr_task* tasks, int64_t n) {
             const int ok = pthread_create(&tid, &attr, worker_main, (void*)(intptr_t)g_workers) == 0;
             pthread_attr_destroy(&attr);
             if (!ok) break;
+#if defined(__linux__)
             pthread_setname_np(tid, "bsr-cpu-pool"); /* what `top -H` and tests see */
+#endif
             g_tids[g_workers++] = tid;
             g_kept_off = -1; /* the new worker has the creator's whole affinity */
         }
