@@ -74,7 +74,7 @@ static void set_worker_affinity(int off) {
 
 /* Why: a woken worker is often queued on the waking thread's CPU and shares it with the caller
  * until the load balancer moves it (ms later): on 2 vCPUs a two-thread copy then runs at one
- * thread's speed. Measured in benchmarks/bench_crc.py (spread on/off, from a pool thread). Only a
+ * thread's speed. Measured by benchmarks/pool_spread.py (spread on and off, side by side). Only a
  * change of the caller's CPU costs syscalls; called with g_mu held. */
 static void keep_workers_off_caller(void) {
 #if defined(__linux__)
