@@ -5,7 +5,9 @@ csrc/bsr_install_cpu.c is the install/gather; the same library carries the worke
 
 One call per window walks the descriptor table (bsr_kernels.descriptors, shared with Triton and
 CUDA) and memcpy's contiguous runs; single-threaded by default, two threads from the library's
-size threshold up (`threads` forces a count). No torch ABI coupling: raw data pointers only.
+size threshold up (`threads` forces a count; the worker is kept off the caller's CPU,
+`pool_spread`); windows of at least the last-level cache with non-temporal stores
+(`stream_bytes`). No torch ABI coupling: raw data pointers only.
 
 Where the library comes from, first hit wins:
 1. $BSR_CPU_LIB (an explicit path);

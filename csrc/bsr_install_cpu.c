@@ -9,6 +9,9 @@
  * entry_bytes) a span is one contiguous run on both sides, and runs that continue each other in
  * the destination (consecutive blocks) are merged, so most bytes move in a few large memcpy calls.
  * Other layouts copy per entry, or per row for entries split over several rows.
+ * A window that moves at least bsr_stream_threshold() bytes (the last-level cache) is written with
+ * non-temporal stores (bsr_stream.h): it would not stay in the cache anyway, and they skip reading
+ * each destination line first.
  *
  * Threads: `threads` = 1 runs in the caller's thread; n > 1 splits the items by bytes over n
  * threads (the caller plus n-1 workers of the pool in bsr_cpu_pool.c); 0 picks 1, or 2 from
