@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bsr_kernels import host_crc  # noqa: E402
+from bsr_kernels.bench import ChecksummingCopy  # noqa: E402
 
 H = 128
 
@@ -58,26 +59,21 @@ def crc_rates(reps: int) -> dict[str, float]:
     return out
 
 
-def copy_row(body: int, reps: int, rng: np.random.Generator) -> dict:
-    n = (64 << 20) // body
-    src = rng.integers(0, 256, n * (H + body), dtype=np.uint8)
-    heads, bodies, plain = np.empty(n * H, np.uint8), np.empty(n * body, np.uint8), np.empty_like(src)
-    sp = src.ctypes.data + np.arange(n, dtype=np.int64) * (H + body)
-    hp = heads.ctypes.data + np.arange(n, dtype=np.int64) * H
-    bp = bodies.ctypes.data + np.arange(n, dtype=np.int64) * body
+def copy_row(body: int, reps: int, seed: int) -> dict:
+    copy = ChecksummingCopy(64 << 20, body, H, seed)
+    plain = np.empty_like(copy.src)
     t = median_seconds({
-        "copy": lambda: np.copyto(plain, src),
-        "copy_crc_1t": lambda: host_crc.copy_crc32c(sp, hp, bp, H, body, threads=1),
-        "copy_crc_2t": lambda: host_crc.copy_crc32c(sp, hp, bp, H, body, threads=2),
+        "copy": lambda: np.copyto(plain, copy.src),
+        "copy_crc_1t": lambda: copy(1),
+        "copy_crc_2t": lambda: copy(2),
     }, reps)
-    row = {"object_KiB": body >> 10, **{f"{k}_GBps": round(src.size / v / 1e9, 1) for k, v in t.items()}}
+    row = {"object_KiB": body >> 10, **{f"{k}_GBps": round(copy.nbytes / v / 1e9, 1) for k, v in t.items()}}
     row.update({f"{k}_vs_copy": round(t["copy"] / t[k], 2) for k in ("copy_crc_1t", "copy_crc_2t")})
     return row
 
 
 def copy_rates(reps: int) -> list[dict]:
-    rng = np.random.default_rng(1)
-    return [copy_row(body, reps, rng) for body in (1 << 20, 256 << 10, 64 << 10)]
+    return [copy_row(body, reps, seed) for seed, body in enumerate((1 << 20, 256 << 10, 64 << 10), 1)]
 
 
 def main() -> None:

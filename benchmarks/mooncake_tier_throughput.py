@@ -33,10 +33,11 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 from bsr_harness.mooncake_launcher import MooncakeMaster, MooncakeStoreHost, free_port
+from bsr_kernels import host_crc
+from bsr_kernels.bench import cache_evictor
 from bsr_kernels.staging_pool import StagingPool
 from bsr_runtime.tiers.base import FETCH_HEADROOM, TierError
 from bsr_runtime.tiers.mooncake import MooncakeTier
@@ -49,31 +50,20 @@ def gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
-_FLUSH = None
-
-
-def _flush_caches() -> None:
-    """Write 128 MiB (4x the L3 here) so no timed call finds the previous call's bytes in cache.
-    numpy, one thread: a torch fill would leave OpenMP workers spinning on a core after it."""
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = np.empty(128 << 20, dtype=np.uint8)
-    _FLUSH.fill(1)
-
-
 def interleaved(fns: dict, reps: int) -> dict[str, float]:
     """Median seconds per function, the functions run round-robin so load drift hits all alike,
     each timed call after a cache flush (otherwise a call reading what the one before it wrote,
     e.g. a get after an upsert, starts warm and the others cold). The round starts one function
     later each rep, so no function always follows the same one (a call right after a get found
     the store host still busy with it: about 0.1 lower ratios for the function placed there)."""
+    evict = cache_evictor()  # 128 MiB, 4x the L3 here
     for fn in fns.values():
         fn()  # warm-up
     names = list(fns)
     ts: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(reps):
         for k in names[r % len(names):] + names[: r % len(names)]:
-            _flush_caches()
+            evict()
             t = time.perf_counter()
             fns[k]()
             ts[k].append(time.perf_counter() - t)
@@ -220,6 +210,52 @@ def failure_detection(m: MooncakeMaster, c: int) -> dict:
     return out
 
 
+def crc_overlap(tier: MooncakeTier, c: int, window: int, reps: int) -> dict:
+    """Whether the CRC of a window's landed objects should overlap the transfer: one get of the window
+    into a restore's staging slot (header room) then the CRC of every payload, against the window in
+    k gets with each get's CRCs on a second thread while the next get lands; ratios to the same raw
+    get alone."""
+    n = max(1, window // c)
+    pool = StagingPool(c, capacity_chunks=n, num_slots=1, headroom=FETCH_HEADROOM)
+    tier.register_staging(pool.buffer)
+    src = torch.randint(0, 256, (n * c,), dtype=torch.uint8)
+    tier.register_staging(src)
+    keys = [f"overlap-{c}-{i}" for i in range(n)]
+    tier.put(keys, [src[i * c : (i + 1) * c] for i in range(n)])
+    lease = pool.acquire(n)
+    ptrs = [v.data_ptr() for v in lease.chunks()]
+    second = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-crc")
+
+    def get(a: int, b: int) -> None:
+        _check_all([i for i, code in enumerate(tier._store.batch_get_into(
+            keys[a:b], [p - HEADER_SIZE for p in ptrs[a:b]], [HEADER_SIZE + c] * (b - a))) if code > 0], b - a)
+
+    def in_gets(k: int):
+        def read() -> None:
+            pending = []
+            for j in range(k):
+                a, b = n * j // k, n * (j + 1) // k
+                get(a, b)
+                if j < k - 1:
+                    pending.append(second.submit(host_crc.crc32c_many, ptrs[a:b], c))
+                else:
+                    host_crc.crc32c_many(ptrs[a:b], c)
+            for f in pending:
+                f.result()
+        return read
+
+    fns = {"raw_get": lambda: get(0, n), "one_get_then_crc": in_gets(1)}
+    fns.update({f"{k}_gets_overlapped": in_gets(k) for k in (2, 4, 8) if k <= n})
+    t = interleaved(fns, reps)
+    second.shutdown()
+    pool.release(lease)
+    for b in (pool.buffer, src):
+        tier.unregister_staging(b)
+    tier.delete(keys)
+    ratios = {f"{k}_vs_raw": round(t["raw_get"] / v, 3) for k, v in t.items() if k != "raw_get"}
+    return {"object_KiB": c >> 10, **ratios}
+
+
 def run(args) -> dict:
     """local: the tier's own segment holds the objects (no plugin: a second client's segment would
     share the placement). store_host: tier and plugin have no segment; a mooncake_client holds all."""
@@ -241,6 +277,9 @@ def run(args) -> dict:
                         print(json.dumps({placement: out[placement][-1]}), flush=True)
                         if host and c == sizes[0]:
                             out.update(probe_time(tier, c, args.probe_chunks, args.reps))
+                        if host and args.crc_overlap:
+                            out.setdefault("crc_overlap", []).append(crc_overlap(tier, c, window, args.reps))
+                            print(json.dumps({"crc_overlap": out["crc_overlap"][-1]}), flush=True)
                     finally:
                         if plugin is not None:
                             plugin.close()
@@ -277,6 +316,8 @@ def main() -> None:
                     help="the tier's in_place_batch_bytes (the gets of an in-place phase), in MiB")
     ap.add_argument("--placements", default="local,store_host", help="local, store_host or both")
     ap.add_argument("--failures", action="store_true", help="also time failure detection")
+    ap.add_argument("--crc-overlap", action="store_true",
+                    help="store host: also one get + CRC against the window in 2/4/8 gets, CRCs overlapped")
     args = ap.parse_args()
     out = run(args)
     print(table(out))

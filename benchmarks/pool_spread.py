@@ -18,24 +18,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bsr_kernels import cpu_backend, host_crc, install_window, presets  # noqa: E402
-from bsr_kernels.bench import make_window  # noqa: E402
+from bsr_kernels import cpu_backend, install_window, presets  # noqa: E402
+from bsr_kernels.bench import ChecksummingCopy, cache_evictor, make_window  # noqa: E402
 
-H, BODY, WINDOW = 128, 256 << 10, 64 << 20
-
-
-def crc_call():
-    n = WINDOW // BODY
-    src = np.random.default_rng(0).integers(0, 256, n * (H + BODY), dtype=np.uint8)
-    heads, bodies = np.empty(n * H, np.uint8), np.empty(n * BODY, np.uint8)
-    sp = src.ctypes.data + np.arange(n, dtype=np.int64) * (H + BODY)
-    hp = heads.ctypes.data + np.arange(n, dtype=np.int64) * H
-    bp = bodies.ctypes.data + np.arange(n, dtype=np.int64) * BODY
-    return lambda: host_crc.copy_crc32c(sp, hp, bp, H, BODY, threads=2), (src, heads, bodies)
+BODY, WINDOW = 256 << 10, 64 << 20
 
 
 def install_call():
@@ -52,8 +40,9 @@ def main() -> None:
     if not cpu_backend.available():
         sys.exit(f"libbsr_cpu.so is not available: {cpu_backend.load_error()}")
     worker = ThreadPoolExecutor(1)
-    flush = np.empty(128 << 20, np.uint8)
-    calls = {"checksumming copy": crc_call(), "install": install_call()}
+    evict = cache_evictor()
+    copy = ChecksummingCopy(WINDOW, BODY)
+    calls = {"checksumming copy": (lambda: copy(2), copy), "install": install_call()}
     runs = {}
     for name, (fn, _keep) in calls.items():
         runs[(name, "main thread")] = fn
@@ -67,7 +56,7 @@ def main() -> None:
             for on in ((True, False) if r % 2 else (False, True)):
                 cpu_backend.pool_spread(on)
                 for k, fn in runs.items():
-                    flush.fill(r & 0xFF)
+                    evict()
                     t = time.perf_counter()
                     fn()
                     ts[(k, on)].append(time.perf_counter() - t)

@@ -4,11 +4,13 @@
 
 Rows: the checksumming copy of a window of 256 KiB objects (host_crc.copy_crc32c, what the Mooncake
 tier's local reads and the landed path run), and the install of a window of dsv4-flash@1/16 chunks
-(backend "cpu"), each on 1 and 2 threads. "streamed": stream_bytes(0), every call uses non-temporal
-stores; "cached": normal stores. By default the library streams calls that move at least the
-last-level cache size (bsr_kernels.cpu_backend.stream_bytes()), so a window of --window-mib at or
-above it takes the streamed column. Medians of interleaved repetitions, each after a 128 MiB cache
-flush (the data starts in DRAM, as a restore's window does); ratio = cached / streamed time.
+(backend "cpu"), each on 1 and 2 threads; the install also from "hot staging": a one-thread copy
+writes the staged window right before (untimed), as a fetch leaves it for the install.
+"streamed": stream_bytes(0), every call uses non-temporal stores; "cached": normal stores. By
+default the library streams calls that move at least the last-level cache size
+(bsr_kernels.cpu_backend.stream_bytes()), so a window of --window-mib at or above it takes the
+streamed column. Medians of interleaved repetitions, each after a 128 MiB cache flush (the data
+starts in DRAM); ratio = cached / streamed time.
 """
 
 from __future__ import annotations
@@ -17,38 +19,40 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bsr_kernels import cpu_backend, host_crc, install_window, presets  # noqa: E402
-from bsr_kernels.bench import make_window  # noqa: E402
+from bsr_kernels import cpu_backend, install_window, presets  # noqa: E402
+from bsr_kernels.bench import ChecksummingCopy, cache_evictor, make_window  # noqa: E402
 
-H, BODY = 128, 256 << 10
+BODY = 256 << 10
 
 
 def crc_calls(window: int) -> tuple[dict, object]:
-    n = window // BODY
-    src = np.random.default_rng(0).integers(0, 256, n * (H + BODY), dtype=np.uint8)
-    heads, bodies = np.empty(n * H, np.uint8), np.empty(n * BODY + 64, np.uint8)
-    base = bodies.ctypes.data + (-bodies.ctypes.data) % 64  # staging slots are aligned
-    sp = src.ctypes.data + np.arange(n, dtype=np.int64) * (H + BODY)
-    hp = heads.ctypes.data + np.arange(n, dtype=np.int64) * H
-    bp = base + np.arange(n, dtype=np.int64) * BODY
-    calls = {f"checksumming copy {t}t": (lambda t=t: host_crc.copy_crc32c(sp, hp, bp, H, BODY, threads=t))
-             for t in (1, 2)}
-    return calls, (src, heads, bodies)
+    copy = ChecksummingCopy(window, BODY)
+    return {f"checksumming copy {t}t": (lambda t=t: copy(t)) for t in (1, 2)}, copy
 
 
 def install_calls(window: int) -> tuple[dict, object]:
+    """The install from cold staging (after the cache flush) and, as in a restore, from staging a
+    fetch has just written (a one-thread copy into it right before, untimed: "hot")."""
     reg = presets.dsv4_flash(scale=1 / 16)
     w = max(1, window // reg.chunk_bytes)
     staging, kv, tables = make_window(reg, w, "cpu")
-    calls = {f"install {t}t": (lambda t=t: install_window(staging, reg, kv, tables, 0, w, backend="cpu",
-                                                          cpu_threads=t)) for t in (1, 2)}
-    return calls, (staging, kv, tables)
+    fetched = staging.numpy().copy()
+
+    def install(t: int, hot: bool) -> Callable[[], None]:
+        def run() -> None:
+            install_window(staging, reg, kv, tables, 0, w, backend="cpu", cpu_threads=t)
+        run.before = (lambda: np.copyto(staging.numpy(), fetched)) if hot else None
+        return run
+    calls = {f"install {t}t": install(t, False) for t in (1, 2)}
+    calls.update({f"install {t}t, hot staging": install(t, True) for t in (1, 2)})
+    return calls, (staging, kv, tables, fetched)
 
 
 def main() -> None:
@@ -62,14 +66,16 @@ def main() -> None:
     default = cpu_backend.stream_bytes()
     (crc, _crc_buffers), (inst, _install_buffers) = crc_calls(window), install_calls(window)  # kept alive
     calls = {**crc, **inst}
-    flush = np.empty(128 << 20, np.uint8)
+    evict = cache_evictor()
     ts: dict = {(k, s): [] for k in calls for s in (True, False)}
     try:
         for r in range(args.reps + 1):
             for streamed in ((True, False) if r % 2 else (False, True)):
                 cpu_backend.stream_bytes(0 if streamed else 1 << 62)
                 for k, fn in calls.items():
-                    flush.fill(r & 0xFF)
+                    evict()
+                    if getattr(fn, "before", None):
+                        fn.before()
                     t = time.perf_counter()
                     fn()
                     if r:  # the first round warms up

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from .install import WindowInstaller, available_backends
@@ -62,12 +63,37 @@ def install_step(reg: Registration, w: int, device: str, label: str, staging_on_
 
 
 def cache_evictor(nbytes: int = 128 << 20) -> Callable[[], None]:
-    """Writes `nbytes` (several times the last-level cache) so the next call starts cache-cold."""
-    junk = torch.empty(nbytes, dtype=torch.uint8)
+    """Writes `nbytes` (several times the last-level cache) so the next call starts cache-cold.
+    One numpy thread: a torch op would leave its OpenMP workers spinning on a core afterwards, and
+    a two-thread call timed next would compete with them (benchmarks/results/install_cpu.txt)."""
+    junk = np.empty(nbytes, dtype=np.uint8)
+    count = [0]
 
     def evict() -> None:
-        junk.add_(1)
+        count[0] += 1
+        junk.fill(count[0] & 0xFF)
     return evict
+
+
+class ChecksummingCopy:
+    """A window of about `window` bytes of objects (a `head`-byte header + `body` bytes each) and the
+    CPU library's checksumming copy of it: headers and bodies to separate buffers, the bodies 64-byte
+    aligned as staging slots are. `copy(threads)` runs it; `nbytes` is what it reads."""
+
+    def __init__(self, window: int, body: int, head: int = 128, seed: int = 0) -> None:
+        n = max(1, window // body)
+        self.head, self.body = head, body
+        self.src = np.random.default_rng(seed).integers(0, 256, n * (head + body), dtype=np.uint8)
+        self.heads, self.bodies = np.empty(max(1, n * head), np.uint8), np.empty(n * body + 64, np.uint8)
+        self.sp = self.src.ctypes.data + np.arange(n, dtype=np.int64) * (head + body)
+        self.hp = self.heads.ctypes.data + np.arange(n, dtype=np.int64) * head
+        self.bp = self.bodies.ctypes.data + (-self.bodies.ctypes.data) % 64 + np.arange(n, dtype=np.int64) * body
+        self.nbytes = self.src.size
+
+    def __call__(self, threads: int = 0):
+        from . import host_crc
+
+        return host_crc.copy_crc32c(self.sp, self.hp, self.bp, self.head, self.body, threads=threads)
 
 
 def best_seconds(fns: list[Callable[[], None]], min_time: float = 2.0, min_rounds: int = 5,

@@ -72,12 +72,11 @@ def _owners(result, keys: list[ObjectKey]) -> dict | None:
     return {k: owners[k] for k in keys if k in owners} or None
 
 
-def _runs(objs, chunk_bytes: int, stride: int | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+def _runs(objs, chunk_bytes: int, stride: int) -> Iterator[tuple[int, int, torch.Tensor]]:
     """(first index, count, uint8 view) per run of consecutive objects that lie `stride` bytes apart
-    (LMCache's object size, align_up(c, align_bytes); default c) in one L1 storage: a (count, c) view
-    with that row stride, or 1-D when stride == c. The views alias LMCache's L1 memory (no copy), one
-    install or gather launch per run. None entries break runs."""
-    stride = chunk_bytes if stride is None else stride
+    (LMCache's object size, align_up(c, align_bytes)) in one L1 storage: a (count, c) view with that
+    row stride, or 1-D when stride == c. The views alias LMCache's L1 memory (no copy), one install
+    or gather launch per run. None entries break runs."""
     start = 0
     n = len(objs)
     while start < n:
