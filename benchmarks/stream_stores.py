@@ -6,11 +6,11 @@ Rows: the checksumming copy of a window of 256 KiB objects (host_crc.copy_crc32c
 tier's local reads and the landed path run), and the install of a window of dsv4-flash@1/16 chunks
 (backend "cpu"), each on 1 and 2 threads; the install also from "hot staging": a one-thread copy
 writes the staged window right before (untimed), as a fetch leaves it for the install.
-"streamed": stream_bytes(0), every call uses non-temporal stores; "cached": normal stores. By
-default the library streams calls that move at least the last-level cache size
-(bsr_kernels.cpu_backend.stream_bytes()), so a window of --window-mib at or above it takes the
-streamed column. Medians of interleaved repetitions, each after a 128 MiB cache flush (the data
-starts in DRAM); ratio = cached / streamed time.
+"streamed": stream_bytes(0) for both kinds of destination, every call uses non-temporal stores;
+"cached": normal stores. By default (bsr_kernels.cpu_backend.stream_bytes) the library streams
+copies into staging (the checksumming copy, gather) from the last-level cache size up and installs
+always; the header line says which column each takes at --window-mib. Medians of interleaved
+repetitions, each after a 128 MiB cache flush (the data starts in DRAM); ratio = cached / streamed.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main() -> None:
     if not cpu_backend.available():
         sys.exit(f"libbsr_cpu.so is not available: {cpu_backend.load_error()}")
     window = int(args.window_mib * (1 << 20))
-    default = cpu_backend.stream_bytes()
+    default = {into: cpu_backend.stream_bytes(into=into) for into in cpu_backend.STREAM_INTO}
     (crc, _crc_buffers), (inst, _install_buffers) = crc_calls(window), install_calls(window)  # kept alive
     calls = {**crc, **inst}
     evict = cache_evictor()
@@ -71,7 +71,8 @@ def main() -> None:
     try:
         for r in range(args.reps + 1):
             for streamed in ((True, False) if r % 2 else (False, True)):
-                cpu_backend.stream_bytes(0 if streamed else 1 << 62)
+                for into in cpu_backend.STREAM_INTO:
+                    cpu_backend.stream_bytes(0 if streamed else 1 << 62, into=into)
                 for k, fn in calls.items():
                     evict()
                     if getattr(fn, "before", None):
@@ -81,10 +82,12 @@ def main() -> None:
                     if r:  # the first round warms up
                         ts[(k, streamed)].append(time.perf_counter() - t)
     finally:
-        cpu_backend.stream_bytes(default)
-    mib = window / (1 << 20)
-    print(f"window {mib:.0f} MiB; the library streams from {default / (1 << 20):.0f} MiB up by default "
-          f"({'streamed' if window >= default else 'cached'} column)")
+        for into, nbytes in default.items():
+            cpu_backend.stream_bytes(nbytes, into=into)
+    mib, staging, dests = window / (1 << 20), default["staging"], default["destinations"]
+    print(f"window {mib:.0f} MiB; by default the library streams copies into staging from "
+          f"{staging / (1 << 20):.0f} MiB up (here: {'streamed' if window >= staging else 'cached'}), installs "
+          f"from {dests / (1 << 20):.0f} MiB up (here: {'streamed' if window >= dests else 'cached'})")
     print(f"{'call':24} {'streamed GB/s':>14} {'cached GB/s':>12} {'cached/streamed':>16}")
     for k in calls:
         on, off = (statistics.median(ts[(k, s)]) for s in (True, False))

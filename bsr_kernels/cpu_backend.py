@@ -6,8 +6,8 @@ csrc/bsr_install_cpu.c is the install/gather; the same library carries the worke
 One call per window walks the descriptor table (bsr_kernels.descriptors, shared with Triton and
 CUDA) and memcpy's contiguous runs; single-threaded by default, two threads from the library's
 size threshold up (`threads` forces a count; the worker is kept off the caller's CPU,
-`pool_spread`); windows of at least the last-level cache with non-temporal stores
-(`stream_bytes`). No torch ABI coupling: raw data pointers only.
+`pool_spread`); installs write with non-temporal stores, gathers from the last-level cache size
+up (`stream_bytes`). No torch ABI coupling: raw data pointers only.
 
 Where the library comes from, first hit wins:
 1. $BSR_CPU_LIB (an explicit path);
@@ -31,7 +31,7 @@ from .native_library import LazyLibrary, LibraryNotLoaded, build_atomically, cac
 from .registration import Registration
 from .validate import WindowArgs
 
-ABI_VERSION = 5003  # BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION (csrc/bsr_layout.h) in the C sources
+ABI_VERSION = 6003  # BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION (csrc/bsr_layout.h) in the C sources
 # the window functions (chunk-strided staging since ABI 3); a library without them is stale
 WINDOW_FUNCTIONS = ("bsr_cpu_install_strided", "bsr_cpu_gather_strided")
 LIB_NAME = "libbsr_cpu.so"
@@ -70,7 +70,7 @@ def load(path: str | os.PathLike) -> ctypes.CDLL:
     lib.bsr_cpu_pool_spread.restype = ctypes.c_int
     lib.bsr_cpu_pool_spread.argtypes = [ctypes.c_int]
     lib.bsr_cpu_stream_bytes.restype = _i64
-    lib.bsr_cpu_stream_bytes.argtypes = [_i64]
+    lib.bsr_cpu_stream_bytes.argtypes = [ctypes.c_int, _i64]
     for name in WINDOW_FUNCTIONS:  # staging, chunk_bytes, chunk_stride, first, num, desc, n, ptrs, groups, threads
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
@@ -162,16 +162,22 @@ def pool_spread(on: bool | None = None) -> bool:
     return bool(lib.bsr_cpu_pool_spread(-1 if on is None else int(on)))
 
 
-def stream_bytes(nbytes: int | None = None) -> int:
-    """Calls of the library that move at least this many bytes use non-temporal stores
-    (csrc/bsr_stream.h; by default the last-level cache size, or $BSR_CPU_STREAM_BYTES). `nbytes`
-    sets it (0: always); returns the previous value."""
+STREAM_INTO = ("staging", "destinations")  # csrc/bsr_stream.h: BSR_INTO_STAGING, BSR_INTO_DESTINATIONS
+
+
+def stream_bytes(nbytes: int | None = None, *, into: str = "staging") -> int:
+    """Calls of the library that move at least this many bytes `into` staging (the checksumming copy,
+    gather: by default from the last-level cache size up, $BSR_CPU_STREAM_BYTES) or destinations (the
+    install: by default 0, every window; $BSR_CPU_STREAM_DEST_BYTES) use non-temporal stores
+    (csrc/bsr_stream.h). `nbytes` sets it (0: always); returns the previous value."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"CPU backend unavailable: {load_error()}")
+    if into not in STREAM_INTO:
+        raise ValueError(f"into must be one of {STREAM_INTO}, got {into!r}")
     if nbytes is not None and nbytes < 0:
         raise ValueError(f"stream_bytes must be >= 0, got {nbytes}")
-    return int(lib.bsr_cpu_stream_bytes(-1 if nbytes is None else int(nbytes)))
+    return int(lib.bsr_cpu_stream_bytes(STREAM_INTO.index(into), -1 if nbytes is None else int(nbytes)))
 
 
 class Prepared:

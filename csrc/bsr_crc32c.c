@@ -12,7 +12,7 @@
  *
  * copy + CRC: with the folding, each 256-byte block of a payload is loaded once, stored to the
  * destination and folded from the same registers (fold_copy_update): one pass over memory, and
- * the checksum is of exactly the bytes stored; a call that moves more than the last-level cache
+ * the checksum is of exactly the bytes stored; a call that moves at least the last-level cache
  * stores non-temporally (bsr_stream.h). Without it, the payload moves in 16 KiB pieces, each
  * checksummed in the destination right after it landed, while it is still in L1/L2. Objects are
  * split over `threads` threads (0: 1, or 2 from BSR_CRC_PARALLEL_BYTES up) from the shared pool.
@@ -259,7 +259,7 @@ typedef struct copy_job {
     const int64_t *src, *dst_head, *dst_body;
     int64_t head_bytes, body_bytes;
     uint32_t* crcs;
-    int stream; /* the call moves >= bsr_stream_threshold() bytes (bsr_stream.h) */
+    int stream; /* the call moves >= bsr_stream_threshold(BSR_INTO_STAGING) bytes (bsr_stream.h) */
 } copy_job;
 
 static void copy_crc_range(void* arg) {
@@ -341,7 +341,7 @@ BSR_CPU_API int bsr_copy_crc32c(int64_t n, const int64_t* src, const int64_t* ds
         return -1;
     if (n == 0) return 0;
     copy_job proto = {0, 0, src, dst_head, dst_body, head_bytes, body_bytes, crcs,
-                      n * (head_bytes + body_bytes) >= bsr_stream_threshold()};
+                      n * (head_bytes + body_bytes) >= bsr_stream_threshold(BSR_INTO_STAGING)};
     run_split(copy_crc_range, proto, n, threads);
     return 0;
 }

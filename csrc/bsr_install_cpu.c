@@ -9,9 +9,10 @@
  * entry_bytes) a span is one contiguous run on both sides, and runs that continue each other in
  * the destination (consecutive blocks) are merged, so most bytes move in a few large memcpy calls.
  * Other layouts copy per entry, or per row for entries split over several rows.
- * A window that moves at least bsr_stream_threshold() bytes (the last-level cache) is written with
- * non-temporal stores (bsr_stream.h): it would not stay in the cache anyway, and they skip reading
- * each destination line first.
+ * Non-temporal stores (bsr_stream.h): an install writes destination blocks the restore does not
+ * read back, so it streams from bsr_stream_threshold(BSR_INTO_DESTINATIONS) bytes per window up (0
+ * by default: every window); a gather writes staging the tier reads next, so it streams from
+ * bsr_stream_threshold(BSR_INTO_STAGING) up (the last-level cache).
  *
  * Threads: `threads` = 1 runs in the caller's thread; n > 1 splits the items by bytes over n
  * threads (the caller plus n-1 workers of the pool in bsr_cpu_pool.c); 0 picks 1, or 2 from
@@ -30,8 +31,8 @@
 /* 2: + bsr_crc32c*, bsr_copy_crc32c (bsr_crc32c.c); 3: chunk-strided staging, bsr_cpu_install_strided and
  * bsr_cpu_gather_strided (a chunk_stride argument) replace bsr_cpu_install and bsr_cpu_gather, so a stale
  * library can neither be loaded by the new wrapper nor be called with the new arguments; 4: bsr_cpu_pool_spread;
- * 5: bsr_cpu_stream_bytes */
-#define BSR_CPU_ABI_VERSION 5
+ * 5: bsr_cpu_stream_bytes; 6: its `into` argument (staging or destinations) */
+#define BSR_CPU_ABI_VERSION 6
 /* auto: a second thread from 4 MiB per window up. Measured on a 2-core EPYC VM with
  * dsv4_flash(scale=1/16 and 1/64): one thread wins below ~3 MB, two win by ~20% at 6 MB. */
 #define BSR_CPU_PARALLEL_BYTES (4LL << 20)
@@ -60,7 +61,7 @@ typedef struct window {
     const int64_t* table_ptrs;
     int64_t num_groups;
     int gather;
-    int stream; /* non-temporal stores (bsr_stream.h): the window moves >= bsr_stream_threshold() bytes */
+    int stream; /* non-temporal stores (bsr_stream.h), by the window's bytes and direction */
 } window;
 
 /* A pending contiguous run: `n` bytes between staging `s` and destination `d`. */
@@ -199,7 +200,7 @@ static int run_window(window* w, int64_t threads) {
         seg_bytes += d.entries_per_chunk * d.entry_bytes;
     }
     const int64_t items = w->num_chunks * w->num_tensors, total = seg_bytes * w->num_chunks;
-    w->stream = total >= bsr_stream_threshold();
+    w->stream = total >= bsr_stream_threshold(w->gather ? BSR_INTO_STAGING : BSR_INTO_DESTINATIONS);
     if (threads <= 0) threads = total >= BSR_CPU_PARALLEL_BYTES ? 2 : 1;
     if (threads > BSR_CPU_MAX_THREADS) threads = BSR_CPU_MAX_THREADS;
     if (threads > items) threads = items;
@@ -239,9 +240,9 @@ BSR_CPU_API int64_t bsr_cpu_parallel_bytes(void) { return BSR_CPU_PARALLEL_BYTES
  * setting (-1); returns the previous one (bsr_cpu_pool.h). */
 BSR_CPU_API int bsr_cpu_pool_spread(int on) { return bsr_pool_spread(on); }
 
-/* Calls moving at least this many bytes use non-temporal stores (bsr_stream.h); < 0 only reads it.
- * Returns the previous value. */
-BSR_CPU_API int64_t bsr_cpu_stream_bytes(int64_t bytes) { return bsr_stream_set_threshold(bytes); }
+/* Calls moving at least this many bytes into staging (into = 0) or destinations (1) use non-temporal
+ * stores (bsr_stream.h); bytes < 0 only reads it. Returns the previous value. */
+BSR_CPU_API int64_t bsr_cpu_stream_bytes(int into, int64_t bytes) { return bsr_stream_set_threshold(into, bytes); }
 
 /* Chunk c of the window is at staging + c * chunk_stride (chunk_stride >= chunk_bytes; chunk_bytes
  * for back-to-back chunks). */

@@ -13,7 +13,7 @@
 #define DEFAULT_THRESHOLD (32LL << 20)
 #define NT_MIN 1024 /* below it the alignment head and tail are most of the copy */
 
-static int64_t g_threshold = -1; /* -1: not read yet */
+static int64_t g_threshold[2] = {-1, -1}; /* per BSR_INTO_*; -1: not read yet */
 
 /* The largest cache level's size as Linux reports it for cpu0 (sysfs; in a VM what the guest is
  * given: glibc's sysconf(_SC_LEVEL3_CACHE_SIZE) reported the host's 384 MiB on a 32 MiB guest). */
@@ -35,30 +35,32 @@ static int64_t last_level_cache(void) {
     return best;
 }
 
-static int64_t initial_threshold(void) {
-    const char* v = getenv("BSR_CPU_STREAM_BYTES");
+static int64_t initial_threshold(int into) {
+    const char* v = getenv(into == BSR_INTO_DESTINATIONS ? "BSR_CPU_STREAM_DEST_BYTES" : "BSR_CPU_STREAM_BYTES");
     if (v && *v) {
         char* end;
         const long long b = strtoll(v, &end, 10);
         if (*end == 0 && b >= 0) return b;
     }
+    if (into == BSR_INTO_DESTINATIONS) return 0;
     const int64_t llc = last_level_cache();
     return llc > 0 ? llc : DEFAULT_THRESHOLD;
 }
 
-int64_t bsr_stream_threshold(void) {
-    int64_t t = __atomic_load_n(&g_threshold, __ATOMIC_RELAXED);
+int64_t bsr_stream_threshold(int into) {
+    int64_t* slot = &g_threshold[into == BSR_INTO_DESTINATIONS];
+    int64_t t = __atomic_load_n(slot, __ATOMIC_RELAXED);
     if (t < 0) {
         int64_t unset = -1;
-        t = initial_threshold();
-        if (!__atomic_compare_exchange_n(&g_threshold, &unset, t, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) t = unset;
+        t = initial_threshold(into);
+        if (!__atomic_compare_exchange_n(slot, &unset, t, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) t = unset;
     }
     return t;
 }
 
-int64_t bsr_stream_set_threshold(int64_t bytes) {
-    const int64_t was = bsr_stream_threshold();
-    if (bytes >= 0) __atomic_store_n(&g_threshold, bytes, __ATOMIC_RELAXED);
+int64_t bsr_stream_set_threshold(int into, int64_t bytes) {
+    const int64_t was = bsr_stream_threshold(into);
+    if (bytes >= 0) __atomic_store_n(&g_threshold[into == BSR_INTO_DESTINATIONS], bytes, __ATOMIC_RELAXED);
     return was;
 }
 

@@ -5,13 +5,17 @@
  *
  * A normal store first reads the destination's cache line (read-for-ownership): a copy larger than
  * the caches moves 3 bytes over the memory bus per byte copied. Non-temporal stores skip that read
- * (2 bytes per byte), and leave the cache to the data that is reused; what a window writes is not
- * read again before it is evicted anyway once the window is larger than the cache. Smaller windows
- * keep normal stores: the install reads a staged window right after the fetch wrote it.
+ * (2 bytes per byte), and leave the cache to the data that is reused. Two kinds of destination:
+ * - BSR_INTO_STAGING (the checksumming copy, gather): the install or the tier reads the staged
+ *   window right after it is written, so it streams only from the last-level cache size up (sysfs;
+ *   else 32 MiB), where the window would not stay in the cache anyway; $BSR_CPU_STREAM_BYTES;
+ * - BSR_INTO_DESTINATIONS (the install): the KV blocks are not read back by the restore, so every
+ *   window streams (threshold 0); $BSR_CPU_STREAM_DEST_BYTES.
+ * Measured side by side by benchmarks/stream_stores.py (an 8 MiB install 1.04-1.17x streamed, an 8
+ * MiB two-thread checksumming copy 0.81-0.89x).
  *
- * bsr_stream_threshold(): bytes per call from which copies stream; by default the last-level cache
- * size (sysfs), else 32 MiB; $BSR_CPU_STREAM_BYTES overrides it at first use and
- * bsr_stream_set_threshold at any time (0: always stream; a huge value: never).
+ * bsr_stream_threshold(into): bytes per call from which copies into that kind stream; the
+ * environment sets it at first use, bsr_stream_set_threshold at any time (0: always; huge: never).
  * bsr_copy_nt(dst, src, n): memcpy whose 64-byte aligned middle is written with non-temporal
  * stores (n < 1 KiB, or not x86-64: plain memcpy). A thread that streamed calls
  * bsr_stream_fence() before it reports its work done.
@@ -22,8 +26,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-int64_t bsr_stream_threshold(void);
-int64_t bsr_stream_set_threshold(int64_t bytes); /* < 0: only read; returns the previous value */
+enum { BSR_INTO_STAGING = 0, BSR_INTO_DESTINATIONS = 1 };
+
+int64_t bsr_stream_threshold(int into);
+int64_t bsr_stream_set_threshold(int into, int64_t bytes); /* bytes < 0: only read; returns the previous value */
 void bsr_copy_nt(void* dst, const void* src, size_t n);
 void bsr_stream_fence(void);
 

@@ -31,22 +31,36 @@ pytestmark = pytest.mark.skipif(not cpu_backend.available(), reason=f"no CPU lib
 
 @pytest.fixture(params=[False, True], ids=["cached", "streamed"])
 def stream(request):
-    """Install/gather with normal stores or non-temporal ones (stream_bytes 0: every call streams)."""
-    was = cpu_backend.stream_bytes(0 if request.param else 1 << 62)
+    """Install/gather with normal stores or non-temporal ones (stream_bytes 0 for both kinds of
+    destination: every call streams)."""
+    was = {into: cpu_backend.stream_bytes(0 if request.param else 1 << 62, into=into)
+           for into in cpu_backend.STREAM_INTO}
     yield request.param
-    cpu_backend.stream_bytes(was)
+    for into, nbytes in was.items():
+        cpu_backend.stream_bytes(nbytes, into=into)
 
 
-def test_stream_threshold_defaults_to_the_cache_and_can_be_set():
-    was = cpu_backend.stream_bytes()
-    assert was > 0  # the last-level cache size, or 32 MiB where the system does not say
+def test_stream_thresholds_default_by_destination_and_can_be_set():
+    """Staging (read right after it is written) streams from the last-level cache size up; the
+    install's destinations stream always; each is set on its own."""
+    was = {into: cpu_backend.stream_bytes(into=into) for into in cpu_backend.STREAM_INTO}
+    assert was["staging"] > 0  # the last-level cache size, or 32 MiB where the system does not say
+    if "BSR_CPU_STREAM_DEST_BYTES" not in os.environ:
+        assert was["destinations"] == 0
     try:
-        assert cpu_backend.stream_bytes(12345) == was
-        assert cpu_backend.stream_bytes() == 12345
+        assert cpu_backend.stream_bytes(12345, into="staging") == was["staging"]
+        assert cpu_backend.stream_bytes(into="staging") == 12345
+        assert cpu_backend.stream_bytes(into="destinations") == was["destinations"]
+        assert cpu_backend.stream_bytes(777, into="destinations") == was["destinations"]
+        assert cpu_backend.stream_bytes(into="destinations") == 777
+        assert cpu_backend.stream_bytes(into="staging") == 12345
         with pytest.raises(ValueError, match=">= 0"):
             cpu_backend.stream_bytes(-1)
+        with pytest.raises(ValueError, match="into must be"):
+            cpu_backend.stream_bytes(into="kv")
     finally:
-        cpu_backend.stream_bytes(was)
+        for into, nbytes in was.items():
+            cpu_backend.stream_bytes(nbytes, into=into)
 
 
 def test_listed_and_picked_by_auto():

@@ -32,13 +32,15 @@ def rng():
 
 @pytest.fixture(params=[False, True], ids=["cached", "streamed"])
 def stream(request):
-    """Every copy of the library with normal stores (the default below the last-level cache size)
-    or non-temporal ones (stream_bytes 0: every call streams; csrc/bsr_stream.h)."""
+    """Every copy of the library with normal stores or non-temporal ones (stream_bytes 0 for both
+    kinds of destination: every call streams; csrc/bsr_stream.h)."""
     from bsr_kernels import cpu_backend
 
-    was = cpu_backend.stream_bytes(0 if request.param else 1 << 62)
+    was = {into: cpu_backend.stream_bytes(0 if request.param else 1 << 62, into=into)
+           for into in cpu_backend.STREAM_INTO}
     yield request.param
-    cpu_backend.stream_bytes(was)
+    for into, nbytes in was.items():
+        cpu_backend.stream_bytes(nbytes, into=into)
 
 
 def test_uses_the_fastest_implementation_the_cpu_has():
