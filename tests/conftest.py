@@ -1,4 +1,5 @@
-"""Shared fixtures. Mooncake: a real `mooncake_master` on 127.0.0.1 and real store clients."""
+"""Shared fixtures. Mooncake: a real `mooncake_master` on 127.0.0.1 and real store clients. The CPU
+library's copies with normal or non-temporal stores (`nt_stores`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,21 @@ def _require_mooncake() -> None:
         import mooncake.store  # noqa: F401
     except ImportError as e:  # e.g. libibverbs missing
         pytest.skip(f"mooncake.store cannot be imported: {e}")
+
+
+@pytest.fixture(params=[False, True], ids=["cached", "streamed"])
+def nt_stores(request):
+    """Every copy of the CPU library with normal stores, or with non-temporal ones (stream_bytes 0 for
+    both kinds of destination: every call streams; csrc/bsr_stream.h); the thresholds are put back."""
+    from bsr_kernels import cpu_backend
+
+    if not cpu_backend.available():
+        pytest.skip(f"no CPU library: {cpu_backend.load_error()}")
+    was = {into: cpu_backend.stream_bytes(0 if request.param else 1 << 62, into=into)
+           for into in cpu_backend.STREAM_INTO}
+    yield request.param
+    for into, nbytes in was.items():
+        cpu_backend.stream_bytes(nbytes, into=into)
 
 
 @pytest.fixture(scope="module")

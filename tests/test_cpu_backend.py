@@ -29,17 +29,6 @@ cpu_backend = pytest.importorskip("bsr_kernels.cpu_backend")
 pytestmark = pytest.mark.skipif(not cpu_backend.available(), reason=f"no CPU library: {cpu_backend.load_error()}")
 
 
-@pytest.fixture(params=[False, True], ids=["cached", "streamed"])
-def stream(request):
-    """Install/gather with normal stores or non-temporal ones (stream_bytes 0 for both kinds of
-    destination: every call streams)."""
-    was = {into: cpu_backend.stream_bytes(0 if request.param else 1 << 62, into=into)
-           for into in cpu_backend.STREAM_INTO}
-    yield request.param
-    for into, nbytes in was.items():
-        cpu_backend.stream_bytes(nbytes, into=into)
-
-
 def test_stream_thresholds_default_by_destination_and_can_be_set():
     """Staging (read right after it is written) streams from the last-level cache size up; the
     install's destinations stream always; each is set on its own."""
@@ -70,7 +59,7 @@ def test_listed_and_picked_by_auto():
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
 @pytest.mark.parametrize("layout", ["contiguous", "vllm_cpu"])
-def test_forced_threads_match_oracle(threads, layout, stream):
+def test_forced_threads_match_oracle(threads, layout, nt_stores):
     reg = kv_registration(layers=3, heads=2, head_dim=8, block_size=16)
     case = make_case(reg, 1, 3, seed=threads, hole_frac=0.2)
     views, bufs = kv_pair_layout(layout, reg, case.num_blocks[0])
@@ -84,7 +73,7 @@ def test_forced_threads_match_oracle(threads, layout, stream):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
-def test_threads_on_a_large_window_match_oracle(threads, stream):
+def test_threads_on_a_large_window_match_oracle(threads, nt_stores):
     """A 4 MB window of 167-tensor chunks split over several threads, against the entry-by-entry
     oracle, on poisoned destinations with holes; blocks outside the window stay poisoned; gather of
     the same window gives the staged bytes back."""

@@ -30,19 +30,6 @@ def rng():
     return np.random.default_rng()
 
 
-@pytest.fixture(params=[False, True], ids=["cached", "streamed"])
-def stream(request):
-    """Every copy of the library with normal stores or non-temporal ones (stream_bytes 0 for both
-    kinds of destination: every call streams; csrc/bsr_stream.h)."""
-    from bsr_kernels import cpu_backend
-
-    was = {into: cpu_backend.stream_bytes(0 if request.param else 1 << 62, into=into)
-           for into in cpu_backend.STREAM_INTO}
-    yield request.param
-    for into, nbytes in was.items():
-        cpu_backend.stream_bytes(nbytes, into=into)
-
-
 def test_uses_the_fastest_implementation_the_cpu_has():
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     if "sse4_2" not in flags:
@@ -117,7 +104,7 @@ def test_crc32c_extend_many_matches_continuation(rng, nbytes):
 
 @pytest.mark.parametrize("threads", [0, 1, 2])
 @pytest.mark.parametrize("head, body", [(128, 1 << 20), (128, 65_584), (0, 4096), (64, 1), (16, 0)])
-def test_copy_crc32c_lands_header_and_body_apart(rng, threads, head, body, stream):
+def test_copy_crc32c_lands_header_and_body_apart(rng, threads, head, body, nt_stores):
     n, guard = 9, 64
     src = rng.integers(0, 256, n * (head + body) + 1, dtype=np.uint8)[1:]  # odd source alignment
     heads = np.full(n * (head + guard) + guard, POISON, dtype=np.uint8)
@@ -142,7 +129,7 @@ def test_copy_crc32c_lands_header_and_body_apart(rng, threads, head, body, strea
 
 @pytest.mark.parametrize("body", [256, 1024, 1280, 4096 + 64, 65_536 + 255, 3 * 8192 + 3 * 256 + 13])
 @pytest.mark.parametrize("misalign", [0, 16, 63])
-def test_copy_crc32c_into_aligned_and_misaligned_bodies(rng, stream, body, misalign):
+def test_copy_crc32c_into_aligned_and_misaligned_bodies(rng, nt_stores, body, misalign):
     """Bodies 64-byte aligned (where the streamed copy uses non-temporal stores) or not, lengths on
     and off the 256-byte steps of the fused fold-and-store loop: the bytes, the CRCs and the guards."""
     n, guard, stride = 5, 64, -(-(body + 128) // 64) * 64
