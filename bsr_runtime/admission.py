@@ -5,6 +5,9 @@
   fetched and returns them after its install completed. FIFO: a blocking reservation waits
   its turn. Deadlock-free because a restore only blocks while holding nothing: a second
   (pipelined) window is taken with `try_reserve`, never waited for.
+- ArenaAdmission(arena): the budget B is a StagingArena of B bytes shared by concurrent
+  restores; a window's reservation is its lease of staging (`WindowReservation.lease`), so the
+  bytes reserved and the bytes staged are one and the same. Same FIFO and no-deadlock rules.
 """
 
 from __future__ import annotations
@@ -20,17 +23,22 @@ from .validation import check_int, check_timeout
 
 class WindowReservation:
     """The bytes one window holds from an admission; `release()` is idempotent, so every path
-    out of the window loop can call it."""
+    out of the window loop can call it. `lease`: the window's staging when the admission hands
+    staging out itself (ArenaAdmission), else None (the stage leases its own)."""
 
-    def __init__(self, admission: Admission, nbytes: int) -> None:
+    def __init__(self, admission: Admission, nbytes: int, lease=None) -> None:
         self._admission = admission
         self.nbytes = nbytes
+        self.lease = lease
         self._held = True
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._admission.release(self.nbytes)
+            if self.lease is not None:
+                self.lease.release()
+            else:
+                self._admission.release(self.nbytes)
 
 
 class Admission:
@@ -159,3 +167,40 @@ class ByteBudget(Admission):
 
 def _check_nbytes(nbytes: object) -> int:
     return check_int("reservation size (bytes)", nbytes, lo=0)
+
+
+class ArenaAdmission(Admission):
+    """Windows lease their staging from one StagingArena (the byte budget B of concurrent restores).
+    A reservation carries the lease; releasing it (after the install synchronized) frees the run."""
+
+    def __init__(self, arena) -> None:
+        self.arena = arena
+        self.budget_bytes = arena.capacity_bytes
+
+    @contextmanager
+    def restore(self, timeout: float | None = None):
+        yield self
+
+    def _chunks(self, nbytes: int) -> int:
+        nbytes = _check_nbytes(nbytes)
+        n, rest = divmod(nbytes, self.arena.chunk_bytes)
+        if rest or n == 0:
+            raise ValueError(f"a window of {nbytes:,} B is not a whole number of {self.arena.chunk_bytes:,} B chunks")
+        return n
+
+    def window(self, nbytes: int, timeout: float | None = None) -> WindowReservation:
+        timeout = check_timeout("reservation timeout", timeout, allow_none=True)
+        return WindowReservation(self, nbytes, self.arena.acquire(self._chunks(nbytes), timeout))
+
+    def try_window(self, nbytes: int) -> WindowReservation | None:
+        lease = self.arena.try_acquire(self._chunks(nbytes))
+        return None if lease is None else WindowReservation(self, nbytes, lease)
+
+    def reserve(self, nbytes: int, timeout: float | None = None) -> None:
+        raise TypeError("ArenaAdmission hands out staging with each window: use window() / try_window()")
+
+    def try_reserve(self, nbytes: int) -> bool:
+        raise TypeError("ArenaAdmission hands out staging with each window: use window() / try_window()")
+
+    def release(self, nbytes: int) -> None:
+        raise TypeError("an ArenaAdmission reservation is released through its lease")

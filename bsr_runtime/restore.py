@@ -8,6 +8,9 @@ complete presence (a missing key or timeout fails the restore), install into the
 destination blocks with one kernel launch, record the slot's event, and release the slot
 only after that install completed (synchronize-then-release). W = 0 keeps the legacy
 whole-plan path (the whole plan staged at once) as the baseline.
+
+Concurrent restores (an engine's background loader) share one StagingArena of B bytes: each
+window leases its staging from it (ArenaAdmission), so all their live staging stays within B.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from bsr_kernels import Registration, StagingPool, WindowInstaller
+from bsr_kernels.staging_arena import StagingArena
 
-from .admission import ByteBudget, SerialAdmission
+from .admission import ArenaAdmission, ByteBudget, SerialAdmission, WindowReservation
 from .keys import KeySpace, PrefixKeys
 from .plan import Window, count_windows, plan_windows, slot_sizes
 from .tiers.base import FETCH_HEADROOM, Tier
@@ -67,6 +71,8 @@ class RestoreRequest:
     keyspace: KeySpace
     kv: Sequence[torch.Tensor]
     block_tables: Sequence[torch.Tensor]  # one per group, block ids from token 0
+    # asked at every window boundary: True stops the restore there (it then fails, as cancelled)
+    should_stop: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -84,6 +90,8 @@ class RestoreReport:
     bytes_moved: int
     peak_staging_bytes: int
     header_room_bytes: int = 0  # FETCH_HEADROOM before each staging chunk (auxiliary state, not W*c)
+    admit_s: float = 0.0  # waiting for staging from the byte budget
+    submit_s: float = 0.0  # keys and fetch submission
     fetch_s: float = 0.0
     install_s: float = 0.0
     sync_s: float = 0.0
@@ -100,9 +108,10 @@ class RestoreReport:
 class TierStage:
     """A restore window fetched from a tier into a StagingPool slot (the loop's RestoreStage)."""
 
-    def __init__(self, pool: StagingPool, tier: Tier, keys: PrefixKeys, win: Window, timeout_s: float,
-                 on_unsettled: Callable[[], None] | None = None) -> None:
-        self.lease = pool.acquire(win.num_chunks, timeout=timeout_s)
+    def __init__(self, pool: StagingPool | StagingArena, tier: Tier, keys: PrefixKeys, win: Window, timeout_s: float,
+                 on_unsettled: Callable[[], None] | None = None, reservation: WindowReservation | None = None) -> None:
+        given = reservation.lease if reservation is not None else None
+        self.lease = given if given is not None else pool.acquire(win.num_chunks, timeout=timeout_s)
         self.timeout_s = timeout_s
         self.on_unsettled = on_unsettled
         self._released = False
@@ -134,8 +143,15 @@ class TierStage:
         within another timeout keeps writing: the owner retires the pool (`on_unsettled`)."""
         if self._released:
             return
-        if not self.handle.quiesce(self.timeout_s) and self.on_unsettled is not None:
-            self.on_unsettled()
+        if not self.handle.quiesce(self.timeout_s):
+            if isinstance(self.lease.pool, StagingArena):  # shared: retire just this run
+                self.lease.record(stream)
+                self.lease.synchronize()
+                self._released = True
+                self.lease.quarantine()
+                return
+            if self.on_unsettled is not None:
+                self.on_unsettled()
         self.lease.record(stream)  # an install may have been launched on the slot
         self.lease.synchronize()
         self.release()
@@ -147,20 +163,32 @@ class BoundedRestorer:
     Owns the staging pool (allocated once for W > 0) and the install stream; `admission`
     decides how concurrent restores share staging (default: one at a time per process).
 
-    Not thread-safe, by choice: one restore at a time per restorer (its pool holds W chunks for
-    one restore). A second concurrent `restore()` on the same restorer raises RuntimeError at
-    once instead of competing for the first one's slots (which ended in slot timeouts). For
-    concurrent restores make one restorer per thread and share one ByteBudget between them.
+    With its own pool it is not thread-safe, by choice: one restore at a time per restorer (its
+    pool holds W chunks for one restore). A second concurrent `restore()` on the same restorer
+    raises RuntimeError at once instead of competing for the first one's slots (which ended in
+    slot timeouts). For concurrent restores give it a shared `arena` (a StagingArena of B bytes,
+    the byte budget): then any number of threads may restore through it at once, each window
+    leasing its staging from the arena first come first served; the caller registers the arena's
+    buffer with the tiers (register_staging) and owns it.
     """
 
     def __init__(self, reg: Registration, config: RestoreConfig | None = None, *,
                  admission: SerialAdmission | ByteBudget | None = None,
                  stream: torch.cuda.Stream | None = None, staging_device: str = "cpu",
-                 make_installer: Callable[..., WindowInstaller] = WindowInstaller) -> None:
+                 make_installer: Callable[..., WindowInstaller] = WindowInstaller,
+                 arena: StagingArena | None = None) -> None:
         self.reg = reg
         # how installers are made (WindowInstaller's signature); the fault harness wraps it
         self.make_installer = make_installer
         self.config = config or RestoreConfig()
+        self.arena = arena
+        if arena is not None:
+            if admission is not None:
+                raise ValueError("a restorer over a shared staging arena takes its admission from it")
+            if arena.chunk_bytes != reg.chunk_bytes:
+                raise ValueError(f"staging arena of {arena.chunk_bytes:,} B chunks for a registration of "
+                                 f"{reg.chunk_bytes:,} B chunks")
+            admission = ArenaAdmission(arena)
         self.admission = admission or SerialAdmission()
         self.stream = stream
         self.staging_device = staging_device
@@ -173,7 +201,14 @@ class BoundedRestorer:
                 f"W = {w} chunks of {reg.chunk_bytes:,} B exceeds the byte budget B = "
                 f"{self.admission.budget_bytes:,} B"
             )
-        self.pool = self._new_pool(w, self.config.pipeline_depth) if w > 0 else None
+        if arena is not None:
+            if w <= 0:
+                raise ValueError("a restorer over a shared staging arena needs W > 0")
+            slot = max(slot_sizes(w, self.config.pipeline_depth))
+            if slot > arena.capacity_chunks:
+                raise ValueError(f"a window of {slot} chunks ({slot * reg.chunk_bytes:,} B) exceeds the staging "
+                                 f"budget B = {arena.capacity_bytes:,} B")
+        self.pool = self._new_pool(w, self.config.pipeline_depth) if w > 0 and arena is None else None
         self._registered: dict[tuple[int, int], tuple[Tier, torch.Tensor]] = {}
         self._busy = threading.Lock()  # taken without blocking by restore(): one restore at a time
 
@@ -204,6 +239,8 @@ class BoundedRestorer:
         Raises RuntimeError when another thread is in restore() on this restorer (not thread-safe:
         one restorer per thread, sharing a ByteBudget)."""
         num_chunks = check_int("num_chunks", num_chunks, lo=0)
+        if self.arena is not None:  # windows lease from the shared arena: any number at once
+            return self._restore(req, tier, num_chunks)
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("BoundedRestorer is not thread-safe: one restore at a time per restorer; "
                                "make one per thread, sharing a ByteBudget")
@@ -262,6 +299,8 @@ class BoundedRestorer:
     def _run(self, req: RestoreRequest, tier: Tier, num_chunks: int, installer: WindowInstaller,
              report: RestoreReport) -> RestoreReport:
         """The windows through the loop; every failure becomes a fail-closed report."""
+        if self.arena is not None:
+            return self._run_shared(req, tier, num_chunks, installer, report)
         reg, cfg = self.reg, self.config
         w = cfg.prefetch_window_chunks
         t0 = time.perf_counter()
@@ -269,14 +308,14 @@ class BoundedRestorer:
         pool = self.pool or self._new_pool(num_chunks)
         pool.reset_peak()
         loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=len(pool.slots),
-                          admission_timeout_s=cfg.admission_timeout_s)
+                          admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:
             with self.admission.restore(cfg.admission_timeout_s):
                 try:
                     self._register(tier, pool)
                     loop.restore(plan_windows(num_chunks, w, cfg.pipeline_depth),
-                                 lambda win: TierStage(pool, tier, keys, win, cfg.fetch_timeout_s,
-                                                       on_unsettled=lambda: self._retire(pool)),
+                                 lambda win, res: TierStage(pool, tier, keys, win, cfg.fetch_timeout_s,
+                                                            on_unsettled=lambda: self._retire(pool), reservation=res),
                                  installer.install)
                     report.ok = True
                     report.committed_tokens = num_chunks * reg.chunk_tokens
@@ -292,6 +331,32 @@ class BoundedRestorer:
             _copy_stats(report, loop.stats, reg.chunk_bytes)
             report.peak_staging_bytes = pool.peak_bytes
             report.header_room_bytes = pool.room_bytes
+            report.total_s = time.perf_counter() - t0
+        return report
+
+    def _run_shared(self, req: RestoreRequest, tier: Tier, num_chunks: int, installer: WindowInstaller,
+                    report: RestoreReport) -> RestoreReport:
+        """The windows through the loop, staging leased from the shared arena (the caller registered
+        its buffer with the tiers); every failure becomes a fail-closed report."""
+        reg, cfg, arena = self.reg, self.config, self.arena
+        t0 = time.perf_counter()
+        keys = PrefixKeys(req.keyspace, req.tokens, reg.chunk_tokens)
+        loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=cfg.pipeline_depth,
+                          admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
+        try:
+            loop.restore(plan_windows(num_chunks, cfg.prefetch_window_chunks, cfg.pipeline_depth),
+                         lambda win, res: TierStage(arena, tier, keys, win, cfg.fetch_timeout_s, reservation=res),
+                         installer.install)
+            report.ok = True
+            report.committed_tokens = num_chunks * reg.chunk_tokens
+        except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
+            cause = e.cause if isinstance(e, WindowFailed) else e
+            report.error = f"{type(cause).__name__}: {cause}"
+            report.failed_window = loop.stats.failed_window
+        finally:
+            _copy_stats(report, loop.stats, reg.chunk_bytes)
+            report.peak_staging_bytes = loop.stats.peak_bytes
+            report.header_room_bytes = (loop.stats.peak_bytes // reg.chunk_bytes) * arena.headroom
             report.total_s = time.perf_counter() - t0
         return report
 
@@ -313,7 +378,8 @@ class BoundedRestorer:
 
 
 def _copy_stats(report: RestoreReport, stats: LoopStats, chunk_bytes: int) -> None:
-    report.fetch_s, report.install_s, report.sync_s = stats.fetch_s, stats.install_s, stats.sync_s
+    report.admit_s, report.submit_s, report.fetch_s = stats.admit_s, stats.submit_s, stats.fetch_s
+    report.install_s, report.sync_s = stats.install_s, stats.sync_s
     report.windows_installed = stats.windows_done
     report.bytes_moved = stats.chunks_done * chunk_bytes
     report.backend = stats.backend or report.backend

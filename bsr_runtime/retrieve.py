@@ -78,11 +78,16 @@ class Attempt:
     failed_window: int | None = None
     peak_staging_bytes: int = 0
     seconds: float = 0.0
+    admit_s: float = 0.0
+    submit_s: float = 0.0
+    fetch_s: float = 0.0
+    install_s: float = 0.0
+    sync_s: float = 0.0
 
     @classmethod
     def from_report(cls, rep: RestoreReport, probed: int | None, seconds: float) -> Attempt:
         return cls(rep.tier, rep.ok, probed, rep.error, rep.windows, rep.windows_installed, rep.failed_window,
-                   rep.peak_staging_bytes, seconds)
+                   rep.peak_staging_bytes, seconds, rep.admit_s, rep.submit_s, rep.fetch_s, rep.install_s, rep.sync_s)
 
 
 @dataclass
@@ -142,16 +147,13 @@ class RetrieveOutcome:
 AgreeFn = Callable[..., bool]  # agree(valid_per_group, *, timeout_s, tag) -> bool
 
 
-class Retriever:
-    """Plans, restores and commits requests of one registration on one rank over ordered tiers.
+class TierSet:
+    """The ordered tiers of one registration with their health, and the probe decision over them.
 
-    Owns a BoundedRestorer (its staging pool) unless one is given; `close()` releases it.
-    `agree` is commit.agree by default (torch.distributed when initialised, else local AND).
-    """
+    A tier that raised TierUnavailableError is skipped (probe and restore) for
+    `unavailable_cooldown_s`. Holds no staging: the scheduler side plans with it alone."""
 
-    def __init__(self, reg: Registration, tiers: Sequence[Tier], config: RestoreConfig | None = None, *,
-                 restorer: BoundedRestorer | None = None, agree: AgreeFn | None = None,
-                 agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S, unavailable_cooldown_s: float = 30.0) -> None:
+    def __init__(self, reg: Registration, tiers: Sequence[Tier], unavailable_cooldown_s: float = 30.0) -> None:
         if not tiers:
             raise ValueError("a retriever needs at least one tier")
         for t in tiers:
@@ -160,39 +162,19 @@ class Retriever:
                                  f"{reg.chunk_bytes:,} B")
         self.reg = reg
         self.tiers = list(tiers)
-        self.agree_timeout_s = check_timeout("agree_timeout_s", agree_timeout_s)
         self.unavailable_cooldown_s = check_duration("unavailable_cooldown_s", unavailable_cooldown_s)
-        self._own_restorer = restorer is None
-        self.restorer = restorer or BoundedRestorer(reg, config)
-        self.agree_fn: AgreeFn = agree or commit.agree
         self._down_until: dict[int, float] = {}  # id(tier) -> monotonic time it may be tried again
 
-    @property
-    def config(self) -> RestoreConfig:
-        return self.restorer.config
-
-    def close(self) -> None:
-        if self._own_restorer:
-            self.restorer.close()
-
-    def __enter__(self) -> Retriever:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    # -- tier health -----------------------------------------------------------------------
-    def tier_available(self, tier: Tier) -> bool:
+    def available(self, tier: Tier) -> bool:
         until = self._down_until.get(id(tier))
         return until is None or time.monotonic() >= until
 
     def mark_unavailable(self, tier: Tier) -> None:
         self._down_until[id(tier)] = time.monotonic() + self.unavailable_cooldown_s
 
-    def reset_tier_health(self) -> None:
+    def reset_health(self) -> None:
         self._down_until.clear()
 
-    # -- plan ------------------------------------------------------------------------------
     def plan(self, tokens: Sequence[int], keyspace: KeySpace, max_chunks: int | None = None) -> Plan:
         """Probe the tiers in order; the plan is the longest complete prefix, on the first tier
         holding it. Stops at the first tier with every candidate chunk. Never raises on a tier
@@ -205,7 +187,7 @@ class Retriever:
         if cand == 0:
             return best
         for i, tier in enumerate(self.tiers):
-            if not self.tier_available(tier):
+            if not self.available(tier):
                 best.probes.append((tier.name, "skipped: unavailable"))
                 continue
             try:
@@ -221,6 +203,53 @@ class Retriever:
             if n == cand:
                 break
         return best
+
+
+class Retriever:
+    """Plans, restores and commits requests of one registration on one rank over ordered tiers.
+
+    Owns a BoundedRestorer (its staging pool) unless one is given; `close()` releases it.
+    `agree` is commit.agree by default (torch.distributed when initialised, else local AND).
+    """
+
+    def __init__(self, reg: Registration, tiers: Sequence[Tier] | TierSet, config: RestoreConfig | None = None, *,
+                 restorer: BoundedRestorer | None = None, agree: AgreeFn | None = None,
+                 agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S, unavailable_cooldown_s: float = 30.0) -> None:
+        self.tier_set = tiers if isinstance(tiers, TierSet) else TierSet(reg, tiers, unavailable_cooldown_s)
+        self.reg = reg
+        self.tiers = self.tier_set.tiers
+        self.agree_timeout_s = check_timeout("agree_timeout_s", agree_timeout_s)
+        self.unavailable_cooldown_s = self.tier_set.unavailable_cooldown_s
+        self._own_restorer = restorer is None
+        self.restorer = restorer or BoundedRestorer(reg, config)
+        self.agree_fn: AgreeFn = agree or commit.agree
+
+    @property
+    def config(self) -> RestoreConfig:
+        return self.restorer.config
+
+    def close(self) -> None:
+        if self._own_restorer:
+            self.restorer.close()
+
+    def __enter__(self) -> Retriever:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- tier health and the plan (TierSet) -------------------------------------------------
+    def tier_available(self, tier: Tier) -> bool:
+        return self.tier_set.available(tier)
+
+    def mark_unavailable(self, tier: Tier) -> None:
+        self.tier_set.mark_unavailable(tier)
+
+    def reset_tier_health(self) -> None:
+        self.tier_set.reset_health()
+
+    def plan(self, tokens: Sequence[int], keyspace: KeySpace, max_chunks: int | None = None) -> Plan:
+        return self.tier_set.plan(tokens, keyspace, max_chunks)
 
     # -- restore on this rank ----------------------------------------------------------------
     def restore_local(self, req: RestoreRequest, num_chunks: int, plan_tier: int | None = 0) -> LocalResult:
@@ -241,6 +270,9 @@ class Retriever:
             order.insert(0, plan_tier)
         errors = []
         for pos, i in enumerate(order):
+            if req.should_stop is not None and req.should_stop():
+                errors.append("cancelled")
+                break
             tier = self.tiers[i]
             if not self.tier_available(tier):
                 res.attempts.append(Attempt(tier.name, False, error="skipped: unavailable (cooldown)"))

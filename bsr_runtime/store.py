@@ -101,7 +101,7 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
         windows = (dataclasses.replace(w, first_chunk=first_chunk + w.first_chunk)
                    for w in plan_windows(n_total - first_chunk, pool.capacity_chunks))
         loop.store(windows,
-                   lambda win: TierStoreStage(pool, tier, keys, win, hasher), gather)
+                   lambda win, _reservation: TierStoreStage(pool, tier, keys, win, hasher), gather)
     except WindowFailed as e:
         raise e.cause from e  # a store raises what failed it (the loop's clean-up already ran)
     finally:

@@ -13,10 +13,17 @@ out (an exception of any type included) each staged window is abandoned (writers
 recorded work synchronized, staging released) and each reservation returned. A failure
 becomes `WindowFailed` with the window's index; a BaseException that is not an Exception
 (KeyboardInterrupt, SystemExit) is re-raised as itself after the clean-up.
+
+A stage factory is called with the window and its reservation (`reservation.lease` is the window's
+staging when the admission hands staging out: a StagingArena shared by concurrent restores).
+`should_stop` (a cancelled request, an engine shutting down) is asked before each new window: the
+loop then stops at that window boundary, after the windows already staged were installed or
+abandoned, and raises `RestoreCancelled` (a failure like any other: nothing is exposed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -32,6 +39,8 @@ from .plan import Window
 StagedRun = tuple[int, int, torch.Tensor]
 # install / gather: (staged bytes, request chunk of the first staged chunk, chunks) -> backend name
 MoveFn = Callable[[torch.Tensor, int, int], "str | None"]
+# (window, its reservation) -> the window staged (a RestoreStage or StoreStage)
+StageFactory = Callable[[Window, WindowReservation], "RestoreStage | StoreStage"]
 
 
 class RestoreStage(Protocol):
@@ -71,6 +80,10 @@ class StoreStage(Protocol):
     def abandon(self, stream) -> None: ...
 
 
+class RestoreCancelled(Exception):
+    """The restore was asked to stop (request aborted, engine shutting down)."""
+
+
 class WindowFailed(Exception):
     """A window failed; `cause` is what failed it. Nothing of the window is exposed."""
 
@@ -84,6 +97,8 @@ class WindowFailed(Exception):
 class LoopStats:
     """What the loop measured; restore and store reports copy these fields."""
 
+    admit_s: float = 0.0  # waiting for the admission (the byte budget B)
+    submit_s: float = 0.0  # staging a window: its keys, submitting its fetch
     fetch_s: float = 0.0  # waiting for complete presence
     install_s: float = 0.0  # install / gather launches
     sync_s: float = 0.0  # synchronize + release (+ commit for a store)
@@ -92,6 +107,21 @@ class LoopStats:
     backend: str | None = None
     failed_window: int | None = None
     launches: int = 0
+    live_bytes: int = 0  # this loop's windows reserved now
+    peak_bytes: int = 0  # the most this loop held at once
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Add the time spent in the block to `<name>_s`."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, f"{name}_s", getattr(self, f"{name}_s") + time.perf_counter() - t)
+
+    def hold(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
 
 @dataclass
@@ -104,15 +134,17 @@ class WindowLoop:
     depth: int = 1  # 2: window j+1 is staged while window j installs
     admission_timeout_s: float | None = None
     stats: LoopStats = field(default_factory=LoopStats)
+    should_stop: Callable[[], bool] | None = None
 
     # -- restore ----------------------------------------------------------------------------
-    def restore(self, windows: Iterable[Window], stage: Callable[[Window], RestoreStage], install: MoveFn) -> None:
+    def restore(self, windows: Iterable[Window], stage: StageFactory, install: MoveFn) -> None:
         """Run every window through stage -> wait -> install -> record -> synchronize -> release."""
         in_flight: deque[_Flight] = deque()
         try:
             for win in windows:
+                self._check_stop(win, in_flight, install)
                 reservation = self._admit(win, in_flight, install)
-                in_flight.append(_Flight(win, self._stage(win, stage, reservation), reservation))
+                in_flight.append(self._stage(win, stage, reservation))
                 while len(in_flight) >= self.depth:
                     self._install(in_flight.popleft(), install)
             while in_flight:
@@ -121,6 +153,14 @@ class WindowLoop:
             for f in in_flight:
                 f.abandon(self.stream)
             raise
+
+    def _check_stop(self, win: Window, in_flight: deque[_Flight], install: MoveFn) -> None:
+        """At a window boundary: a stop request installs what is staged, then ends the loop."""
+        if self.should_stop is None or not self.should_stop():
+            return
+        while in_flight:
+            self._install(in_flight.popleft(), install)
+        self._fail(win, RestoreCancelled(f"stopped before window {win.index}"))
 
     def _admit(self, win: Window, in_flight: deque[_Flight], install: MoveFn) -> WindowReservation:
         """The window's bytes. Never block on the admission while holding a staged window
@@ -131,55 +171,52 @@ class WindowLoop:
             if reservation is not None:
                 return reservation
             self._install(in_flight.popleft(), install)
-        return self._guard(win, lambda: self.admission.window(nbytes, self.admission_timeout_s))
+        with self.stats.phase("admit"):
+            return self._guard(win, lambda: self.admission.window(nbytes, self.admission_timeout_s))
 
-    def _stage(self, win: Window, stage: Callable, reservation: WindowReservation):
+    def _stage(self, win: Window, stage: StageFactory, reservation: WindowReservation) -> _Flight:
         try:
-            return self._guard(win, lambda: stage(win))
+            with self.stats.phase("submit"):
+                staged = self._guard(win, lambda: stage(win, reservation))
         except BaseException:
             reservation.release()
             raise
+        self.stats.hold(reservation.nbytes)
+        return _Flight(win, staged, reservation, self.stats)
 
     def _install(self, f: _Flight, install: MoveFn) -> None:
         win, st = f.window, f.stage
         try:
-            t = time.perf_counter()
-            try:
+            with self.stats.phase("fetch"):
                 runs = st.wait()
-            finally:
-                self.stats.fetch_s += time.perf_counter() - t
-            t = time.perf_counter()
-            self._move(win, runs, install)
-            st.record(self.stream)
-            self.stats.install_s += time.perf_counter() - t
-            t = time.perf_counter()
-            st.synchronize()
-            st.release()
-            f.reservation.release()
-            self.stats.sync_s += time.perf_counter() - t
+            with self.stats.phase("install"):
+                self._move(win, runs, install)
+                st.record(self.stream)
+            with self.stats.phase("sync"):
+                st.synchronize()
+                st.release()
+                f.release()
         except BaseException as e:
             f.abandon(self.stream)
             self._fail(win, e)
         self._done(win)
 
     # -- store ------------------------------------------------------------------------------
-    def store(self, windows: Iterable[Window], stage: Callable[[Window], StoreStage], gather: MoveFn) -> None:
+    def store(self, windows: Iterable[Window], stage: StageFactory, gather: MoveFn) -> None:
         """Run every window through stage -> gather -> record -> synchronize -> commit -> release."""
         for win in windows:
             reservation = self._admit(win, deque(), gather)
-            st = self._stage(win, stage, reservation)
-            f = _Flight(win, st, reservation)
+            f = self._stage(win, stage, reservation)
+            st = f.stage
             try:
-                t = time.perf_counter()
-                self._move(win, st.runs(), gather)
-                st.record(self.stream)
-                self.stats.install_s += time.perf_counter() - t
-                t = time.perf_counter()
-                st.synchronize()  # an asynchronous gather must land before the bytes are read
-                st.commit()
-                st.release()
-                reservation.release()
-                self.stats.sync_s += time.perf_counter() - t
+                with self.stats.phase("install"):
+                    self._move(win, st.runs(), gather)
+                    st.record(self.stream)
+                with self.stats.phase("sync"):
+                    st.synchronize()  # an asynchronous gather must land before the bytes are read
+                    st.commit()
+                    st.release()
+                    f.release()
             except BaseException as e:
                 f.abandon(self.stream)
                 self._fail(win, e)
@@ -213,9 +250,17 @@ class _Flight:
     window: Window
     stage: RestoreStage | StoreStage
     reservation: WindowReservation
+    stats: LoopStats
+    _held: bool = True
+
+    def release(self) -> None:
+        self.reservation.release()
+        if self._held:
+            self._held = False
+            self.stats.live_bytes -= self.reservation.nbytes
 
     def abandon(self, stream) -> None:
         try:
             self.stage.abandon(stream)
         finally:
-            self.reservation.release()
+            self.release()

@@ -169,7 +169,7 @@ def test_loop_order_at_depth_two_and_abandon_on_failure():
     log: list = []
     budget = ByteBudget(4)
     loop = WindowLoop(budget, chunk_bytes=1, depth=2)
-    loop.restore(_windows(3), lambda w: _Stage(log, w), lambda v, first, n: log.append(("install", first)) or "x")
+    loop.restore(_windows(3), lambda w, _r: _Stage(log, w), lambda v, first, n: log.append(("install", first)) or "x")
     assert [e for e in log if e[1] == 0] == [("wait", 0), ("install", 0), ("record", 0), ("sync", 0),
                                              ("release", 0)]
     assert loop.stats.windows_done == 3 and loop.stats.chunks_done == 6 and budget.used_bytes == 0
@@ -177,7 +177,7 @@ def test_loop_order_at_depth_two_and_abandon_on_failure():
     log.clear()
     loop = WindowLoop(budget, chunk_bytes=1, depth=2, stats=LoopStats())
     with pytest.raises(WindowFailed) as ei:
-        loop.restore(_windows(3), lambda w: _Stage(log, w, "wait" if w.index == 1 else None),
+        loop.restore(_windows(3), lambda w, _r: _Stage(log, w, "wait" if w.index == 1 else None),
                      lambda v, first, n: "x")
     assert ei.value.window == 1 and loop.stats.failed_window == 1
     assert ("abandon", 1) in log and ("release", 1) not in log and budget.used_bytes == 0

@@ -263,7 +263,7 @@ def retrieve(ad: LMCacheAdapter, req: RestoreRequest, num_chunks: int, window_ch
 
     evict_retained = cfg.evict_retained and w > 0 and not ad.l2_loads_are_temporary
 
-    def stage(win: Window) -> L1RestoreStage:
+    def stage(win: Window, _reservation) -> L1RestoreStage:
         return L1RestoreStage(ad, keys, win, req.request_id, evict_retained=evict_retained,
                               synchronize=lambda: ad.synchronize(kv), on_hits=on_hits)
 

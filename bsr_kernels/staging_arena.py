@@ -1,0 +1,219 @@
+"""StagingArena: staging shared by concurrent restores (or saves) under one byte budget B.
+
+One buffer of `capacity_chunks` chunks, allocated once; a window leases a contiguous run of chunks
+from it and gives the run back after the work that read it completed (synchronize-then-release,
+as StagingPool's slots). Live staging can therefore never exceed the buffer: the budget B is the
+buffer itself, not a counter beside it.
+
+Leases are granted first come, first served: a waiter is never overtaken by a later request, so
+the windows of a short restore interleave with those of a long one instead of queueing behind
+all of them. `try_acquire` never waits and never jumps the queue (a restore holding a staged window
+uses it for its next window: waiting there could deadlock two restores on each other's windows).
+
+`headroom` > 0 leaves that many bytes of scratch before each chunk, as in StagingPool (a tier lands
+an object with its header there in one transfer).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .staging_pool import CompletionEvent
+
+
+@dataclass
+class ArenaLease:
+    """A run of `num_chunks` chunks of an arena; the SlotLease interface (view, chunk(i), chunks(),
+    record, synchronize, release) so the window loop's stages take either."""
+
+    pool: StagingArena
+    first: int  # first chunk of the run in the arena
+    num_chunks: int
+    view: torch.Tensor = field(repr=False)
+    event: CompletionEvent = field(repr=False)
+    recorded: bool = False
+    synchronized: bool = False
+    released: bool = False
+
+    def chunk(self, i: int) -> torch.Tensor:
+        if self.view.dim() == 2:
+            return self.view[i]
+        c = self.pool.chunk_bytes
+        return self.view[i * c : (i + 1) * c]
+
+    def chunks(self) -> list[torch.Tensor]:
+        return [self.chunk(i) for i in range(self.num_chunks)]
+
+    def record(self, stream=None) -> None:
+        self.event.record(stream)
+        self.recorded, self.synchronized = True, False
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+        self.synchronized = True
+
+    def release(self) -> None:
+        """Give the run back (idempotent). Recorded work must have been synchronized first."""
+        self.pool.release(self)
+
+    def quarantine(self) -> None:
+        """A writer that never settled may still land in this run: never hand it out again."""
+        self.pool.quarantine(self)
+
+
+class StagingArena:
+    """`capacity_chunks` chunks of `chunk_bytes` (plus `headroom` before each), leased as runs."""
+
+    def __init__(self, chunk_bytes: int, capacity_chunks: int, *, headroom: int = 0,
+                 device: str | torch.device = "cpu", pin_memory: bool | None = None) -> None:
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % 16:
+            raise ValueError(f"chunk_bytes must be a positive multiple of 16, got {chunk_bytes!r}")
+        if isinstance(capacity_chunks, bool) or not isinstance(capacity_chunks, int) or capacity_chunks <= 0:
+            raise ValueError(f"a staging arena needs at least one chunk, got {capacity_chunks!r}")
+        if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0 or headroom % 16:
+            raise ValueError(f"headroom must be a non-negative multiple of 16, got {headroom!r}")
+        self.device = torch.device(device)
+        self.chunk_bytes = chunk_bytes
+        self.headroom = headroom
+        self.chunk_stride = headroom + chunk_bytes
+        self.capacity_chunks = capacity_chunks
+        if pin_memory is None:
+            pin_memory = self.device.type == "cpu" and torch.cuda.is_available()
+        self.buffer = torch.empty(capacity_chunks * self.chunk_stride, dtype=torch.uint8, device=self.device,
+                                  pin_memory=bool(pin_memory))
+        self._free = bytearray(b"\x01") * capacity_chunks  # 1: chunk free
+        self._quarantined = 0
+        self._live = 0
+        self._peak = 0
+        self._cond = threading.Condition()
+        self._queue: deque[int] = deque()
+        self._tickets = itertools.count()
+        self._closed = False
+        self.max_wait_s = 0.0
+
+    # -- meters ----------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_chunks * self.chunk_bytes
+
+    @property
+    def room_bytes(self) -> int:
+        return self.capacity_chunks * self.headroom
+
+    @property
+    def live_bytes(self) -> int:
+        with self._cond:
+            return self._live * self.chunk_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak * self.chunk_bytes
+
+    @property
+    def quarantined_chunks(self) -> int:
+        return self._quarantined
+
+    @property
+    def waiters(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def reset_peak(self) -> None:
+        with self._cond:
+            self._peak = self._live
+
+    # -- leasing ---------------------------------------------------------------------------
+    def acquire(self, num_chunks: int, timeout: float | None = None) -> ArenaLease:
+        """Lease a run of `num_chunks` chunks, first come first served, waiting up to `timeout`
+        (TimeoutError). ValueError if the arena can never hold that many."""
+        self._check(num_chunks)
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
+        with self._cond:
+            ticket = next(self._tickets)
+            self._queue.append(ticket)
+            try:
+                while True:
+                    if self._closed:
+                        raise RuntimeError("staging arena closed")
+                    first = self._find(num_chunks) if self._queue[0] == ticket else None
+                    if first is not None:
+                        lease = self._take(first, num_chunks)
+                        break
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"no staging for {num_chunks} chunks within {timeout}s "
+                                           f"({self._live}/{self.capacity_chunks} chunks live)")
+                    self._cond.wait(remaining)
+            finally:
+                self._queue.remove(ticket)
+                self._cond.notify_all()
+        self.max_wait_s = max(self.max_wait_s, time.monotonic() - t0)
+        return lease
+
+    def try_acquire(self, num_chunks: int) -> ArenaLease | None:
+        """A run at once, or None (also when others are waiting: nobody is overtaken)."""
+        self._check(num_chunks)
+        with self._cond:
+            if self._closed or self._queue:
+                return None
+            first = self._find(num_chunks)
+            return None if first is None else self._take(first, num_chunks)
+
+    def release(self, lease: ArenaLease) -> None:
+        with self._cond:
+            if lease.released:
+                return
+            if lease.recorded and not lease.synchronized:
+                raise RuntimeError("staging released before the work recorded on it was synchronized")
+            lease.released = True
+            self._free[lease.first : lease.first + lease.num_chunks] = b"\x01" * lease.num_chunks
+            self._live -= lease.num_chunks
+            self._cond.notify_all()
+
+    def quarantine(self, lease: ArenaLease) -> None:
+        """Retire a run for good (a late write may still land there); its bytes stop counting as live."""
+        with self._cond:
+            if lease.released:
+                return
+            lease.released = True
+            self._live -= lease.num_chunks
+            self._quarantined += lease.num_chunks
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wake every waiter with an error; leases already out stay valid until released."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # -- internals -------------------------------------------------------------------------
+    def _check(self, num_chunks: int) -> None:
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks <= 0:
+            raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+        if num_chunks > self.capacity_chunks:
+            raise ValueError(f"{num_chunks} chunks exceed the staging budget of {self.capacity_chunks} chunks "
+                             f"({self.capacity_bytes:,} B)")
+
+    def _find(self, n: int) -> int | None:
+        run = b"\x01" * n
+        i = self._free.find(run)
+        return None if i < 0 else i
+
+    def _take(self, first: int, n: int) -> ArenaLease:
+        self._free[first : first + n] = b"\x00" * n
+        self._live += n
+        self._peak = max(self._peak, self._live)
+        start = first * self.chunk_stride
+        if self.headroom:
+            rows = self.buffer[start : start + n * self.chunk_stride].view(n, -1)
+            view = rows[:, self.headroom :]
+        else:
+            view = self.buffer[start : start + n * self.chunk_bytes]
+        return ArenaLease(self, first, n, view, CompletionEvent(self.device))

@@ -1,0 +1,308 @@
+"""The worker side of a restore: loads run off the engine's step thread, their staging shared under one
+byte budget B, and each ends committed or failed closed, reported once.
+
+    loader = Loader(reg, tiers, kv, config, budget_bytes=B, ...)
+    loader.submit(spec)          returns at once; the restore runs on a loader thread
+    loader.cancel(request_id)    the restore stops at its next window boundary
+    loader.take_finished()       results since the last call, each after its last install completed
+    loader.run(spec)             the same restore on the calling thread (sync loads)
+    loader.close(timeout_s)      cancels what runs, waits a bounded time, returns every staging byte
+
+Staging: one StagingArena of B bytes (the byte budget) shared by every restore of this worker; each
+window leases its run of chunks first come first served, so the windows of concurrent restores
+interleave and their live staging never exceeds B (each request still stages at most W chunks at
+once: ceil(W/depth) per window, `pipeline_depth` windows).
+
+Commit: with TP > 1 the ranks agree on q[r][g] (commit.agree) over a process group the engine does
+not use from other threads; agreements run on one thread per rank in submission order (the same
+order on every rank: the scheduler ships the loads in one list), so every rank reports the same
+outcome for the same request. A result is reported only after its restore returned: every window
+it staged was installed and synchronized or abandoned, so no byte lands in its blocks afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from bsr_kernels import Registration
+from bsr_kernels.staging_arena import StagingArena
+
+from . import commit
+from .keys import KeySpace
+from .planner import LoadSpec
+from .plan import slot_sizes
+from .restore import BoundedRestorer, RestoreConfig, RestoreRequest
+from .retrieve import LOCAL, AgreeFn, LocalResult, RetrieveOutcome, Retriever, TierSet, request_block_ids
+from .tiers.base import FETCH_HEADROOM, Tier
+from .validation import check_int
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadResult:
+    """One finished load: its outcome and where its time went (seconds)."""
+
+    spec: LoadSpec
+    outcome: RetrieveOutcome
+    cancelled: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Job:
+    seq: int
+    spec: LoadSpec
+    submitted: float
+    stop: threading.Event = field(default_factory=threading.Event)
+    started: float | None = None
+    local: LocalResult | None = None
+    restored: float | None = None
+
+
+def default_budget_bytes(reg: Registration, config: RestoreConfig) -> int:
+    """B when none is configured: the staging of one restore (W chunks), the paper's bound, so
+    concurrent restores interleave within what a single restore uses."""
+    return max(1, config.prefetch_window_chunks) * reg.chunk_bytes
+
+
+class Loader:
+    def __init__(self, reg: Registration, tiers: Sequence[Tier] | TierSet, kv: Sequence[torch.Tensor] | None,
+                 config: RestoreConfig, *, budget_bytes: int | None = None, max_restores: int = 8,
+                 tp_rank: int = 0, tp_world: int = 1, salt: str = "", model: str = "",
+                 agree: AgreeFn | None = None, agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S,
+                 unavailable_cooldown_s: float = 30.0, make_installer=None) -> None:
+        if config.prefetch_window_chunks <= 0:
+            raise ValueError("background loads need W > 0 (the whole-plan path W = 0 has no window to bound)")
+        self.reg = reg
+        self.config = config
+        self.keyspace = KeySpace(reg.fingerprint, tp_rank, tp_world, salt, model)
+        self.tp_world = tp_world
+        budget = default_budget_bytes(reg, config) if budget_bytes is None else check_int("budget_bytes", budget_bytes,
+                                                                                            lo=1)
+        budget_chunks = budget // reg.chunk_bytes
+        window = max(slot_sizes(config.prefetch_window_chunks, config.pipeline_depth))
+        if budget_chunks < window:
+            raise ValueError(f"the restore budget B = {budget:,} B holds {budget_chunks} chunks of {reg.chunk_bytes:,} B;"
+                             f" one window needs {window} (W = {config.prefetch_window_chunks}, pipeline depth "
+                             f"{config.pipeline_depth}): raise B to at least {window * reg.chunk_bytes:,} B")
+        self.max_restores = check_int("max_restores", max_restores, lo=1)
+        self.arena = StagingArena(reg.chunk_bytes, budget_chunks, headroom=FETCH_HEADROOM)
+        kw = {} if make_installer is None else {"make_installer": make_installer}
+        restorer = BoundedRestorer(reg, config, arena=self.arena, **kw)
+        self.retriever = Retriever(reg, tiers, restorer=restorer, agree=agree, agree_timeout_s=agree_timeout_s,
+                                   unavailable_cooldown_s=unavailable_cooldown_s)
+        self.kv: list[torch.Tensor] | None = list(kv) if kv is not None else None
+        self._registered: list[Tier] = []
+        for tier in self.retriever.tiers:
+            tier.register_staging(self.arena.buffer)
+            self._registered.append(tier)
+        self._seq = itertools.count()
+        self._lock = threading.Condition()
+        self._jobs: dict[str, _Job] = {}  # request id -> its running or queued job
+        self._finished: deque[LoadResult] = deque()
+        self._closed = False
+        self._threads = ThreadPoolExecutor(max_workers=self.max_restores, thread_name_prefix="bsr-restore")
+        self._agree_queue: dict[int, _Job] = {}  # seq -> job restored locally, waiting for its agreement
+        self._agree_next = 0
+        self._agree_thread: threading.Thread | None = None
+        if tp_world > 1:
+            self._agree_thread = threading.Thread(target=self._agree_loop, name="bsr-agree", daemon=True)
+            self._agree_thread.start()
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return self.retriever.tiers
+
+    def register_kv_caches(self, kv: Sequence[torch.Tensor]) -> None:
+        if len(kv) != self.reg.num_tensors:
+            raise ValueError(f"{len(kv)} kv caches for {self.reg.num_tensors} registered tensors")
+        self.kv = list(kv)
+
+    # -- background ------------------------------------------------------------------------
+    def submit(self, spec: LoadSpec) -> None:
+        """Start the load on a loader thread and return at once. Every TP rank must submit the same
+        loads in the same order."""
+        job = _Job(next(self._seq), spec, time.perf_counter())
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the loader is closed")
+            if spec.request_id in self._jobs:
+                raise ValueError(f"request {spec.request_id!r} is already loading")
+            self._jobs[spec.request_id] = job
+        self._threads.submit(self._run_job, job)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop the request's load at its next window boundary (True if it was loading). Its result is
+        still reported, after its in-flight windows completed."""
+        with self._lock:
+            job = self._jobs.get(request_id)
+        if job is None:
+            return False
+        job.stop.set()
+        return True
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def take_finished(self) -> list[LoadResult]:
+        with self._lock:
+            out = list(self._finished)
+            self._finished.clear()
+        return out
+
+    def wait_finished(self, timeout: float) -> bool:
+        """Wait until some load finished (True) or `timeout` passed with loads still running."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not self._finished and self._jobs:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._lock.wait(remaining)
+            return bool(self._finished)
+
+    def _run_job(self, job: _Job) -> None:
+        job.started = time.perf_counter()
+        job.local = self._restore_local(job.spec, job.stop)
+        job.restored = time.perf_counter()
+        if self._agree_thread is None:
+            self._finish(job, self._commit(job))
+        else:
+            with self._lock:
+                self._agree_queue[job.seq] = job
+                self._lock.notify_all()
+
+    def _agree_loop(self) -> None:
+        """Agreements in submission order (the same on every rank)."""
+        while True:
+            with self._lock:
+                while self._agree_next not in self._agree_queue:
+                    if self._closed and not self._jobs:
+                        return
+                    self._lock.wait(0.5)
+                job = self._agree_queue.pop(self._agree_next)
+                self._agree_next += 1
+            self._finish(job, self._commit(job))
+
+    def _commit(self, job: _Job) -> RetrieveOutcome:
+        assert job.local is not None
+        try:
+            return self.retriever.commit_local(job.local, commit.make_tag(job.spec.request_id, "commit"))
+        except Exception as e:  # noqa: BLE001 - a bug in the agreement fails this load closed
+            job.local.valid_per_group = [False] * self.reg.num_groups
+            job.local.error = f"commit: {type(e).__name__}: {e}"
+            return Retriever.finalize(job.local, False)
+
+    def _finish(self, job: _Job, outcome: RetrieveOutcome) -> None:
+        now = time.perf_counter()
+        timings = _timings(job.spec, outcome)
+        timings.update(queued_s=(job.started or now) - job.submitted,
+                       agree_s=now - (job.restored or now), total_s=now - job.submitted)
+        result = LoadResult(job.spec, outcome, job.stop.is_set(), timings)
+        with self._lock:
+            self._jobs.pop(job.spec.request_id, None)
+            self._finished.append(result)
+            self._lock.notify_all()
+
+    # -- on the calling thread ---------------------------------------------------------------
+    def run(self, spec: LoadSpec) -> LoadResult:
+        """The load on this thread (sync loads): restore, commit, result."""
+        job = _Job(next(self._seq), spec, time.perf_counter())
+        job.started = job.submitted
+        job.local = self._restore_local(spec, job.stop)
+        job.restored = time.perf_counter()
+        outcome = self._commit(job)
+        now = time.perf_counter()
+        timings = _timings(spec, outcome)
+        timings.update(queued_s=0.0, agree_s=now - job.restored, total_s=now - job.submitted)
+        return LoadResult(spec, outcome, False, timings)
+
+    # -- the restore -----------------------------------------------------------------------
+    def _restore_local(self, spec: LoadSpec, stop: threading.Event) -> LocalResult:
+        """This rank's restore of one load; any exception fails it closed (every block invalid)."""
+        try:
+            if self.kv is None:
+                raise RuntimeError("load before register_kv_caches: no destination tensors")
+            tables = [torch.tensor(b, dtype=torch.int64) for b in spec.block_ids]
+            keyspace = self.keyspace if spec.salt is None else dataclasses.replace(self.keyspace, salt=spec.salt)
+            req = RestoreRequest(spec.request_id, spec.tokens, keyspace, self.kv, tables,
+                                 should_stop=lambda: stop.is_set() or self._closed)
+            return self.retriever.restore_local(req, spec.num_chunks, spec.plan_tier)
+        except Exception as e:  # noqa: BLE001 - this load fails closed; the others go on
+            return failed_local(self.reg, spec, e)
+
+    # -- shutdown --------------------------------------------------------------------------
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Cancel every load, wait up to `timeout_s` for them to stop (each stops at its next window
+        boundary; a fetch in flight settles within its own timeout), then release the staging. Returns
+        False if some load did not stop in time (its staging stays registered, never reused)."""
+        with self._lock:
+            self._closed = True
+            jobs = list(self._jobs.values())
+            self._lock.notify_all()
+        for job in jobs:
+            job.stop.set()
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._jobs and time.monotonic() < deadline:
+                self._lock.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            stopped = not self._jobs
+        self._threads.shutdown(wait=stopped, cancel_futures=True)
+        if self._agree_thread is not None:
+            self._agree_thread.join(max(0.0, deadline - time.monotonic()))
+        self.arena.close()
+        if stopped:
+            for tier in self._registered:
+                tier.unregister_staging(self.arena.buffer)
+            self._registered.clear()
+        else:
+            log.warning("BSR loader: %d load(s) did not stop within %.1f s; their staging is left registered",
+                        len(self._jobs), timeout_s)
+        return stopped
+
+
+def failed_local(reg: Registration, spec: LoadSpec, error: BaseException) -> LocalResult:
+    """The local result of a load that raised: every group invalid, every block reported."""
+    try:
+        blocks = request_block_ids(reg, spec.block_ids, check_int("num_chunks", spec.num_chunks, lo=0))
+    except Exception:  # noqa: BLE001 - the spec itself is bad: report every block it names
+        blocks = all_block_ids(spec.block_ids, reg.num_groups)
+    num_chunks = spec.num_chunks if isinstance(spec.num_chunks, int) else 0
+    return LocalResult(spec.request_id, num_chunks, reg.chunk_tokens, [False] * reg.num_groups, LOCAL,
+                       blocks, error=f"load failed: {type(error).__name__}: {error}")
+
+
+def all_block_ids(block_ids, num_groups: int) -> tuple[frozenset[int], ...]:
+    """Per group, every non-negative integer block id of `block_ids` (whatever its shape)."""
+    out = []
+    groups = list(block_ids) if isinstance(block_ids, (list, tuple)) else []
+    for g in range(max(num_groups, len(groups))):
+        ids = groups[g] if g < len(groups) else []
+        try:
+            ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        except TypeError:
+            ids = []
+        out.append(frozenset(int(b) for b in ids
+                             if isinstance(b, int) and not isinstance(b, bool) and b >= 0))
+    return tuple(out)
+
+
+def _timings(spec: LoadSpec, outcome: RetrieveOutcome) -> dict[str, float]:
+    """Where the load's time went: the scheduler's probe, then per phase of its restore attempts."""
+    out = {"probe_s": spec.probe_s}
+    for name in ("admit_s", "submit_s", "fetch_s", "install_s", "sync_s", "seconds"):
+        out["restore_s" if name == "seconds" else name] = sum(getattr(a, name, 0.0) for a in outcome.attempts)
+    return out
