@@ -39,8 +39,8 @@ from bsr_kernels.staging_arena import StagingArena
 
 from . import commit
 from .keys import KeySpace
-from .planner import LoadSpec
 from .plan import slot_sizes
+from .planner import LoadSpec
 from .restore import BoundedRestorer, RestoreConfig, RestoreRequest
 from .retrieve import LOCAL, AgreeFn, LocalResult, RetrieveOutcome, Retriever, TierSet, request_block_ids
 from .tiers.base import FETCH_HEADROOM, Tier
@@ -88,14 +88,16 @@ class Loader:
         self.config = config
         self.keyspace = KeySpace(reg.fingerprint, tp_rank, tp_world, salt, model)
         self.tp_world = tp_world
-        budget = default_budget_bytes(reg, config) if budget_bytes is None else check_int("budget_bytes", budget_bytes,
-                                                                                            lo=1)
+        if budget_bytes is None:
+            budget_bytes = default_budget_bytes(reg, config)
+        budget = check_int("budget_bytes", budget_bytes, lo=1)
         budget_chunks = budget // reg.chunk_bytes
         window = max(slot_sizes(config.prefetch_window_chunks, config.pipeline_depth))
         if budget_chunks < window:
-            raise ValueError(f"the restore budget B = {budget:,} B holds {budget_chunks} chunks of {reg.chunk_bytes:,} B;"
-                             f" one window needs {window} (W = {config.prefetch_window_chunks}, pipeline depth "
-                             f"{config.pipeline_depth}): raise B to at least {window * reg.chunk_bytes:,} B")
+            raise ValueError(f"the restore budget B = {budget:,} B holds {budget_chunks} chunks of "
+                             f"{reg.chunk_bytes:,} B; one window needs {window} (W = {config.prefetch_window_chunks}, "
+                             f"pipeline depth {config.pipeline_depth}): raise B to at least "
+                             f"{window * reg.chunk_bytes:,} B")
         self.max_restores = check_int("max_restores", max_restores, lo=1)
         self.arena = StagingArena(reg.chunk_bytes, budget_chunks, headroom=FETCH_HEADROOM)
         kw = {} if make_installer is None else {"make_installer": make_installer}

@@ -133,7 +133,8 @@ def store(ad: LMCacheAdapter, keyspace: KeySpace, tokens: Sequence[int], kv: Seq
     failed = None
     try:
         with ad.admission.restore(timeout_s):  # the store stages in L1 too: same admission
-            loop.store(batches(ad.sm, ad.l1_object_bytes, want, n_total), lambda win, _reservation: L1StoreStage(job, win), gather)
+            loop.store(batches(ad.sm, ad.l1_object_bytes, want, n_total),
+                       lambda win, _reservation: L1StoreStage(job, win), gather)
     except WindowFailed as e:
         failed = e
     finally:
