@@ -4,7 +4,8 @@
                {"type": "mooncake", "master_address": "H:50051", "metadata_server": "http://H:8080/metadata"},
                {"type": "lmcache-fs", "root": "/ssd/lmcache"}],
      "window_chunks": 32, "pipeline_depth": null, "fetch_timeout_s": 30, "salt": "", "model_id": null,
-     "save": true, "report_path": null}
+     "load_mode": "async", "restore_budget_bytes": null, "max_concurrent_restores": 8,
+     "save": true, "save_staging_chunks": null, "report_path": null}
 
 Tier options are those of the tier factory (bsr_runtime/tiers/factory.py); a Mooncake tier
 mounts no segment unless `global_segment_size` says so (the objects live on the store hosts).
@@ -17,6 +18,8 @@ falls back to a default.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,17 +60,20 @@ class TierSpec:
 
 
 _KEYS = {"tiers", "load_mode", "window_chunks", "pipeline_depth", "fetch_timeout_s", "backend", "salt", "model_id",
-         "save", "save_window_chunks", "report_path", "chunk_tokens", "agree_timeout_s"}
+         "save", "save_window_chunks", "report_path", "chunk_tokens", "agree_timeout_s", "restore_budget_bytes",
+         "max_concurrent_restores", "save_staging_chunks", "shutdown_timeout_s"}
+LOAD_MODES = ("async", "sync")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ConnectorConfig:
     tiers: tuple[TierSpec, ...]
-    # "sync": loads before the step's forward, failures reported by block id; "async": the request
-    # waits for the load (WAITING_FOR_REMOTE_KVS), failures reported per request (failed_recving);
-    # "auto": sync with one KV-cache group, async with several (vLLM maps block ids to requests only
-    # with one group)
-    load_mode: str = "auto"
+    # "async": loads run on the connector's loader threads while the engine keeps stepping; the request
+    # waits (WAITING_FOR_REMOTE_KVS) and failures are reported per request (failed_recving). "sync": loads
+    # run on the step thread before the forward (every other request waits), failures by block id (one
+    # KV-cache group only); kept for comparison. "auto" (earlier default) is read as "async".
+    load_mode: str = "async"
     window_chunks: int = 32  # W
     pipeline_depth: int | None = None  # None: the first tier's preferred depth (Tier.preferred_pipeline_depth)
     fetch_timeout_s: float = 30.0
@@ -79,6 +85,10 @@ class ConnectorConfig:
     report_path: str | None = None  # append one JSON line per load and save (both roles, all ranks)
     chunk_tokens: int = 256
     agree_timeout_s: float = 30.0
+    restore_budget_bytes: int | None = None  # B: staging shared by concurrent restores (default W*c)
+    max_concurrent_restores: int = 8  # loader threads (restores beyond wait for one)
+    save_staging_chunks: int | None = None  # staging of saves waiting for their puts (default: two steps' chunks)
+    shutdown_timeout_s: float = 30.0  # how long shutdown waits for loads and saves in flight
     extra: dict = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -93,8 +103,11 @@ class ConnectorConfig:
             raise ValueError("BSR connector: kv_connector_extra_config needs 'tiers' (a non-empty list)")
         specs = tuple(TierSpec.from_dict(t) for t in tiers)
         cfg = cls(tiers=specs, **extra)
-        if cfg.load_mode not in ("auto", "sync", "async"):
-            raise ValueError(f"load_mode must be auto, sync or async, got {cfg.load_mode!r}")
+        if cfg.load_mode == "auto":
+            log.warning('BSR connector: load_mode "auto" is deprecated, read as "async" (loads off the step thread)')
+            cfg = dataclasses.replace(cfg, load_mode="async")
+        if cfg.load_mode not in LOAD_MODES:
+            raise ValueError(f"load_mode must be async or sync, got {cfg.load_mode!r}")
         if isinstance(cfg.window_chunks, bool) or not isinstance(cfg.window_chunks, int) or cfg.window_chunks < 0:
             raise ValueError(f"window_chunks must be an integer >= 0, got {cfg.window_chunks!r}")
         return cfg
@@ -106,8 +119,9 @@ class ConnectorConfig:
         return RestoreConfig(prefetch_window_chunks=self.window_chunks, pipeline_depth=depth,
                              fetch_timeout_s=self.fetch_timeout_s, backend=self.backend)
 
-    def load_async(self, num_groups: int) -> bool:
-        return self.load_mode == "async" or (self.load_mode == "auto" and num_groups > 1)
+    @property
+    def load_async(self) -> bool:
+        return self.load_mode == "async"
 
     @property
     def save_tiers(self) -> list[int]:

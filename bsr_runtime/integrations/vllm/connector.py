@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -31,6 +32,8 @@ from .registration import model_identity, registration_from_kv_cache_config
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
+log = logging.getLogger(__name__)
+
 
 class BSRConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
@@ -39,6 +42,9 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("the BSR connector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         self.config = cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.registration = reg = registration_from_kv_cache_config(kv_cache_config, cfg.chunk_tokens)
+        if not cfg.load_async and reg.num_groups > 1:
+            raise ValueError(f'BSR connector: load_mode "sync" reports failures by block id, which vLLM supports '
+                             f'only with one KV-cache group; this model has {reg.num_groups}: use "async"')
         self.model_id = model_identity(vllm_config, kv_cache_config, cfg.model_id)
         world = vllm_config.parallel_config.tensor_parallel_size
         self._stack = contextlib.ExitStack()
@@ -51,11 +57,10 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 rank, agree = 0, None
                 if world > 1:
-                    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
-
-                    rank = get_tensor_model_parallel_rank()
-                    agree = functools.partial(commit.agree, group=get_tp_group().cpu_group)
-                self.worker = WorkerSide(cfg, reg, tiers, self.model_id, rank, world, agree)
+                    rank, group = _agreement_group()
+                    agree = functools.partial(commit.agree, group=group)
+                per_step = -(-vllm_config.scheduler_config.max_num_batched_tokens // cfg.chunk_tokens)
+                self.worker = WorkerSide(cfg, reg, tiers, self.model_id, rank, world, agree, chunks_per_step=per_step)
         except BaseException:
             self._stack.close()
             raise
@@ -93,7 +98,7 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete inside start_load_kv
+        return None  # async loads are waited for by the scheduler; sync ones complete in start_load_kv
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return None  # saves run once per step in wait_for_save, after every layer wrote its KV
@@ -108,7 +113,9 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.get_block_ids_with_load_errors()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        done, failed = self.worker.transfer_results()
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, BSRConnectorMetadata) and meta.idle
+        done, failed = self.worker.transfer_results(finished_req_ids, idle=idle)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def shutdown(self) -> None:
@@ -116,3 +123,14 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
             if side is not None:
                 side.close()
         self._stack.close()
+
+
+def _agreement_group():
+    """(TP rank, a gloo group of the TP ranks for BSR alone): agreements run on the loader's thread, never
+    on the engine's own groups, whose collectives the step thread issues."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
+
+    tp = get_tp_group()
+    group = dist.new_group(ranks=list(tp.ranks), backend="gloo", use_local_synchronization=True)
+    return get_tensor_model_parallel_rank(), group

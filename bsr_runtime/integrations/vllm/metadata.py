@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from ...connector import LoadSpec
+from ...planner import LoadSpec
 
 
 @dataclass
@@ -27,5 +27,6 @@ class SaveSpec:
 
 @dataclass
 class BSRConnectorMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)  # run before this step's forward
-    saves: list[SaveSpec] = field(default_factory=list)  # run after it (wait_for_save)
+    loads: list[LoadSpec] = field(default_factory=list)  # started this step (sync: before its forward)
+    saves: list[SaveSpec] = field(default_factory=list)  # gathered after its forward (wait_for_save)
+    idle: bool = False  # nothing scheduled this step: the workers may wait a little for loads to finish

@@ -110,11 +110,13 @@ def cold_save_restore(model: str, tokens: Sequence[int], tiers: list[dict], *, w
     llm = make_llm(model, kv, **common)
     try:
         generate(llm, tokens, max_tokens=1)
-        saves = [r for r in worker_side().saves if r.get("ok")]  # one record per step that completed chunks
+        worker = worker_side()
+        worker.wait_saves()
+        saves = [r for r in worker.saves if r.get("ok")]  # one record per step that completed chunks
     finally:
         shutdown(llm)
     out.update(save_chunks=sum(r["stored"] for r in saves), save_s=sum(r["seconds"] for r in saves),
-               save_peak_staging_bytes=max((r["peak_staging_bytes"] for r in saves), default=0))
+               save_peak_staging_bytes=max((r.get("staging_bytes", 0) for r in saves), default=0))
     log(f"engine A saved {out['save_chunks']} chunks in {out['save_s']:.3f} s")
     llm = make_llm(model, kv, **common)
     try:
@@ -166,7 +168,7 @@ def _standalone_restore(worker, tokens: Sequence[int], num_chunks: int, repeat: 
         cache = torch.zeros(nb, h, s.block_size, 2 * d, dtype=s.dtype)
         kv.extend(cpu_kv_views(cache, s.block_size))
     tables = [torch.arange(1, nb, dtype=torch.int64) for _ in range(reg.num_groups)]
-    req = RestoreRequest("standalone", list(tokens), worker.core.keyspace, kv, tables)
+    req = RestoreRequest("standalone", list(tokens), worker.keyspace, kv, tables)
     best = float("inf")
     with BoundedRestorer(reg, worker.restore_config) as r:
         for _ in range(repeat):
