@@ -1,0 +1,312 @@
+"""Restores off the caller's thread under one byte budget (bsr_runtime/loader.py) and the staging arena
+they share (bsr_kernels/staging_arena.py): real files, real installs into one set of destination tensors
+shared by every request (as an engine's KV cache is), each request in its own blocks.
+
+Expected states come from the source blocks (state_hash of what was stored), never from the loader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from bsr_harness.experiments import make_source, store_source
+from bsr_harness.faulty_tier import FaultyTier
+from bsr_harness.testdata import POISON, block_tables, poison
+from bsr_kernels import presets
+from bsr_kernels.staging_arena import StagingArena
+from bsr_runtime.loader import Loader
+from bsr_runtime.planner import LoadSpec
+from bsr_runtime.restore import RestoreConfig
+from bsr_runtime.state_hash import state_hash
+from bsr_runtime.tiers import FilesystemTier
+
+
+def _reg():
+    return presets.dsv4_flash(scale=1 / 64)
+
+
+# -- the arena ---------------------------------------------------------------------------------
+def _queued(arena: StagingArena, k: int) -> None:
+    end = time.monotonic() + 30
+    while arena.waiters < k:
+        assert time.monotonic() < end, "acquire never queued"
+        time.sleep(0.001)
+
+
+def test_arena_is_first_come_first_served_and_never_exceeds_its_buffer():
+    arena = StagingArena(64, 4)
+    held = arena.acquire(3)
+    got: list[str] = []
+    events = {"big": threading.Event(), "small": threading.Event()}
+    leases = {}
+
+    def take(name: str, n: int) -> None:
+        leases[name] = arena.acquire(n, timeout=30)
+        got.append(name)
+        events[name].set()
+
+    big = threading.Thread(target=take, args=("big", 4))
+    small = threading.Thread(target=take, args=("small", 1))
+    big.start()
+    _queued(arena, 1)
+    small.start()  # 1 chunk is free, but "big" came first
+    _queued(arena, 2)
+    assert arena.try_acquire(1) is None  # nobody is overtaken
+    assert not events["big"].is_set() and not events["small"].is_set()
+    held.release()
+    assert events["big"].wait(30) and not events["small"].is_set()
+    assert arena.live_bytes == 4 * 64
+    leases["big"].release()
+    assert events["small"].wait(30)
+    big.join(30)
+    small.join(30)
+    assert got == ["big", "small"]
+    leases["small"].release()
+    assert arena.live_bytes == 0 and arena.peak_bytes == 4 * 64
+
+
+def test_arena_runs_are_disjoint_views_of_one_buffer_with_headroom():
+    arena = StagingArena(32, 6, headroom=16)
+    a, b = arena.acquire(2), arena.acquire(3)
+    for lease, value in ((a, 1), (b, 2)):
+        assert lease.view.shape == (lease.num_chunks, 32)
+        lease.view.fill_(value)
+    whole = arena.buffer.view(6, 48)
+    assert bool((whole[0:2, 16:] == 1).all()) and bool((whole[2:5, 16:] == 2).all())
+    assert arena.try_acquire(2) is None  # one chunk left
+    a.release()
+    c = arena.try_acquire(2)
+    assert c is not None and c.first == 0
+    for lease in (b, c):
+        lease.release()
+
+
+def test_arena_refuses_what_can_never_fit_and_unsynchronized_release():
+    arena = StagingArena(16, 2)
+    with pytest.raises(ValueError, match="exceed the staging budget"):
+        arena.acquire(3)
+    with pytest.raises(ValueError, match="positive int"):
+        arena.acquire(0)
+    lease = arena.acquire(1)
+
+    class Stream:  # work recorded on a host stream is pending until synchronized
+        def synchronize(self) -> None:
+            pass
+
+    lease.record(Stream())
+    with pytest.raises(RuntimeError, match="synchronized"):
+        lease.release()
+    lease.synchronize()
+    lease.release()
+    lease.release()  # idempotent
+    assert arena.live_bytes == 0
+
+
+def test_arena_quarantine_retires_a_run_and_close_wakes_waiters():
+    arena = StagingArena(16, 2)
+    a = arena.acquire(2)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            arena.acquire(1, timeout=30)
+        except BaseException as e:  # noqa: BLE001 - recorded
+            errors.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    _queued(arena, 1)
+    a.quarantine()  # a late writer may still land there: never handed out again
+    time.sleep(0.05)
+    assert arena.quarantined_chunks == 2 and arena.live_bytes == 0
+    assert t.is_alive()  # nothing free to give
+    arena.close()
+    t.join(10)
+    assert not t.is_alive() and errors and "closed" in str(errors[0])
+
+
+# -- the loader --------------------------------------------------------------------------------
+class Scene:
+    """Sources stored in one filesystem tier; one shared destination KV, each request its own blocks."""
+
+    def __init__(self, root, chunks: list[int], seed: int = 0, tp_world: int = 1) -> None:
+        self.reg = reg = _reg()
+        self.inner = FilesystemTier(root, reg.chunk_bytes, reg.fingerprint, load_concurrency=2)
+        self.tier = FaultyTier(self.inner, close_inner=False)
+        self.sources = [make_source(reg, n, seed=seed * 100 + i) for i, n in enumerate(chunks)]
+        for src in self.sources:  # rank 0's objects
+            src.keyspace = dataclasses.replace(src.keyspace, tp_world=tp_world)
+        self.expected = [store_source(s, self.inner, window_chunks=8) for s in self.sources]
+        blocks, self.tables = block_tables(reg, chunks, seed + 1, spare=1, holes="none")
+        self.kv = poison(reg.allocate(blocks))
+
+    def spec(self, i: int) -> LoadSpec:
+        src = self.sources[i]
+        return LoadSpec(f"req-{i}", src.tokens, src.num_chunks, 0, [t.tolist() for t in self.tables[i]],
+                        salt=src.keyspace.salt)
+
+    def restored(self, i: int) -> bool:
+        return state_hash(self.reg, self.kv, self.tables[i], self.sources[i].num_chunks) == self.expected[i]
+
+    def untouched(self, i: int) -> bool:
+        """Every byte of request i's blocks is still POISON."""
+        for t, s in zip(self.kv, self.reg.specs):
+            ids = self.tables[i][s.group]
+            ids = ids[ids >= 0]
+            if not bool((t[ids].view(torch.uint8) == POISON).all()):
+                return False
+        return True
+
+    def loader(self, w: int, budget_windows: int, depth: int = 1, **kw) -> Loader:
+        cfg = RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth, fetch_timeout_s=kw.pop("timeout", 30.0),
+                            backend="cpu")
+        return Loader(self.reg, [self.tier], self.kv, cfg, budget_bytes=budget_windows * w * self.reg.chunk_bytes,
+                      **kw)
+
+    def close(self) -> None:
+        self.tier.close()
+        self.inner.close()
+
+
+def _wait_all(loader: Loader, n: int, timeout: float = 120.0) -> list:
+    out: list = []
+    end = time.monotonic() + timeout
+    while len(out) < n:
+        assert time.monotonic() < end, f"only {len(out)} of {n} loads finished"
+        loader.wait_finished(0.5)
+        out += loader.take_finished()
+    return out
+
+
+def test_concurrent_loads_interleave_within_the_budget(tmp_path):
+    """8 loads at once under B = 4 windows: every one commits with its source's state, staging never
+    above B, and more than one load held staging at once (they ran concurrently)."""
+    scene = Scene(tmp_path, [5, 9, 3, 12, 7, 4, 10, 6])
+    scene.tier.plan.delay_s = 0.01  # each window completes 10 ms late: loads overlap
+    loader = scene.loader(w=2, budget_windows=4)
+    try:
+        for i in range(8):
+            loader.submit(scene.spec(i))
+        results = _wait_all(loader, 8)
+        assert sorted(r.spec.request_id for r in results) == [f"req-{i}" for i in range(8)]
+        assert all(r.outcome.committed for r in results), [r.outcome.error for r in results]
+        assert all(scene.restored(i) for i in range(8))
+        b = 4 * 2 * scene.reg.chunk_bytes
+        assert loader.arena.peak_bytes <= b
+        assert loader.arena.peak_bytes > 2 * scene.reg.chunk_bytes  # several loads' windows live at once
+        assert all(r.outcome.attempts[-1].peak_staging_bytes <= 2 * scene.reg.chunk_bytes for r in results)
+        assert loader.arena.live_bytes == 0
+        for r in results:  # where the time went, per phase
+            t = r.timings
+            assert t["total_s"] >= t["restore_s"] >= t["fetch_s"] > 0 and t["install_s"] > 0
+    finally:
+        assert loader.close(30)
+        scene.close()
+
+
+def test_a_short_load_is_not_stuck_behind_a_long_one(tmp_path):
+    """One window of budget: a 1-window load submitted after a 24-window one finishes first."""
+    scene = Scene(tmp_path, [48, 2])
+    scene.tier.plan.delay_s = 0.02
+    loader = scene.loader(w=2, budget_windows=1)
+    try:
+        loader.submit(scene.spec(0))
+        time.sleep(0.1)  # the long one is well under way
+        loader.submit(scene.spec(1))
+        results = _wait_all(loader, 2)
+        assert [r.spec.request_id for r in results] == ["req-1", "req-0"]
+        assert all(r.outcome.committed for r in results) and scene.restored(0) and scene.restored(1)
+        assert loader.arena.peak_bytes == 2 * scene.reg.chunk_bytes
+    finally:
+        assert loader.close(30)
+        scene.close()
+
+
+def test_cancel_stops_at_a_window_boundary_and_nothing_lands_after_the_result(tmp_path):
+    scene = Scene(tmp_path, [40])
+    scene.tier.plan.delay_s = 0.03
+    loader = scene.loader(w=2, budget_windows=1)
+    try:
+        loader.submit(scene.spec(0))
+        time.sleep(0.15)
+        assert loader.cancel("req-0")
+        (result,) = _wait_all(loader, 1)
+        assert result.cancelled and not result.outcome.committed and result.outcome.exposed_tokens == 0
+        att = result.outcome.attempts[-1]
+        assert 0 < att.windows_installed < 20
+        assert result.outcome.invalid_blocks == result.outcome.total_blocks  # fail closed: all of them
+        poison(scene.kv)  # the engine frees the blocks once the result is reported: nothing may land now
+        time.sleep(20 * 0.03 + 0.3)  # longer than the windows left would have taken
+        assert scene.untouched(0)
+        assert loader.arena.live_bytes == 0 and loader.in_flight == 0
+    finally:
+        assert loader.close(30)
+        scene.close()
+
+
+def test_close_with_loads_in_flight_is_bounded_and_returns_every_byte(tmp_path):
+    scene = Scene(tmp_path, [30, 30, 30])
+    scene.tier.plan.delay_s = 0.05
+    loader = scene.loader(w=2, budget_windows=2)
+    for i in range(3):
+        loader.submit(scene.spec(i))
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert loader.close(10)
+    assert time.monotonic() - t0 < 5  # each stops at its next window boundary
+    assert loader.arena.live_bytes == 0 and loader.in_flight == 0
+    results = loader.take_finished()
+    assert len(results) == 3 and not any(r.outcome.committed for r in results)
+    time.sleep(0.2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("bsr-restore")]
+    with pytest.raises(RuntimeError, match="closed"):
+        loader.submit(scene.spec(0))
+    scene.close()
+
+
+def test_tp_agreements_run_in_submission_order_on_every_rank(tmp_path):
+    """With TP > 1 the commit agreement of each load runs on one thread in the order the loads were
+    submitted, however they finish locally (the same order on every rank keeps the collectives aligned)."""
+    scene = Scene(tmp_path, [30, 2], tp_world=2)
+    scene.tier.plan.delay_s = 0.02
+    order: list[int] = []
+    tags: dict[int, str] = {}
+
+    def agree(valid, *, timeout_s, tag):
+        order.append(tag)
+        return all(valid)
+
+    from bsr_runtime import commit
+
+    for i in range(2):
+        tags[commit.make_tag(f"req-{i}", "commit")] = f"req-{i}"
+    cfg = RestoreConfig(prefetch_window_chunks=2, pipeline_depth=1, backend="cpu")
+    loader = Loader(scene.reg, [scene.tier], scene.kv, cfg, budget_bytes=4 * scene.reg.chunk_bytes,
+                    tp_world=2, agree=agree)
+    try:
+        loader.submit(scene.spec(0))
+        loader.submit(scene.spec(1))
+        results = _wait_all(loader, 2)
+        assert [tags[t] for t in order] == ["req-0", "req-1"]
+        assert [r.spec.request_id for r in results] == ["req-0", "req-1"]
+        assert all(r.outcome.committed and r.outcome.agreed for r in results)
+    finally:
+        assert loader.close(30)
+        scene.close()
+
+
+def test_a_budget_smaller_than_one_window_is_refused_before_anything_moves(tmp_path):
+    reg = _reg()
+    with FilesystemTier(tmp_path, reg.chunk_bytes, reg.fingerprint) as tier:
+        cfg = RestoreConfig(prefetch_window_chunks=4, pipeline_depth=1)
+        with pytest.raises(ValueError, match="raise B to at least"):
+            Loader(reg, [tier], None, cfg, budget_bytes=3 * reg.chunk_bytes)
+        with pytest.raises(ValueError, match="W > 0"):
+            Loader(reg, [tier], None, RestoreConfig(prefetch_window_chunks=0))
+        depth2 = RestoreConfig(prefetch_window_chunks=4, pipeline_depth=2)  # windows of 2: fits 3 chunks
+        Loader(reg, [tier], None, depth2, budget_bytes=3 * reg.chunk_bytes).close(5)
