@@ -25,6 +25,8 @@ Faults and what the caller observes (the same for every inner tier):
 - `delay_s`: each fetch completes this many seconds after the inner fetch completed (past a
   short deadline: FetchTimeoutError). The bytes are not late: `handle.quiesce()` is the inner
   handle's, so it returns as soon as the inner tier stopped writing into the views.
+- `put_delay_s`, `put_gate`: a put sleeps that long, or waits for the gate (an Event) to be set,
+  before it writes (a slow store; a save held in flight).
 
 Damaging a stored object has to bypass the tier's write path (its `put` checksums what it
 writes, so a re-put flipped copy would be a valid object); `damage_stored` does it per tier
@@ -54,6 +56,8 @@ class FaultPlan:
     unavailable: bool = False
     drop_after_probe: set[str] = field(default_factory=set)
     delay_s: float = 0.0
+    put_delay_s: float = 0.0  # a put waits this long first (a slow store)
+    put_gate: threading.Event | None = None  # a put waits until the gate is set (tests hold saves in flight)
     corrupt_keys: set[str] = field(default_factory=set)
     fail_fetch: Callable[[Sequence[str]], None] | None = None
 
@@ -61,6 +65,10 @@ class FaultPlan:
         self.unavailable = False
         self.drop_after_probe = set()
         self.delay_s = 0.0
+        self.put_delay_s = 0.0
+        if self.put_gate is not None:
+            self.put_gate.set()
+        self.put_gate = None
         self.corrupt_keys = set()
         self.fail_fetch = None
 
@@ -244,6 +252,11 @@ class FaultyTier(Tier):
 
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor], *, headroom: int = 0) -> None:
         self._check("put")
+        gate = self.plan.put_gate
+        if gate is not None and not gate.wait(60):
+            raise TierError("put gate never opened")
+        if self.plan.put_delay_s:
+            time.sleep(self.plan.put_delay_s)
         self.inner.put(keys, views, headroom=headroom)
 
     def delete(self, keys: Sequence[str]) -> None:
