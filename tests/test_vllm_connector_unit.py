@@ -11,7 +11,6 @@ import torch
 
 pytest.importorskip("vllm")
 
-from bsr_runtime.connector import LoadSpec  # noqa: E402
 from bsr_runtime.integrations.vllm.config import ConnectorConfig  # noqa: E402
 from bsr_runtime.integrations.vllm.metadata import BSRConnectorMetadata, SaveSpec  # noqa: E402
 from bsr_runtime.integrations.vllm.registration import (  # noqa: E402
@@ -20,6 +19,7 @@ from bsr_runtime.integrations.vllm.registration import (  # noqa: E402
     destinations,
     registration_from_kv_cache_config,
 )
+from bsr_runtime.planner import LoadSpec  # noqa: E402
 
 
 def test_config_parsing_and_errors():
@@ -30,7 +30,11 @@ def test_config_parsing_and_errors():
     assert [t.type for t in cfg.tiers] == ["filesystem", "mooncake"]
     assert cfg.tiers[1].options["global_segment_size"] == 0  # engines mount no segment by default
     assert cfg.save_tiers == [0, 1] and cfg.window_chunks == 4
-    assert not cfg.load_async(1) and cfg.load_async(2)
+    assert cfg.load_async and cfg.load_mode == "async"  # loads off the step thread by default
+    sync = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "load_mode": "sync"})
+    assert not sync.load_async
+    auto = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "load_mode": "auto"})
+    assert auto.load_mode == "async"  # the earlier default's spelling still reads, as async
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
         ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "window": 4})
     with pytest.raises(ValueError, match="needs 'tiers'"):

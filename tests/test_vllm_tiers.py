@@ -53,7 +53,9 @@ def _save_then_restore(model, tokens, cold, tiers, *, salt: str):
     a = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, salt=salt))
     try:
         out = U.generate(a, tokens)
-        saves = U.worker_connector().worker.saves  # one record per step that completed chunks
+        worker = U.worker_connector().worker
+        assert worker.wait_saves(60)
+        saves = worker.saves  # one record per step that completed chunks
         assert saves and all(s["ok"] for s in saves), [s.get("error") for s in saves]
         assert sum(s["stored"] for s in saves) == N
         assert out[0] == cold[0] and out[1] == cold[1]
@@ -86,9 +88,10 @@ def test_fallback_mooncake_fails_filesystem_serves(model, tokens, cold, mooncake
     a = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, salt="fallback"))
     try:
         U.generate(a, tokens)
-        saves = U.worker_connector().worker.saves
+        worker = U.worker_connector().worker
+        assert worker.wait_saves(60)
         for name in ("mooncake", "filesystem"):  # both tiers save
-            assert sum(s["stored"] for s in saves if s["tier"] == name and s["ok"]) == N
+            assert sum(s["stored_per_tier"].get(name, 0) for s in worker.saves if s["ok"]) == N
     finally:
         U.shutdown(a)
     b = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, salt="fallback"))
@@ -96,8 +99,8 @@ def test_fallback_mooncake_fails_filesystem_serves(model, tokens, cold, mooncake
         sched = U.scheduler_connector(b).scheduler
         from bsr_runtime.keys import PrefixKeys
 
-        key = PrefixKeys(sched.core.keyspace, tokens, U.CHUNK).window(6, 1)[0]
-        faulty = sched.core.tiers[0] = FaultyTier(sched.core.tiers[0], close_inner=False)
+        key = PrefixKeys(sched.keyspace, tokens, U.CHUNK).window(6, 1)[0]
+        faulty = sched.tiers[0] = FaultyTier(sched.tiers[0], close_inner=False)
         faulty.plan.drop_after_probe = {key}  # evicted between the probe and the load
         got = U.generate(b, tokens)
         load = U.worker_connector().worker.loads[-1]

@@ -74,10 +74,74 @@ def prefix_keys(sched, tokens, n: int, salt: str | None = None) -> list[str]:
 
     from bsr_runtime.keys import PrefixKeys
 
-    space = sched.core.keyspace if salt is None else dataclasses.replace(sched.core.keyspace, salt=salt)
+    space = sched.keyspace if salt is None else dataclasses.replace(sched.keyspace, salt=salt)
     return PrefixKeys(space, tokens, CHUNK).window(0, n)
 
 
 def read_report(path: str | Path) -> list[dict]:
     p = Path(path)
     return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+
+
+class Engines:
+    """One in-process engine at a time (vLLM keeps one KV connector per process): consecutive tests
+    asking for the same model and settings share it; asking for other ones shuts it down first."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.llm = None
+
+    def get(self, model: str, kv: dict | None = None, **kw):
+        key = repr((model, json.dumps(kv, sort_keys=True), sorted(kw.items())))
+        if key != self.key:
+            self.close()
+            self.llm = make_llm(model, kv, **kw)
+            self.key = key
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            shutdown(self.llm)
+        self.llm, self.key = None, None
+
+
+def core_scheduler(llm):
+    """vLLM's scheduler of an in-process engine."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def add_request(llm, rid: str, tokens, *, max_tokens: int = 8, cache_salt: str | None = None) -> None:
+    from vllm import SamplingParams
+
+    prompt = {"prompt_token_ids": list(tokens)}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    llm.llm_engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1,
+                                                           ignore_eos=True))
+
+
+def internal_id(llm, rid: str) -> str:
+    """vLLM's id of the request added as `rid` (it appends a suffix)."""
+    (internal,) = [r for r in core_scheduler(llm).requests if r.startswith(rid + "-") or r == rid]
+    return internal
+
+
+def step_until(llm, done, timeout_s: float = 120.0) -> dict:
+    """Step the engine until done() holds; returns the finished outputs by request id
+    ((tokens, logprobs, num_cached_tokens))."""
+    import time
+
+    finished = {}
+    end = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < end, "the engine did not get there in time"
+        for o in llm.llm_engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                finished[o.request_id] = (list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)],
+                                          o.num_cached_tokens)
+    return finished
+
+
+def run_all(llm, timeout_s: float = 120.0) -> dict:
+    return step_until(llm, lambda: not llm.llm_engine.has_unfinished_requests(), timeout_s)
