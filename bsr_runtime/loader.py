@@ -305,6 +305,6 @@ def all_block_ids(block_ids, num_groups: int) -> tuple[frozenset[int], ...]:
 def _timings(spec: LoadSpec, outcome: RetrieveOutcome) -> dict[str, float]:
     """Where the load's time went: the scheduler's probe, then per phase of its restore attempts."""
     out = {"probe_s": spec.probe_s}
-    for name in ("admit_s", "submit_s", "fetch_s", "install_s", "sync_s", "seconds"):
+    for name in ("prepare_s", "admit_s", "submit_s", "fetch_s", "install_s", "sync_s", "seconds"):
         out["restore_s" if name == "seconds" else name] = sum(getattr(a, name, 0.0) for a in outcome.attempts)
     return out

@@ -90,6 +90,7 @@ class RestoreReport:
     bytes_moved: int
     peak_staging_bytes: int
     header_room_bytes: int = 0  # FETCH_HEADROOM before each staging chunk (auxiliary state, not W*c)
+    prepare_s: float = 0.0  # destinations and block tables validated, the installer prepared
     admit_s: float = 0.0  # waiting for staging from the byte budget
     submit_s: float = 0.0  # keys and fetch submission
     fetch_s: float = 0.0
@@ -258,17 +259,20 @@ class BoundedRestorer:
         """
         reg, cfg = self.reg, self.config
         self._check(req, tier, num_chunks)
+        t0 = time.perf_counter()
         # at depth 2 every install but the last runs while the next window's fetch uses the host: the
         # native cpu backend then keeps to one thread (depth 1: a second one from its size threshold up)
         installer = self.make_installer(reg, req.kv, req.block_tables, num_chunks, backend=cfg.backend,
                                         stream=self.stream, fingerprint=reg.fingerprint,
                                         cpu_threads=1 if cfg.pipeline_depth == 2 else 0)
+        prepare_s = time.perf_counter() - t0
         w = cfg.prefetch_window_chunks
         report = RestoreReport(
             request_id=req.request_id, tier=tier.name, ok=False, num_chunks=num_chunks, committed_tokens=0,
             window_chunks=w, pipeline_depth=cfg.pipeline_depth,
             windows=count_windows(num_chunks, w, cfg.pipeline_depth), windows_installed=0,
             chunk_bytes=reg.chunk_bytes, bytes_moved=0, peak_staging_bytes=0, tiers_tried=[tier.name],
+            prepare_s=prepare_s,
         )
         if num_chunks == 0:
             report.ok = True

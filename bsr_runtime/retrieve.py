@@ -78,6 +78,7 @@ class Attempt:
     failed_window: int | None = None
     peak_staging_bytes: int = 0
     seconds: float = 0.0
+    prepare_s: float = 0.0
     admit_s: float = 0.0
     submit_s: float = 0.0
     fetch_s: float = 0.0
@@ -87,7 +88,8 @@ class Attempt:
     @classmethod
     def from_report(cls, rep: RestoreReport, probed: int | None, seconds: float) -> Attempt:
         return cls(rep.tier, rep.ok, probed, rep.error, rep.windows, rep.windows_installed, rep.failed_window,
-                   rep.peak_staging_bytes, seconds, rep.admit_s, rep.submit_s, rep.fetch_s, rep.install_s, rep.sync_s)
+                   rep.peak_staging_bytes, seconds, rep.prepare_s, rep.admit_s, rep.submit_s, rep.fetch_s,
+                   rep.install_s, rep.sync_s)
 
 
 @dataclass

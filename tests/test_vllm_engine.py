@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 vllm = pytest.importorskip("vllm")
 
@@ -287,8 +288,6 @@ def test_a_short_restore_is_not_stuck_behind_a_long_one(engines, model, served, 
 
 def _block_bytes(worker, block_ids: list[list[int]]):
     """Every block of `block_ids` in every registered destination, as bytes (views into the KV cache)."""
-    import torch
-
     for t, spec in zip(worker.kv, worker.reg.specs):
         for b in block_ids[spec.group]:
             if b >= 0:
@@ -333,6 +332,33 @@ def test_abort_mid_restore_lands_nothing_after_the_report(engines, model, served
     assert worker.loader.in_flight == 0 and worker.loader.arena.live_bytes == 0
     got = U.generate(llm, prompts["p1"], cache_salt="after-abort")  # other tenant: computed in freed blocks
     _same(got, cold["p1"])
+
+
+def test_a_request_may_finish_while_its_save_is_in_flight(engines, model, served, cold, prompts):
+    """Saves gather during the step and put in the background: the request finishes with its puts held in
+    flight, every block of the engine is then overwritten (as if reused), and once the puts go out the
+    objects still hold the request's state: a later request restores it to the cold output."""
+    llm = _restoring(engines, model, served)
+    worker = U.worker_connector().worker
+    tiers = worker.saver.tiers
+    inner = tiers[0]
+    faulty = tiers[0] = FaultyTier(inner, close_inner=False)
+    gate = faulty.plan.put_gate = threading.Event()
+    try:
+        out = U.generate(llm, prompts["c2"], cache_salt="inflight")  # 5 chunks, saved under its own tenant
+        assert not worker.saver.wait_idle(0.2)  # its puts are held
+        for t in worker.kv:
+            t.view(torch.uint8).fill_(POISON)  # every block reused by someone else
+        gate.set()
+        assert worker.wait_saves(60)
+    finally:
+        tiers[0] = inner
+        faulty.close()
+    _same(out, cold["c2"])
+    llm.reset_prefix_cache()  # nothing of the poisoned cache may be reused
+    again = U.generate(llm, prompts["c2"], cache_salt="inflight")
+    assert again[2] == 5 * U.CHUNK and worker.loads[-1]["committed"]
+    _same(again, cold["c2"])
 
 
 def test_shutdown_with_restores_in_flight_is_bounded_and_leaks_nothing(engines, model, served, prompts):
