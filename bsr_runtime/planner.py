@@ -114,12 +114,14 @@ class Planner:
         tokens = tokens_of(request)
         ct = self.reg.chunk_tokens
         t0 = time.perf_counter()
+        max_chunks = max(0, (len(tokens) - 1) // ct)  # at least one token is left to compute
         if self.markers.is_set(rid):
             self.stats.skipped_by_marker += 1
             plan = Plan(0, None, "marker")
+        elif max_chunks * ct <= num_computed_tokens:  # the engine's own cache holds every candidate chunk
+            plan = Plan(0, None, "local")
         else:
             keyspace = dataclasses.replace(self.keyspace, salt=request_salt(self.keyspace.salt, request))
-            max_chunks = max(0, (len(tokens) - 1) // ct)  # at least one token is left to compute
             self.stats.probes += 1
             if self.probe_all_ranks and self.tp_world > 1:
                 plan = self._plan_all_ranks(tokens, max_chunks, keyspace)
