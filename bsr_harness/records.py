@@ -35,8 +35,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 REQUIRED = ("benchmark", "commit", "date", "machine", "command", "figures")
 GENERATED_PATHS = (":(exclude)benchmarks/results", ":(exclude)docs", ":(exclude)*.md")
-ENV_PREFIXES = ("BSR_", "LMCACHE_", "VLLM_CPU_", "TRITON_")
+ENV_PREFIXES = ("BSR_", "LMCACHE_", "VLLM_CPU_", "TRITON_INTERPRET")
 ENV_IGNORED = {"BSR_DEBUG", "BSR_COMMIT", "LMCACHE_LOG_LEVEL"}  # output only, or provenance itself
+# The environment as the process started (before vLLM, LMCache or Triton set variables of their own),
+# for a script that imports this module before those.
+STARTING_ENVIRONMENT = dict(os.environ)
 PACKAGES = ("vllm-cpu", "vllm", "lmcache", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine", "triton")
 _NAME = re.compile(r"[a-z0-9][a-z0-9_]*\Z")
 
@@ -101,9 +104,10 @@ def _version(package: str) -> str | None:
 
 
 def command_line(program: Sequence[str], args: Sequence[str], env: dict[str, str] | None = None) -> str:
-    """The command as typed: the environment settings that change what BSR, LMCache, vLLM or Triton
-    do, then the program and its arguments, shell-quoted."""
-    env = os.environ if env is None else env
+    """The command as typed: the environment settings that change what BSR, LMCache or vLLM's CPU
+    backend do (from `env`, default the environment this module found at import), then the program
+    and its arguments, shell-quoted."""
+    env = STARTING_ENVIRONMENT if env is None else env
     assigns = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
                if k.startswith(ENV_PREFIXES) and k not in ENV_IGNORED]
     return " ".join([*assigns, shlex.join([*program, *args])])
@@ -117,9 +121,9 @@ def script_command(argv: Sequence[str] | None = None) -> str:
     return command_line(["python", script], argv[1:])
 
 
-def cli_command(argv: Sequence[str]) -> str:
+def cli_command(argv: Sequence[str], env: dict[str, str] | None = None) -> str:
     """`bsr ARGS` for the `bsr` command's arguments."""
-    return command_line(["bsr"], argv)
+    return command_line(["bsr"], argv, env)
 
 
 def make_record(benchmark: str, figures: dict, *, command: str, settings: dict | None = None,

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    args.argv = argv  # the command line of the provenance record (--record)
+    args.argv, args.environ = argv, dict(os.environ)  # the command line of the provenance record (--record)
     from bsr_harness.mooncake_launcher import MooncakeMasterError
     from bsr_runtime.tiers.base import TierError
 

@@ -18,7 +18,7 @@ from .resources import (
     tier_bytes,
 )
 
-OUTPUT_OPTIONS = ("func", "argv", "json", "plot", "quiet", "record", "root", "engine_log")
+OUTPUT_OPTIONS = ("func", "argv", "environ", "json", "plot", "quiet", "record", "root", "engine_log")
 
 
 def _record(args, figures: dict) -> None:
@@ -29,7 +29,7 @@ def _record(args, figures: dict) -> None:
     from bsr_harness.records import cli_command, record
 
     settings = {k: v for k, v in vars(args).items() if k not in OUTPUT_OPTIONS}
-    record(f"bsr_{args.command}", figures, command=cli_command(args.argv), results_dir=args.record,
+    record(f"bsr_{args.command}", figures, command=cli_command(args.argv, args.environ), results_dir=args.record,
            settings=settings)
 
 
@@ -240,8 +240,8 @@ def cmd_faults(args) -> int:
                 [(r.scenario, r.outcome, r.exposed_tokens, f"{r.invalid_blocks}/{r.total_blocks}", r.marker_set,
                   r.marker_cleared, human_bytes(r.staging_leaked_bytes), r.served_by, r.state_hash_ok,
                   "yes" if r.passed and r.outcome == EXPECTED[r.scenario] else "NO") for r in rows])
-    figures = [asdict(r) | {"passed": r.passed, "expected_outcome": EXPECTED[r.scenario]} for r in rows]
-    write_json(args.json, [asdict(r) | {"passed": r.passed} for r in rows])
+    figures = [asdict(r) | {"passed": r.passed} for r in rows]
+    write_json(args.json, figures)
     _record(args, {"rows": figures})
     return 0 if all(r.passed and r.outcome == EXPECTED[r.scenario] for r in rows) else 1
 
