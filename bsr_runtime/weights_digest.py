@@ -8,7 +8,8 @@ so the digest covers, for the checkpoint's top-level files:
 - `config.json` / `params.json`: whole;
 - each `*.safetensors` file: its size, its whole header (tensor names, dtypes, shapes, offsets and
   `__metadata__`), and of every tensor's bytes the first, middle and last SAMPLE_BYTES (the whole
-  tensor when it is smaller than three samples);
+  tensor when it is smaller than three samples; samples less than a page apart are read, and
+  digested, as one range);
 - other weight files (`*.bin`, `*.pt`, `*.pth`, `*.ckpt`, `*.gguf`): their size and
   OTHER_FILE_SAMPLES evenly spaced samples of SAMPLE_BYTES, first and last included.
 
@@ -32,6 +33,7 @@ SAFETENSORS_SUFFIX = ".safetensors"
 OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf")
 SAMPLE_BYTES = 1024
 OTHER_FILE_SAMPLES = 64
+MERGE_GAP = 4096  # samples closer than this (one page) are read as one range
 MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit
 DIGEST_VERSION = b"bsr-weights-1"
 _READERS = 8  # files digested at once (a sharded checkpoint on network storage gains from queue depth)
@@ -71,22 +73,39 @@ def checkpoint_digest(path: str | os.PathLike) -> str:
 def file_digest(path: Path) -> bytes:
     """The digest of one file of a checkpoint (what the module docstring says is read of it)."""
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        h.update(struct.pack("<Q", size))
+    with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
+        size = os.fstat(fd).st_size
+        h.update(struct.pack("<Q", size))
         if path.name in CONFIG_FILES:
             ranges: Iterator[tuple[int, int]] = iter([(0, size)])
-        elif path.name.endswith(SAFETENSORS_SUFFIX):
-            ranges = _safetensors_ranges(fd, size, h)
         else:
-            ranges = _spread_ranges(size)
-        for start, end in ranges:
+            # samples are small and far apart: read-ahead would read most of a cold file
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            safetensors = path.name.endswith(SAFETENSORS_SUFFIX)
+            ranges = _safetensors_ranges(fd, size, h) if safetensors else _spread_ranges(size)
+        for start, end in _merged(ranges):
             data = os.pread(fd, end - start, start)
             if len(data) != end - start:
                 raise OSError(f"{path}: short read at {start} (the file changed while it was read?)")
-            h.update(_framed(data))
+            h.update(struct.pack("<QQ", start, end))
+            h.update(data)
     return h.digest()
+
+
+def _merged(ranges: Iterator[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """Ascending ranges with those that touch or lie within MERGE_GAP of each other read as one
+    (one read instead of several: the gap's bytes are digested too)."""
+    cur = None
+    for start, end in ranges:
+        if cur is not None and start <= cur[1] + MERGE_GAP:
+            cur = (cur[0], max(cur[1], end))
+            continue
+        if cur is not None:
+            yield cur
+        cur = (start, end)
+    if cur is not None:
+        yield cur
 
 
 def _safetensors_ranges(fd: int, size: int, h) -> Iterator[tuple[int, int]]:
@@ -104,7 +123,8 @@ def _safetensors_ranges(fd: int, size: int, h) -> Iterator[tuple[int, int]]:
     if spans is None or any(not (0 <= b <= e and base + e <= size) for b, e in spans):
         yield from _spread_ranges(size)
         return
-    h.update(_framed(header))
+    h.update(struct.pack("<Q", n))
+    h.update(header)
     for b, e in spans:
         yield from _tensor_samples(base + b, base + e)
 
