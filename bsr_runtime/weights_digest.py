@@ -34,6 +34,7 @@ OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf")
 SAMPLE_BYTES = 1024
 OTHER_FILE_SAMPLES = 64
 MERGE_GAP = 4096  # samples closer than this (one page) are read as one range
+MAX_READ = 1 << 20  # ... of at most about this many bytes (a run of small tensors read whole)
 MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit
 DIGEST_VERSION = b"bsr-weights-1"
 _READERS = 8  # files digested at once (a sharded checkpoint on network storage gains from queue depth)
@@ -81,7 +82,8 @@ def file_digest(path: Path) -> bytes:
             ranges: Iterator[tuple[int, int]] = iter([(0, size)])
         else:
             # samples are small and far apart: read-ahead would read most of a cold file
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             safetensors = path.name.endswith(SAFETENSORS_SUFFIX)
             ranges = _safetensors_ranges(fd, size, h) if safetensors else _spread_ranges(size)
         for start, end in _merged(ranges):
@@ -98,7 +100,7 @@ def _merged(ranges: Iterator[tuple[int, int]]) -> Iterator[tuple[int, int]]:
     (one read instead of several: the gap's bytes are digested too)."""
     cur = None
     for start, end in ranges:
-        if cur is not None and start <= cur[1] + MERGE_GAP:
+        if cur is not None and start <= cur[1] + MERGE_GAP and cur[1] - cur[0] < MAX_READ:
             cur = (cur[0], max(cur[1], end))
             continue
         if cur is not None:
