@@ -81,3 +81,5 @@ def test_two_workers_summed_and_exported():
     assert value("vllm:bsr_saved_chunks_total") == 6 and value("vllm:bsr_saves_failed_total") == 4
     assert value("vllm:bsr_restore_seconds_count") == 4 and value("vllm:bsr_restore_seconds_sum") == 1.0
     assert value("vllm:bsr_peak_staging_bytes") == 3 * C
+    # names already registered (a second logger in one process): the metrics are off, nothing raised
+    assert BSRConnector.build_prom_metrics(vllm_config, types, ["model_name", "engine"], {0: ["m", "0"]}) is None

@@ -122,8 +122,9 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
         return BSRConnectorStats.from_payload(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> BSRPromMetrics:
-        return BSRPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames,
+                           per_engine_labelvalues) -> BSRPromMetrics | None:
+        return BSRPromMetrics.create(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for side in (self.scheduler, self.worker):

@@ -215,6 +215,16 @@ class BSRPromMetrics(KVConnectorPromMetrics):
             self._seconds.labels(*values)
             self._peak.labels(*values).set(0)
 
+    @classmethod
+    def create(cls, vllm_config, metric_types, labelnames: list[str],
+               per_engine_labelvalues: dict[int, list[object]]) -> BSRPromMetrics | None:
+        """The metrics, or None (a warning; the server runs without them) where they cannot be made."""
+        try:
+            return cls(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        except Exception:  # noqa: BLE001 - diagnostics never keep the engine from starting
+            log.warning("BSR: the connector's Prometheus metrics are off", exc_info=True)
+            return None
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         try:
             self._observe(transfer_stats_data, engine_idx)
