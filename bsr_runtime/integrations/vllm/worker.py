@@ -27,6 +27,7 @@ from ...store import store_prefix
 from ...tiers.base import Tier, TierError
 from .config import ConnectorConfig, write_report
 from .metadata import BSRConnectorMetadata, SaveSpec
+from .metrics import LoadSaveStats
 from .registration import destinations
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class WorkerSide:
         self._recv_failed: set[str] = set()
         self.loads: deque[dict] = deque(maxlen=RECORDS)  # the latest load records (tests, demo)
         self.saves: deque[dict] = deque(maxlen=RECORDS)
+        self.stats = LoadSaveStats(reg.chunk_bytes)  # vLLM's metrics (get_kv_connector_stats)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv = destinations(self.reg, kv_caches)
@@ -73,6 +75,7 @@ class WorkerSide:
                    "valid_per_group": outcome.valid_per_group, "agreed": outcome.agreed,
                    "fingerprint": self.reg.fingerprint, "model": self.core.keyspace.model, "error": outcome.error}
             self.loads.append(rec)
+            self.stats.record_load(rec)
             write_report(self.cfg.report_path, rec)
             if self.load_async:
                 self._recv_done.add(outcome.request_id)
@@ -135,6 +138,7 @@ class WorkerSide:
             log.warning("BSR: save of %s into %s failed: %s", spec.request_id, tier.name, rec["error"])
         rec["seconds"] = time.perf_counter() - t0
         self.saves.append(rec)
+        self.stats.record_save(rec)
         write_report(self.cfg.report_path, rec)
 
     def _resident_end(self, spec: SaveSpec) -> int:
