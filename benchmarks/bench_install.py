@@ -11,7 +11,7 @@ ratio is backend GB/s / contig GB/s. Two CPU tables: "warm" (rounds back to back
 buffers are as warm as the other columns leave them; at W = 1 they stay in the 32 MiB L3) and
 "cold" (a 128 MiB write before every timed call, so staging and destinations start in DRAM, as
 after a fetch of a large window). torch's copy_ uses all torch threads (2 here) for the
-contiguous copy.
+contiguous copy. Appends a record to benchmarks/results/bench_install.jsonl (bsr_harness.records).
 
     .venv/bin/python benchmarks/bench_install.py                   # the table
     .venv/bin/python benchmarks/bench_install.py --windows 1,8,32 --min-time 2
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, f
 import pytest
 import torch
 
+from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import presets
 from bsr_kernels.bench import best_seconds, cache_evictor, default_labels, install_step
 
@@ -41,7 +42,10 @@ def _devices() -> list[str]:
     return ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
-def run(scales=SCALES, windows=WINDOWS, min_time: float = 2.0, min_rounds: int = 5) -> str:
+def run(scales=SCALES, windows=WINDOWS, min_time: float = 2.0, min_rounds: int = 5,
+        rows: list[dict] | None = None) -> str:
+    """The table as text; each row also appended to `rows` as a dict."""
+    rows = [] if rows is None else rows
     lines = [f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs"]
     modes = [(d, m) for d in _devices() for m in (("warm", "cold") if d == "cpu" else ("warm",))]
     for device, mode in modes:
@@ -60,6 +64,10 @@ def run(scales=SCALES, windows=WINDOWS, min_time: float = 2.0, min_rounds: int =
                 row = f"{reg.name:24} {device:4} {w:3d} {nbytes / 1e6:6.1f} {gbps[0]:7.2f}"
                 row += "".join(f" {g:8.2f}" for g in gbps[1:]) + "".join(f" {g / gbps[0]:9.3f}" for g in gbps[1:])
                 lines.append(row)
+                rows.append({"registration": reg.name, "device": device, "mode": mode, "window_chunks": w,
+                             "bytes": nbytes, "contiguous_GBps": round(gbps[0], 2),
+                             **{f"{lab}_GBps": round(g, 2) for lab, g in zip(labels, gbps[1:])},
+                             **{f"{lab}_vs_contiguous": round(g / gbps[0], 3) for lab, g in zip(labels, gbps[1:])}})
                 print(row, file=sys.stderr, flush=True)
     return "\n".join(lines)
 
@@ -68,8 +76,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--windows", default=",".join(map(str, WINDOWS)))
     p.add_argument("--min-time", type=float, default=2.0, help="seconds of interleaved rounds per row")
+    add_record_options(p)
     args = p.parse_args()
-    print(run(windows=[int(w) for w in args.windows.split(",")], min_time=args.min_time))
+    rows: list[dict] = []
+    print(run(windows=[int(w) for w in args.windows.split(",")], min_time=args.min_time, rows=rows))
+    record_script(args, "bench_install", {"rows": rows})
 
 
 # -- pytest-benchmark: one case per (scale, W, device, backend) ----------------------------------

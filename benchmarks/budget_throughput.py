@@ -7,9 +7,9 @@ filesystem tier (page cache warm). B = W*c admits one full window at a time, whi
 serial lock (SerialAdmission) gives; B = 4*W*c lets up to four windows be in flight. The serial
 lock is measured as a third row for reference. Each configuration runs `--rounds` rounds (all
 requests at once per round) after one warm-up round; requests/s and GB/s are over all rounds.
-Every restore's state hash is checked.
+Every restore's state hash is checked. Appends a record to benchmarks/results/budget_throughput.jsonl.
 
-    .venv/bin/python benchmarks/budget_throughput.py [--out benchmarks/results/budget_throughput.txt]
+    .venv/bin/python benchmarks/budget_throughput.py [--rounds 10]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 import torch
 
 from bsr_harness.experiments import Destinations, make_source, store_source
+from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import presets
 from bsr_runtime.admission import ByteBudget, SerialAdmission
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig, RestoreRequest
@@ -99,6 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--load-concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--out", default=None, help="also write the output (and the command) to this file")
+    add_record_options(ap)
     args = ap.parse_args(argv)
 
     reg = presets.dsv4_flash(scale=1 / 64)
@@ -121,21 +123,28 @@ def main(argv=None) -> int:
             emit(f"workload: {sum(j['n'] for j in jobs)} chunks per round "
                  f"({sum(j['n'] for j in jobs) * c / 1e6:.1f} MB)")
             w_c = args.window * c
-            configs = [
-                ("serial lock", lambda: SerialAdmission(threading.Lock())),
-                (f"B = W*c   = {w_c:,} B", lambda: ByteBudget(w_c)),
-                (f"B = 4*W*c = {4 * w_c:,} B", lambda: ByteBudget(4 * w_c)),
+            configs = [  # (label, budget B, admission factory)
+                ("serial lock", None, lambda: SerialAdmission(threading.Lock())),
+                ("B = W*c", w_c, lambda: ByteBudget(w_c)),
+                ("B = 4*W*c", 4 * w_c, lambda: ByteBudget(4 * w_c)),
             ]
-            results = {}
+            results, rows = {}, []
             emit(f"{'admission':<28}{'req/s':>10}{'GB/s':>10}{'seconds':>10}{'peak reserved B':>18}")
-            for name, make in configs:
+            for name, budget, make in configs:
                 r = measure(reg, tier, jobs, make, args)
                 results[name] = r
                 peak = f"{r['peak']:,}" if r["peak"] else "-"
-                emit(f"{name:<28}{r['rps']:>10.1f}{r['gbps']:>10.3f}{r['seconds']:>10.3f}{peak:>18}")
-            base, wide = results[configs[1][0]], results[configs[2][0]]
+                label = name if budget is None else f"{name} = {budget:,} B"
+                emit(f"{label:<28}{r['rps']:>10.1f}{r['gbps']:>10.3f}{r['seconds']:>10.3f}{peak:>18}")
+                rows.append({"admission": name, "budget_bytes": budget, "requests_per_s": round(r["rps"], 1),
+                             "GBps": round(r["gbps"], 3), "seconds": round(r["seconds"], 3),
+                             "peak_reserved_bytes": r["peak"] or None})
+            base, wide = results["B = W*c"], results["B = 4*W*c"]
             emit(f"ratio (B = 4*W*c) / (B = W*c): {wide['rps'] / base['rps']:.2f}x req/s, "
                  f"{wide['gbps'] / base['gbps']:.2f}x GB/s")
+            record_script(args, "budget_throughput", {
+                "chunk_bytes": c, "chunks_per_round": sum(j["n"] for j in jobs), "rows": rows,
+                "wide_vs_narrow_requests_per_s": round(wide["rps"] / base["rps"], 2)}, omit=("out",))
         finally:
             tier.close()
     if args.out:

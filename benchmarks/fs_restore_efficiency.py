@@ -9,6 +9,7 @@ floor:   reading the same object files into one buffer (one preadv per file, one
          contiguous copy of the same payload bytes: what any restore must at least do.
 ratio:   restore throughput / floor throughput (goal >= 0.5). Rounds are interleaved; the median
          of each side is reported.
+Appends a record to benchmarks/results/fs_restore_efficiency.jsonl (bsr_harness.records).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 
 import torch
 
+from bsr_harness.records import add_record_options, record_script
 from bsr_harness.testdata import block_tables, poison
 from bsr_kernels import presets
 from bsr_runtime.keys import KeySpace, PrefixKeys
@@ -56,6 +58,7 @@ def main() -> None:
     ap.add_argument("--load-concurrency", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--root", default=None)
+    add_record_options(ap)
     a = ap.parse_args()
     reg = presets.dsv4_flash(scale=a.scale)
     n, c = a.chunks, reg.chunk_bytes
@@ -91,6 +94,10 @@ def main() -> None:
     print(f"  restore (BoundedRestorer, fs tier)   {r:7.3f} s  {gb / r:6.2f} GB/s")
     print(f"  floor (read files + one copy)        {f:7.3f} s  {gb / f:6.2f} GB/s")
     print(f"  restore / floor throughput           {f / r:7.2f}  (goal >= 0.5)")
+    record_script(a, "fs_restore_efficiency", {
+        "registration": reg.name, "chunk_bytes": c, "bytes": n * c, "backend": backend,
+        "restore_s": round(r, 4), "restore_GBps": round(gb / r, 2), "floor_s": round(f, 4),
+        "floor_GBps": round(gb / f, 2), "restore_vs_floor": round(f / r, 2)}, omit=("root",))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 
 Cold reads drop the object files from the page cache first (FilesystemTier.drop_page_cache,
 which fdatasyncs then POSIX_FADV_DONTNEED). Fetches go window by window into one StagingPool
-slot of `--window` chunks, like a bounded restore. Also reports the checksum cost.
+slot of `--window` chunks, like a bounded restore. Also reports the checksum cost. Appends a record
+to benchmarks/results/fs_tier_throughput.jsonl (bsr_harness.records).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import zlib
 
 import torch
 
+from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import StagingPool
 from bsr_runtime.tiers import FilesystemTier
 from bsr_runtime.tiers import _common as checksums
@@ -82,17 +84,25 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--conc", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--checksum", nargs="+", default=["auto"])
+    add_record_options(ap)
     a = ap.parse_args()
     chunk = int(a.mib * (1 << 20)) // 16 * 16
     with tempfile.TemporaryDirectory(dir=a.root) as root:
         print(f"root {root}: {a.objects} objects x {chunk:,} B, window {a.window}")
-        for name, r in crc_rates(torch.randint(1, 256, (chunk,), dtype=torch.uint8)).items():
+        crcs = crc_rates(torch.randint(1, 256, (chunk,), dtype=torch.uint8))
+        for name, r in crcs.items():
             print(f"  {name:<24} {r:6.2f} GB/s (one thread, {chunk:,} B buffers)")
+        rows = []
         for checksum in a.checksum:
             for conc in a.conc:
                 r = run(root, a.objects, chunk, conc, a.window, checksum)
                 line = "  ".join(f"{k} {v:6.2f}" for k, v in r.items())
                 print(f"  checksum={checksum:<6} load_concurrency={conc}: {line}  GB/s")
+                rows.append({"checksum": checksum, "load_concurrency": conc,
+                             **{f"{k}_GBps": round(v, 2) for k, v in r.items()}})
+    record_script(a, "fs_tier_throughput", {"object_bytes": chunk, "checksum_GBps": {k: round(v, 2) for k, v in
+                                                                                   crcs.items()}, "rows": rows},
+                  omit=("root",))
 
 
 if __name__ == "__main__":

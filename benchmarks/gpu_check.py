@@ -15,8 +15,10 @@
    per run (dma-loop), checked once per W to write what the kernel writes; with the ratios
    CUDA/bulk, Triton/bulk, CUDA/loop, CUDA/dma-batch.
 
-Writes the report to benchmarks/results/gpu_check_<date>.txt (rewritten after each row, so
-a run cut short keeps what it measured). Exit status 1 when a correctness check fails or the
+Writes the report to $TMPDIR/bsr_gpu_check_<date>.txt (rewritten after each row, so a run cut
+short keeps what it measured) and appends its figures as a record to
+benchmarks/results/gpu_check.jsonl (bsr_harness.records; also when stopped by SIGTERM, e.g. by
+gpu_check.sh's timeout). Exit status 1 when a correctness check fails or the
 CUDA backend is not available, 2 when torch has no CUDA. Well under 5 minutes on an H200.
 """
 
@@ -26,7 +28,9 @@ import argparse
 import datetime as dt
 import os
 import platform
+import signal
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -36,6 +40,7 @@ sys.path.insert(0, str(ROOT))  # runs from a plain checkout too
 
 import torch  # noqa: E402
 
+from bsr_harness.records import add_record_options, record_script  # noqa: E402
 from bsr_harness.testdata import POISON, poisoned, window_tables  # noqa: E402
 from bsr_kernels import cuda_backend, presets  # noqa: E402
 from bsr_kernels.install import gather_window, install_window  # noqa: E402
@@ -47,12 +52,14 @@ WINDOWS = (1, 8, 16, 32, 64)
 
 
 class Report:
-    """Printed lines, also kept in a file once `saving` is on (after CUDA is confirmed)."""
+    """Printed lines, also kept in a file once `saving` is on (after CUDA is confirmed); the figures
+    for the run's record."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lines: list[str] = []
         self.saving = False
+        self.figures: dict = {"correctness": [], "throughput": []}
 
     def add(self, line: str = "") -> None:
         print(line, flush=True)
@@ -139,6 +146,8 @@ def check_registration(reg: Registration, first: int, num: int, seed: int, dev: 
                 if os.environ.get("BSR_GPU_CHECK_TRACEBACK"):
                     traceback.print_exc()
         rep.add(f"  {reg.name:<22} {label:<22} install: {results[0]:<10} gather: {results[1]}")
+        rep.figures["correctness"].append({"registration": reg.name, "variant": label, "install": results[0],
+                                           "gather": results[1]})
     return ok_all
 
 
@@ -265,6 +274,9 @@ def window_row(w, cols, *, reg, host, devs, bulk_dst, kv, tables, tables_cpu, st
         v = res.get(name)
         return f"{v:.1f}" if v else "-"
 
+    rep.figures["throughput"].append({"window_chunks": w, "bytes": nbytes, "copies": len(pairs),
+                                      **{f"{k}_GBps": round(v, 2) if v else None for k, v in res.items()}})
+
     return [str(w), f"{nbytes / 2**20:.0f}", *(gbs(c) for c in cols[2:11]), str(len(pairs)),
             ratio("cuda-zc", "bulk-H2D"), ratio("triton-host", "bulk-H2D"), ratio("cuda-zc", "loop-H2D"),
             ratio("cuda-zc", "dma-batch")]
@@ -309,10 +321,11 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=240.0, help="skip remaining windows after this long")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
+    add_record_options(ap)
     args = ap.parse_args()
     t_start = time.monotonic()
     stamp = dt.datetime.now().strftime("%Y%m%d_%H%M%S")
-    rep = Report(args.out or ROOT / "benchmarks" / "results" / f"gpu_check_{stamp}.txt")
+    rep = Report(args.out or Path(tempfile.gettempdir()) / f"bsr_gpu_check_{stamp}.txt")
     rep.add(f"bsr gpu_check {stamp} on {platform.node()}")
     rep.add(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda})")
     if not torch.cuda.is_available():
@@ -320,6 +333,19 @@ def main() -> int:
                 "Install a CUDA-enabled torch (e.g. from the PyTorch CUDA wheel index) and rerun.")
         return 2
     rep.saving = True
+    signal.signal(signal.SIGTERM, _stopped)
+    try:
+        return checks(args, rep, t_start)
+    finally:
+        rep.figures["seconds"] = round(time.monotonic() - t_start, 1)
+        record_script(args, "gpu_check", rep.figures, omit=("out",))
+
+
+def _stopped(signum, frame) -> None:
+    raise SystemExit(124)  # unwinds through main's finally, which records what was measured
+
+
+def checks(args, rep: Report, t_start: float) -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(dev)
     rep.add(f"device {props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}, "
@@ -328,6 +354,7 @@ def main() -> int:
     if cuda_backend.load_error():
         rep.add(f"CUDA library load error: {cuda_backend.load_error()}")
     rep.add(f"cuda backend available: {cuda_backend.available()}")
+    rep.figures.update(device=props.name, cuda_backend_available=cuda_backend.available())
     torch.manual_seed(0)
 
     rep.add("")
@@ -358,6 +385,7 @@ def main() -> int:
     if not cuda_backend.available():
         rep.add("FAIL: the CUDA backend is not available on this GPU machine")
         ok = False
+    rep.figures["pass"] = bool(ok)
     return 0 if ok else 1
 
 

@@ -100,8 +100,12 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 timeout 285 "$PY" "$ROOT/benchmarks/gpu_check.py" "$@"
 rc=$?
 [ "$rc" = 124 ] && log "gpu_check.py ran past 285 s and was stopped; the report keeps the rows it finished"
-# on a lent device machine, hand the newest report back through $OUT
-report=$(ls -t "$ROOT"/benchmarks/results/gpu_check_*.txt 2>/dev/null | head -n 1)
-if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] && [ -n "$report" ]; then cp "$report" "$OUT"/ && log "copied $report to \$OUT"; fi
+# on a lent device machine, hand the newest report and the records back through $OUT (append the
+# record lines to benchmarks/results/gpu_check.jsonl of the checkout, then python -m bsr_harness.report)
+report=$(ls -t "${TMPDIR:-/tmp}"/bsr_gpu_check_*.txt 2>/dev/null | head -n 1)
+records=$ROOT/benchmarks/results/gpu_check.jsonl
+if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
+    for f in "$report" "$records"; do [ -n "$f" ] && [ -f "$f" ] && cp "$f" "$OUT"/ && log "copied $f to \$OUT"; done
+fi
 log "exit $rc after $((SECONDS - t0)) s"
 exit "$rc"

@@ -3,21 +3,21 @@
 The state of a 524032-token prefix (scaled DeepSeek-V4-Flash) is written once through LMCache;
 then it is restored with W = 32 at load concurrency 1 and 4, each after dropping the page cache
 of every object file (posix_fadvise DONTNEED). Prints seconds, GB/s, the LMCache L1 peak and the
-throughput ratio; L1 peak must not change.
+throughput ratio; L1 peak must not change. Appends a record to
+benchmarks/results/lmcache_fs_concurrency.jsonl (bsr_harness.records).
 
-    python benchmarks/lmcache_fs_concurrency.py [--tokens 524032] [--scale 0.015625] [--out benchmarks/results]
+    python benchmarks/lmcache_fs_concurrency.py [--tokens 524032] [--scale 0.015625]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import tempfile
-from pathlib import Path
 
 from bsr_harness.experiments import Destinations, make_source
+from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import presets
 from bsr_runtime.integrations.lmcache import LMCacheAdapter, fs_l2
 from bsr_runtime.restore import RestoreRequest
@@ -42,16 +42,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=524032)
     ap.add_argument("--scale", type=float, default=1 / 64)
     ap.add_argument("--window", type=int, default=32)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_record_options(ap)
     args = ap.parse_args(argv)
     reg = presets.dsv4_flash(scale=args.scale)
     n = args.tokens // reg.chunk_tokens
-    lines = [f"command: python benchmarks/lmcache_fs_concurrency.py {shlex.join(argv or sys.argv[1:])}",
-             f"{reg.describe()}; {n} chunks, W = {args.window}; LMCache FS L2, page cache dropped before each run"]
+    lines = [f"{reg.describe()}; {n} chunks, W = {args.window}; LMCache FS L2, page cache dropped before each run"]
     src = make_source(reg, n, seed=0)
     expected = state_hash(reg, src.kv, src.block_tables, n)
     dst = Destinations(reg, n, seed=1)
-    results = {}
+    results, rows = {}, []
     with tempfile.TemporaryDirectory(prefix="bsr-lmcache-ab-") as root:
         l1 = (args.window + 2) * (reg.chunk_bytes + 4096)
         with LMCacheAdapter.create(reg, l1, [fs_l2(root)]) as ad:
@@ -68,13 +67,15 @@ def main(argv=None) -> int:
             lines.append(f"  concurrency {conc}: {rep.total_s:6.2f} s  {gbps:5.2f} GB/s  L1 peak "
                          f"{rep.peak_staging_bytes / 2**20:.2f} MiB  ({files} files dropped)  "
                          f"hash {'ok' if ok else 'BAD'}")
+            rows.append({"load_concurrency": conc, "seconds": round(rep.total_s, 3), "GBps": round(gbps, 3),
+                         "l1_peak_bytes": rep.peak_staging_bytes, "files_dropped": files, "state_hash_ok": ok})
     (r1, g1), (r4, g4) = results[1], results[4]
     lines.append(f"  throughput ratio 4/1: {g4 / g1:.2f}x; L1 peak unchanged: "
                  f"{r1.peak_staging_bytes == r4.peak_staging_bytes}")
     print("\n".join(lines))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "lmcache_fs_concurrency.txt").write_text("\n".join(lines) + "\n")
+    record_script(args, "lmcache_fs_concurrency", {
+        "chunks": n, "chunk_bytes": reg.chunk_bytes, "rows": rows, "ratio_4_vs_1": round(g4 / g1, 2),
+        "l1_peak_unchanged": r1.peak_staging_bytes == r4.peak_staging_bytes})
     return 0 if r1.ok and r4.ok else 1
 
 

@@ -13,24 +13,21 @@ Then, per prefix length:
     python benchmarks/lmcache_ladder.py [--scale 0.015625] [--tokens 32768,65536,131072,262144] [--window 32]
 
 Prints `tokens, chunk_bytes, first_passing_rung_bytes, bsr_capacity_bytes, bsr_pass` (plus the
-whole-plan bytes, BSR's measured L1 peak above baseline and both times) and writes
-lmcache_ladder.txt and lmcache_ladder.json under --out.
+whole-plan bytes, BSR's measured L1 peak above baseline and both times) and appends a record to
+benchmarks/results/lmcache_ladder.jsonl (bsr_harness.records).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # read by LMCache's loggers when they are created
 
 from bsr_harness.experiments import Destinations, make_source  # noqa: E402
+from bsr_harness.records import add_record_options, record_script  # noqa: E402
 from bsr_kernels import presets  # noqa: E402
 from bsr_runtime.integrations.lmcache import LMCacheAdapter, align_up, fs_l2, load_adapter_config  # noqa: E402
 from bsr_runtime.restore import RestoreRequest  # noqa: E402
@@ -60,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=32, help="BSR window W (chunks)")
     ap.add_argument("--first-rung", type=int, default=1 << 20, help="first whole-plan L1 rung in bytes")
     ap.add_argument("--max-rungs", type=int, default=16)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--workdir", default=None, help="where the FS L2 objects go (default: a temp dir)")
+    add_record_options(ap)
     args = ap.parse_args(argv)
 
     reg = presets.dsv4_flash(scale=args.scale)
@@ -72,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     n_max = max(counts)
     w = args.window
     bsr_capacity = w * obj
-    command = " ".join(["python", "benchmarks/lmcache_ladder.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
     header = [
-        f"# {command}",
         f"# LMCache 0.5.6 storage stack, FS L2; registration {reg.describe()}",
         f"# L1 objects are allocated at align_up(c, {ALIGN}) = {obj:,} B (LMCache's per-object overhead "
         f"{obj - c:,} B); BSR L1 capacity = W*{obj:,} B = {bsr_capacity:,} B",
@@ -106,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         cols = (f"{'tokens':>7} {'chunk_bytes':>11} {'first_passing_rung_bytes':>24} {'bsr_capacity_bytes':>18} "
                 f"{'bsr_pass':>8} | {'whole_plan_bytes':>16} {'rungs':>5} {'W=0 s':>6} {'bsr_peak_bytes':>14} "
                 f"{'bsr s':>6} {'windows':>7}")
-        lines = [cols]
         print(cols, flush=True)
         for tok, n in zip(tokens, counts):
             rung, tried, passed, whole_s = args.first_rung, 0, None, None
@@ -132,16 +126,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{str(row['bsr_pass']):>8} | {n * obj:16d} {tried:5d} "
                     f"{whole_s if whole_s is not None else float('nan'):6.2f} {brep.peak_staging_bytes:14d} "
                     f"{bsecs:6.2f} {brep.windows:7d}")
-            lines.append(line)
             print(line, flush=True)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "lmcache_ladder.txt").write_text("\n".join(header + lines) + "\n")
-    (out / "lmcache_ladder.json").write_text(json.dumps({
-        "command": command, "registration": reg.describe(), "align_bytes": ALIGN, "rows": rows,
-    }, indent=2) + "\n")
-    print(f"# wrote {out / 'lmcache_ladder.txt'} and {out / 'lmcache_ladder.json'}")
+    record_script(args, "lmcache_ladder", {"registration": reg.name, "align_bytes": ALIGN, "rows": rows},
+                  omit=("workdir",))
     return 0 if all(r["bsr_pass"] and r["first_passing_rung_bytes"] for r in rows) else 1
 
 

@@ -8,7 +8,7 @@ stored once, then retrieved at W and at W = 0 (whole plan) alternately. Per retr
 milliseconds of: the StorageManager calls the retrieve makes (summed over its windows), the window
 stages' construction (building the window's keys and submitting its prefetch), and the loop's own
 fetch / install / sync split from the report. Medians over the rounds; the last column is what
-the windows cost above the whole plan.
+the windows cost above the whole plan. Appends a record to benchmarks/results/lmcache_retrieve_split.jsonl.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bsr_harness.experiments import Destinations, make_source  # noqa: E402
+from bsr_harness.records import add_record_options, record_script  # noqa: E402
 from bsr_harness.tier_setup import TierOptions, open_lmcache  # noqa: E402
 from bsr_kernels import presets  # noqa: E402
 from bsr_runtime.integrations.lmcache import retrieve as lmcache_retrieve  # noqa: E402
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=2047)
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
+    add_record_options(ap)
     args = ap.parse_args()
     reg = presets.dsv4_flash(scale=1 / 64)
     n = args.chunks
@@ -80,9 +82,13 @@ def main() -> None:
     print(f"{reg.name}, {n} chunks, W={args.window} ({windows} windows) against W=0; medians of {args.rounds} "
           f"rounds, ms")
     print(f"{'':28} {'W=' + str(args.window):>10} {'W=0':>10} {'difference':>11} {'per window':>11}")
+    rows = []
     for k in keys:
         a, b = med[args.window][k], med[0].get(k, 0.0)
         print(f"{k:28} {a:10.1f} {b:10.1f} {a - b:11.1f} {(a - b) / windows * 1e3:9.0f} us")
+        rows.append({"part": k, "windowed_ms": round(a, 2), "whole_plan_ms": round(b, 2),
+                     "difference_ms": round(a - b, 2), "per_window_us": round((a - b) / windows * 1e3)})
+    record_script(args, "lmcache_retrieve_split", {"windows": windows, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ buffers, e.g. LMCache's): "get_path" = the landed path (whole-object gets + chec
 and put back). "tier_put" = put() from adjacent views (staged in the tier's registered buffer, a
 copy), "tier_put_room" = put() from the slot with header room (headers written into the room, each
 object upserted from there). GB/s count payload bytes.
-Numbers are loopback tcp on this host, not RDMA.
+Numbers are loopback tcp on this host, not RDMA. Appends a record to
+benchmarks/results/mooncake_tier_throughput.jsonl (bsr_harness.records).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from bsr_harness.mooncake_launcher import MooncakeMaster, MooncakeStoreHost, free_port
+from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import host_crc
 from bsr_kernels.bench import cache_evictor
 from bsr_kernels.staging_pool import StagingPool
@@ -318,10 +320,12 @@ def main() -> None:
     ap.add_argument("--failures", action="store_true", help="also time failure detection")
     ap.add_argument("--crc-overlap", action="store_true",
                     help="store host: also one get + CRC against the window in 2/4/8 gets, CRCs overlapped")
+    add_record_options(ap)
     args = ap.parse_args()
     out = run(args)
     print(table(out))
     print(json.dumps(out))
+    record_script(args, "mooncake_tier_throughput", out)
 
 
 if __name__ == "__main__":

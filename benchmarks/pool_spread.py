@@ -7,6 +7,7 @@ Each call is made from the main thread and from a worker thread while the main t
 MooncakeTier's fetch thread runs the checksumming copy): the two-thread checksumming copy of a
 64 MiB window of 256 KiB objects, and the two-thread install of a 64 MiB window (CPU backend).
 Medians of interleaved repetitions, each after a 128 MiB cache flush; ratio = off / on time.
+Appends a record to benchmarks/results/pool_spread.jsonl (bsr_harness.records).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bsr_harness.records import add_record_options, record_script  # noqa: E402
 from bsr_kernels import cpu_backend, install_window, presets  # noqa: E402
 from bsr_kernels.bench import ChecksummingCopy, cache_evictor, make_window  # noqa: E402
 
@@ -36,6 +38,7 @@ def install_call():
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=25)
+    add_record_options(ap)
     args = ap.parse_args()
     if not cpu_backend.available():
         sys.exit(f"libbsr_cpu.so is not available: {cpu_backend.load_error()}")
@@ -63,9 +66,13 @@ def main() -> None:
     finally:
         cpu_backend.pool_spread(was)
     print(f"{'call':20} {'from':14} {'spread ms':>10} {'off ms':>8} {'off/spread':>11}")
+    rows = []
     for (name, where) in runs:
         on, off = (statistics.median(ts[((name, where), x)]) * 1e3 for x in (True, False))
         print(f"{name:20} {where:14} {on:10.2f} {off:8.2f} {off / on:11.2f}")
+        rows.append({"call": name, "from": where, "spread_ms": round(on, 2), "off_ms": round(off, 2),
+                     "off_vs_spread": round(off / on, 2)})
+    record_script(args, "pool_spread", {"window_bytes": WINDOW, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ writes the staged window right before (untimed), as a fetch leaves it for the in
 copies into staging (the checksumming copy, gather) from the last-level cache size up and installs
 always; the header line says which column each takes at --window-mib. Medians of interleaved
 repetitions, each after a 128 MiB cache flush (the data starts in DRAM); ratio = cached / streamed.
+Appends a record to benchmarks/results/stream_stores.jsonl (bsr_harness.records).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bsr_harness.records import add_record_options, record_script  # noqa: E402
 from bsr_kernels import cpu_backend, install_window, presets  # noqa: E402
 from bsr_kernels.bench import ChecksummingCopy, cache_evictor, make_window  # noqa: E402
 
@@ -59,6 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--window-mib", type=float, default=64)
+    add_record_options(ap)
     args = ap.parse_args()
     if not cpu_backend.available():
         sys.exit(f"libbsr_cpu.so is not available: {cpu_backend.load_error()}")
@@ -89,9 +92,13 @@ def main() -> None:
           f"{staging / (1 << 20):.0f} MiB up (here: {'streamed' if window >= staging else 'cached'}), installs "
           f"from {dests / (1 << 20):.0f} MiB up (here: {'streamed' if window >= dests else 'cached'})")
     print(f"{'call':24} {'streamed GB/s':>14} {'cached GB/s':>12} {'cached/streamed':>16}")
+    rows = []
     for k in calls:
         on, off = (statistics.median(ts[(k, s)]) for s in (True, False))
         print(f"{k:24} {window / on / 1e9:14.1f} {window / off / 1e9:12.1f} {off / on:16.2f}")
+        rows.append({"call": k, "streamed_GBps": round(window / on / 1e9, 1),
+                     "cached_GBps": round(window / off / 1e9, 1), "cached_vs_streamed": round(off / on, 2)})
+    record_script(args, "stream_stores", {"window_bytes": window, "default_stream_bytes": default, "rows": rows})
 
 
 if __name__ == "__main__":

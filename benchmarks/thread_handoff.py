@@ -7,7 +7,7 @@ job), the pool -> the controller (the plugin's eventfd), the controller -> ours 
 variable). This measures each kind as a ping-pong between two threads (half a round trip per
 hand-off), the median of `--reps` rounds of `--trips` round trips each, and prints what four
 hand-offs per window add to a retrieve of N chunks at W = 32 (N/W windows), against the one set
-the whole plan pays.
+the whole plan pays. Appends a record to benchmarks/results/thread_handoff.jsonl (bsr_harness.records).
 
     PYTHONPATH=. python benchmarks/thread_handoff.py [--trips 2000] [--reps 7]
 """
@@ -21,6 +21,8 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from bsr_harness.records import add_record_options, record_script
 
 
 def _eventfd_pair(trips: int) -> float:
@@ -92,6 +94,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7, help="rounds per kind (interleaved), the median is printed")
     ap.add_argument("--chunks", type=int, default=2047, help="N: chunks of the retrieve the estimate is for")
     ap.add_argument("--window", type=int, default=32, help="W of that retrieve")
+    add_record_options(ap)
     args = ap.parse_args()
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     for _ in range(args.reps):
@@ -104,6 +107,11 @@ def main() -> None:
     windows = -(-args.chunks // args.window)
     print(f"4 hand-offs per window, {windows} windows (N={args.chunks}, W={args.window}) against 1 set for the whole "
           f"plan: {(windows - 1) * 4 * one * 1e3:.2f} ms more (median hand-off {one * 1e6:.1f} us)")
+    record_script(args, "thread_handoff", {
+        "rows": [{"hand_off": k, "median_us": round(statistics.median(ts) * 1e6, 1),
+                  "min_us": round(min(ts) * 1e6, 1), "max_us": round(max(ts) * 1e6, 1)} for k, ts in times.items()],
+        "median_hand_off_us": round(one * 1e6, 1), "windows": windows,
+        "windowed_extra_ms": round((windows - 1) * 4 * one * 1e3, 2)})
 
 
 if __name__ == "__main__":

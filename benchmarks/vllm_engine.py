@@ -5,8 +5,9 @@ For each model and prompt length: a cold engine without the connector (TTFT, out
 (prefill + save into a filesystem tier), a fresh engine B (TTFT with the prefix restored, window
 by window; the connector's own restore time), then BoundedRestorer alone restoring the same
 objects into a cache of the engine's layout (best of 3). Each engine gets a warm-up request first.
+Appends a record to benchmarks/results/vllm_engine.jsonl (bsr_harness.records).
 
-    python benchmarks/vllm_engine.py --out benchmarks/results/vllm_engine.txt
+    python benchmarks/vllm_engine.py [--models tiny,small] [--tokens 4096,8192,16384]
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bsr_harness.records import add_record_options, record_script
 
 MODELS = {
     # the tests' model: prefill is nearly free, so restoring cannot beat it by much
@@ -37,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batched-tokens", type=int, default=2048, help="max_num_batched_tokens (default 2048)")
     ap.add_argument("--repeat", type=int, default=3, help="best of N for every timing (default 3)")
     ap.add_argument("--out", help="write the table here (and JSON beside it)")
+    add_record_options(ap)
     args = ap.parse_args(argv)
 
     import torch
@@ -83,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(text)
         Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    record_script(args, "vllm_engine", {"rows": rows}, omit=("out",))
     return 0 if all(r["tokens_identical"] and r["max_logprob_diff"] <= 1e-5 for r in rows) else 1
 
 

@@ -15,13 +15,14 @@ Then, with the async engine: 8 requests restoring at once under B = 4 windows' s
 restore first), and the long prefix restored alone with tokens and logprobs identical to cold
 (prefill steps of a multiple of 256 tokens).
 
-    python benchmarks/vllm_stall.py --tokens 32768,131072 --models tiny,kvheavy --out benchmarks/results/vllm_stall.txt
+    python benchmarks/vllm_stall.py --tokens 32768,131072 --models tiny,kvheavy
+
+Prints the table and appends a record to benchmarks/results/vllm_stall.jsonl (bsr_harness.records).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -30,6 +31,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bsr_harness.records import add_record_options, record_script  # noqa: E402
 
 MODELS = {
     "tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32),  # the tests' model: 1 KiB of KV a token
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="tiny,kvheavy")
     ap.add_argument("--repeat", type=int, default=2, help="best of N stall runs per case (default 2)")
     ap.add_argument("--no-concurrency", action="store_true")
-    ap.add_argument("--out", help="write the table here (and JSON beside it)")
+    add_record_options(ap)
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
@@ -240,12 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             f"tokens, B arrives after A's 20th; best of {args.repeat} by A's largest gap; "
             f"{time.perf_counter() - t0:.0f} s",
             ""]
-    text = "\n".join(head + _table(rows, conc)) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-        Path(args.out).with_suffix(".json").write_text(json.dumps({"rows": rows, "concurrency": conc}, indent=1,
-                                                                  default=str))
+    print("\n".join(head + _table(rows, conc)))
+    record_script(args, "vllm_stall", {"rows": rows, "concurrency": conc})
     return 0
 
 

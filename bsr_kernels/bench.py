@@ -65,7 +65,7 @@ def install_step(reg: Registration, w: int, device: str, label: str, staging_on_
 def cache_evictor(nbytes: int = 128 << 20) -> Callable[[], None]:
     """Writes `nbytes` (several times the last-level cache) so the next call starts cache-cold.
     One numpy thread: a torch op would leave its OpenMP workers spinning on a core afterwards, and
-    a two-thread call timed next would compete with them (benchmarks/results/install_cpu.txt)."""
+    a two-thread call timed next would compete with them (seen in benchmarks/bench_install.py)."""
     junk = np.empty(nbytes, dtype=np.uint8)
     count = [0]
 

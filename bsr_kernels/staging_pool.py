@@ -10,7 +10,7 @@ headroom + i * chunk_stride, chunk_stride = headroom + chunk_bytes). A tier whos
 a header lands each object whole there, header in the scratch, by one transfer (tiers/mooncake.py).
 A lease's `view` is then a 2-D (num_chunks, chunk_bytes) view with row stride chunk_stride, which
 every install backend takes. The meters count chunk bytes (the paper's W*c); the room,
-`room_bytes` = capacity * headroom, is auxiliary state (the A of RWS <= W*c + A, DESIGN.md).
+`room_bytes` = capacity * headroom, is auxiliary state (the A of RWS <= W*c + A, docs/design.md).
 """
 
 from __future__ import annotations

@@ -127,7 +127,9 @@ def _add_bench(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")  # LMCache logs every prefetch at INFO
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv, args.environ = argv, dict(os.environ)  # the command line of the provenance record (--record)
     from bsr_harness.mooncake_launcher import MooncakeMasterError
     from bsr_runtime.tiers.base import TierError
 

@@ -104,6 +104,12 @@ def scale_type(text: str) -> float:
     return v
 
 
+def existing_dir(text: str) -> str:
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"--record needs an existing directory, got {text!r}")
+    return text
+
+
 def load_registration(name: str, scale: float):
     from bsr_kernels import Registration, presets
 
@@ -165,6 +171,9 @@ def add_common(p: argparse.ArgumentParser, *, tier_default: str = "fs") -> None:
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
     o.add_argument("--quiet", action="store_true", help="no progress bars or notes, just the table")
+    o.add_argument("--record", metavar="DIR", type=existing_dir,
+                   help="append this run's provenance record (commit, machine, command, figures) to "
+                        "DIR/bsr_<command>.jsonl; the repository keeps its results in benchmarks/results")
 
 
 class Parser(argparse.ArgumentParser):

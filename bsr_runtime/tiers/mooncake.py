@@ -25,7 +25,7 @@ A window is read by one of three paths:
   buffer (one get and a copy cost less there than the two gets of the in-place phases) or whose
   views are never adjacent (a view starting no run needs a two-buffer get, slower over tcp for
   small objects than the copy), and when asked (`land_whole=True`).
-Measured for 64 MiB windows from a store host over tcp: benchmarks/results/mooncake_tier.txt.
+Measured for 64 MiB windows from a store host over tcp by benchmarks/mooncake_tier_throughput.py.
 Each landed header is compared with what its key expects in one vectorized step. An object
 under the wrong key (swapped, or another tenant's copied under these keys), of another
 registration or tenant, damaged, or in the old two-key format is a CorruptObjectError.

@@ -24,7 +24,7 @@ class MooncakeTierOptions:
     verify_batch_bytes: int = 8 << 20  # sub-batch of a fetch checked while the next one lands
     # in place: a read (or a phase of one) in gets of at most this many bytes. Each get costs a
     # round trip and its transfers end together, so fewer, larger gets are faster (64 MiB windows
-    # over tcp, one get against 2-3: benchmarks/results/mooncake_tier.txt); it bounds how late a
+    # over tcp, one get against 2-3: benchmarks/mooncake_tier_throughput.py); it bounds how late a
     # passed deadline is noticed (one get: ~60 ms at 2 GB/s), not memory (nothing is staged but
     # the views)
     in_place_batch_bytes: int = 128 << 20

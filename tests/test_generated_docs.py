@@ -1,0 +1,96 @@
+"""The generated pages (docs/performance.md, the README's results table) against the records in
+benchmarks/results, the records' provenance, and the links of the README and docs/."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from bsr_harness import records, report
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def test_generated_pages_are_up_to_date_with_the_records():
+    stale = report.stale_pages()
+    assert not stale, (f"{[str(p.relative_to(ROOT)) for p in stale]} out of date with benchmarks/results: "
+                       "run `python -m bsr_harness.report` and commit the result")
+
+
+def test_a_new_record_makes_the_pages_stale(tmp_path):
+    """The check above can fail: one more sweep record (other figures) changes both pages."""
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    readme, performance = tmp_path / "README.md", tmp_path / "performance.md"
+    shutil.copy(report.README, readme)
+    shutil.copy(report.PERFORMANCE, performance)
+    assert report.stale_pages(results, readme, performance) == []
+    fs = [r for r in records.load_records(results / "bsr_sweep.jsonl") if r["settings"]["tier"] == "fs"][-1]
+    fs["figures"]["rows"] = [row | {"seconds": row["seconds"] * 3} if row["window_chunks"] else row
+                             for row in fs["figures"]["rows"]]
+    fs["commit"] = "f" * 40
+    with (results / "bsr_sweep.jsonl").open("a") as f:
+        f.write(json.dumps(fs) + "\n")
+    assert set(report.stale_pages(results, readme, performance)) == {readme, performance}
+    assert report.main(["--check", "--results", str(results)]) == 1  # the repository's pages, against these
+
+
+def test_every_record_names_its_commit_command_and_machine():
+    found = records.all_records()
+    assert found, "no records in benchmarks/results"
+    for name, recs in found.items():
+        assert recs, f"{name}.jsonl is empty"
+        for rec in recs:
+            assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", rec["commit"]), (name, rec["commit"])
+            assert re.match(r"(\w+=\S+ )*(bsr|python) ", rec["command"]), (name, rec["command"])
+            assert rec["machine"]["cores"] and rec["machine"]["cpu"], name
+
+
+def test_results_hold_only_records_and_what_a_recorded_command_wrote():
+    """Nothing in benchmarks/results that no command in the repository regenerates: the .jsonl
+    records, and files a recorded command names as its output (the README's picture)."""
+    commands = " ".join(r["command"] for recs in records.all_records().values() for r in recs)
+    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "benchmarks/results"], capture_output=True,
+                             text=True).stdout.split()
+    for path in tracked or [str(p.relative_to(ROOT)) for p in RESULTS.iterdir()]:
+        assert path.endswith(".jsonl") or path in commands, f"{path}: no recorded command writes it"
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
+
+
+def test_readme_and_docs_links_resolve_and_every_page_is_linked():
+    pages = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
+    linked_from_readme = set()
+    for page in pages:
+        for target, _anchor in LINK.findall(page.read_text()):
+            if "://" in target:
+                continue
+            path = (page.parent / target).resolve()
+            assert path.exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
+            if page.name == "README.md":
+                linked_from_readme.add(path)
+    unlinked = [p.name for p in (ROOT / "docs").glob("*.md") if p.resolve() not in linked_from_readme]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+def test_performance_anchors_resolve():
+    """Links into docs/performance.md name one of its headings."""
+    headings = {report.anchor(line.lstrip("#").strip())
+                for line in report.PERFORMANCE.read_text().splitlines() if line.startswith("#")}
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, anchor in LINK.findall(page.read_text()):
+            if target.endswith("performance.md") and anchor:
+                assert anchor[1:] in headings, f"{page.name}: {target}{anchor} names no heading"
+
+
+def test_design_references_resolve():
+    """The design is docs/design.md; code and pages cite it by that path."""
+    tracked = subprocess.run(["git", "-C", str(ROOT), "grep", "-l", "DESIGN.md"], capture_output=True,
+                             text=True).stdout.split()
+    assert not [p for p in tracked if p != "tests/test_generated_docs.py"], tracked
+    assert (ROOT / "docs" / "design.md").is_file()
