@@ -50,7 +50,7 @@ def test_copy_hits_rewrite_in_place_misses(tmp_path):
         got = U.generate(llm, tokens)
         worker = U.worker_connector().worker
         assert len(worker.loads) == 0
-        assert U.scheduler_connector(llm).scheduler.core.stats.probes >= 1  # it looked, and missed
+        assert U.scheduler_connector(llm).scheduler.planner.stats.probes >= 1  # it looked, and missed
     finally:
         U.shutdown(llm)
     assert got[2] == 0
