@@ -4,9 +4,13 @@ once the engine allocated the request's blocks. Engine-neutral; holds no staging
     match(request, num_computed_tokens) -> external tokens
         probe-only lookup over the ordered tiers (TierSet.plan), chunk aligned, leaving at least
         one prompt token to compute; 0 without any lookup while the request carries a force-local
-        marker. One scheduler probing for every TP rank takes the shortest rank's prefix
-        (`probe_all_ranks`); ranks planning for themselves agree on N with a MIN all-reduce
-        (`agree_plan`).
+        marker, or when the engine's own cache holds every candidate chunk. One scheduler probing
+        for every TP rank takes the shortest rank's prefix (`probe_all_ranks`); ranks planning for
+        themselves agree on N with a MIN all-reduce (`agree_plan`).
+    match_in_background(request, num_computed_tokens) -> external tokens, or None
+        the same decision with the lookup on the planner's probe thread: None while it runs (the
+        engine asks again at its next step), then the answer. The caller's thread pays no key
+        derivation and no tier round trip.
     allocated(request, block_ids_per_group, num_external_tokens)
         records the load of N chunks into the request's blocks (one list per HMA group)
     take_loads() -> [LoadSpec]     the loads recorded since the last call (shipped to the workers)
@@ -21,6 +25,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +107,8 @@ class Planner:
         self._lock = threading.Lock()
         self._plans: dict[str, tuple[Plan, int, float]] = {}  # request -> (plan, num_computed_tokens, probe s)
         self._pending: dict[str, LoadSpec] = {}
+        self._probing: dict[str, Future] = {}  # request -> its lookup on the probe thread
+        self._probe_thread: ThreadPoolExecutor | None = None
 
     @property
     def tiers(self) -> list[Tier]:
@@ -110,30 +117,74 @@ class Planner:
     def match(self, request, num_computed_tokens: int) -> int:
         """External tokens the tiers can restore beyond `num_computed_tokens` (see the module docstring)."""
         num_computed_tokens = check_int("num_computed_tokens", num_computed_tokens, lo=0)
-        rid = request_id_of(request)
-        tokens = tokens_of(request)
-        ct = self.reg.chunk_tokens
         t0 = time.perf_counter()
-        max_chunks = max(0, (len(tokens) - 1) // ct)  # at least one token is left to compute
-        if self.markers.is_set(rid):
+        plan = self._quick_plan(request, num_computed_tokens)
+        if plan is None:
+            plan = self._lookup(request)
+        return self._decide(request, plan, num_computed_tokens, time.perf_counter() - t0)
+
+    def match_in_background(self, request, num_computed_tokens: int) -> int | None:
+        """match() with the lookup on the probe thread: None until it finished (see the module docstring)."""
+        num_computed_tokens = check_int("num_computed_tokens", num_computed_tokens, lo=0)
+        rid = request_id_of(request)
+        with self._lock:
+            running = self._probing.get(rid)
+        if running is None:
+            plan = self._quick_plan(request, num_computed_tokens)
+            if plan is not None:
+                return self._decide(request, plan, num_computed_tokens, 0.0)
+            if self._probe_thread is None:
+                self._probe_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bsr-probe")
+            running = self._probe_thread.submit(self._timed_lookup, request)
+            with self._lock:
+                self._probing[rid] = running
+        if not running.done():
+            return None
+        with self._lock:
+            self._probing.pop(rid, None)
+        plan, probe_s = running.result()
+        return self._decide(request, plan, num_computed_tokens, probe_s)
+
+    def _timed_lookup(self, request) -> tuple[Plan, float]:
+        t0 = time.perf_counter()
+        try:
+            plan = self._lookup(request)
+        except Exception:  # noqa: BLE001 - a lookup that fails is a miss (TierSet.plan already is)
+            plan = Plan(0, None, "none")
+        return plan, time.perf_counter() - t0
+
+    def _quick_plan(self, request, num_computed_tokens: int) -> Plan | None:
+        """The decisions that need no lookup: a force-local marker, or nothing the engine lacks."""
+        ct = self.reg.chunk_tokens
+        if self.markers.is_set(request_id_of(request)):
             self.stats.skipped_by_marker += 1
-            plan = Plan(0, None, "marker")
-        elif max_chunks * ct <= num_computed_tokens:  # the engine's own cache holds every candidate chunk
-            plan = Plan(0, None, "local")
-        else:
-            keyspace = dataclasses.replace(self.keyspace, salt=request_salt(self.keyspace.salt, request))
-            self.stats.probes += 1
-            if self.probe_all_ranks and self.tp_world > 1:
-                plan = self._plan_all_ranks(tokens, max_chunks, keyspace)
-            else:
-                plan = self.tier_set.plan(tokens, keyspace, max_chunks)
+            return Plan(0, None, "marker")
+        num_tokens = getattr(request, "num_prompt_tokens", None)
+        if num_tokens is None:
+            num_tokens = len(tokens_of(request))
+        if max(0, (num_tokens - 1) // ct) * ct <= num_computed_tokens:  # the engine's own cache holds it all
+            return Plan(0, None, "local")
+        return None
+
+    def _lookup(self, request) -> Plan:
+        tokens = tokens_of(request)
+        max_chunks = max(0, (len(tokens) - 1) // self.reg.chunk_tokens)  # at least one token left to compute
+        keyspace = dataclasses.replace(self.keyspace, salt=request_salt(self.keyspace.salt, request))
+        self.stats.probes += 1
+        if self.probe_all_ranks and self.tp_world > 1:
+            return self._plan_all_ranks(tokens, max_chunks, keyspace)
+        return self.tier_set.plan(tokens, keyspace, max_chunks)
+
+    def _decide(self, request, plan: Plan, num_computed_tokens: int, probe_s: float) -> int:
+        """Record the plan the load will follow; the external tokens beyond what the engine holds."""
+        rid = request_id_of(request)
+        ct = self.reg.chunk_tokens
         if self.agree_plan:
             out = commit.all_min([plan.num_chunks], timeout_s=self.agree_timeout_s,
                                  tag=commit.make_tag(rid, "plan"))
             n = 0 if out is None else out[0]
             if n < plan.num_chunks:
                 plan = Plan(n, plan.tier_index if n else None, plan.tier if n else "none", plan.probes)
-        probe_s = time.perf_counter() - t0
         self.stats.probe_s += probe_s
         with self._lock:
             if plan.num_chunks * ct <= num_computed_tokens:
@@ -190,4 +241,9 @@ class Planner:
         with self._lock:
             self._plans.pop(request_id, None)
             self._pending.pop(request_id, None)
+            self._probing.pop(request_id, None)
         return cleared
+
+    def close(self) -> None:
+        if self._probe_thread is not None:
+            self._probe_thread.shutdown(wait=True, cancel_futures=True)

@@ -104,27 +104,35 @@ class Saver:
         if end <= first:
             self._next[request_id] = first if end == num_chunks else -1
             return self._skipped(rec, "no resident chunk to save") if end < num_chunks else None
-        lease = self.arena.try_acquire(end - first)
-        if lease is None:
-            self._next[request_id] = -1
-            return self._skipped(rec, f"no save staging for {end - first} chunks "
-                                      f"({self.arena.live_bytes:,} of {self.arena.capacity_bytes:,} B in use)")
+        space = dataclasses.replace(self.keyspace, salt=salt)
+        tables = [torch.tensor(b, dtype=torch.int64) for b in block_ids]
+        at = first
+        while at < end:  # in pieces of at most the whole staging
+            n = min(end - at, self.arena.capacity_chunks)
+            lease = self.arena.try_acquire(n)
+            if lease is None:
+                self._next[request_id] = -1
+                return self._skipped(dict(rec, first_chunk=at), f"no save staging for {n} chunks ("
+                                     f"{self.arena.live_bytes:,} of {self.arena.capacity_bytes:,} B in use)")
+            self._queue_piece(request_id, tokens, at, n, tables, space, overwrite, lease, dict(rec, first_chunk=at))
+            at += n
+            self._next[request_id] = at if at == num_chunks else -1
+        return None
+
+    def _queue_piece(self, request_id: str, tokens: Sequence[int], first: int, n: int, tables, space: KeySpace,
+                     overwrite: bool, lease: ArenaLease, rec: dict) -> None:
         t0 = time.perf_counter()
         try:
-            tables = [torch.tensor(b, dtype=torch.int64) for b in block_ids]
-            gather_window(lease.view, self.reg, self.kv, tables, first, end - first, backend=self.backend)
+            gather_window(lease.view, self.reg, self.kv, tables, first, n, backend=self.backend)
         except BaseException:
             lease.release()
             self._next[request_id] = -1
             raise
-        self._next[request_id] = end if end == num_chunks else -1
-        space = dataclasses.replace(self.keyspace, salt=salt)
-        job = _SaveJob(request_id, tokens, first, end - first, space, overwrite, lease, time.perf_counter() - t0, rec)
+        job = _SaveJob(request_id, tokens, first, n, space, overwrite, lease, time.perf_counter() - t0, rec)
         with self._lock:
             self._pending += 1
             self._idle.clear()
         self._queue.put(job)
-        return None
 
     def _skipped(self, rec: dict, why: str) -> dict:
         rec.update(ok=True, stored=0, skipped=why, seconds=0.0)

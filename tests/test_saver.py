@@ -172,3 +172,22 @@ def test_freed_sliding_window_blocks_are_never_gathered_into_an_object(tmp_path)
             assert rec is not None and rec["stored"] == 0
         finally:
             assert saver.close(10)
+
+
+def test_a_save_larger_than_the_staging_takes_what_fits_and_skips_the_rest(scene):
+    """6 chunks, 4 of staging: the first 4 are gathered and put; the rest, finding no staging at once
+    (the first piece's put is held), is skipped, never waited for."""
+    reg, inner, tier, src = scene
+    gate = tier.plan.put_gate = threading.Event()
+    saver = _saver(reg, tier, src, 4)
+    try:
+        rec = saver.save("r", src.tokens, 0, 6, _tables(src), "")
+        assert rec is not None and rec["first_chunk"] == 4 and "no save staging" in rec["skipped"]
+        gate.set()
+        assert saver.wait_idle(30)
+        recs = saver.take_finished()
+        assert sorted((r["first_chunk"], r["stored"]) for r in recs) == [(0, 4), (4, 0)]
+        keys = PrefixKeys(src.keyspace, src.tokens, reg.chunk_tokens).window(0, 6)
+        assert inner.probe(keys) == [True] * 4 + [False] * 2
+    finally:
+        assert saver.close(10)

@@ -74,11 +74,21 @@ class SchedulerSide:
         return self.planner.tiers
 
     # -- admission -------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        skipped = self.planner.stats.skipped_by_marker
-        n = self.planner.match(request, num_computed_tokens)
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """With async loads the lookup runs on the planner's probe thread: None (vLLM asks again next
+        step) until it finished; the step thread pays neither key derivation nor tier round trips."""
+        skipped, probes = self.planner.stats.skipped_by_marker, self.planner.stats.probes
+        if self.load_async:
+            n = self.planner.match_in_background(request, num_computed_tokens)
+            if n is None:
+                return None, False
+        else:
+            n = self.planner.match(request, num_computed_tokens)
         rid = request.request_id
-        self.events.append(("skip" if self.planner.stats.skipped_by_marker > skipped else "probe", rid))
+        if self.planner.stats.skipped_by_marker > skipped:
+            self.events.append(("skip", rid))
+        elif self.planner.stats.probes > probes or self.load_async:
+            self.events.append(("probe", rid))
         return n, bool(n) and self.load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -86,10 +96,10 @@ class SchedulerSide:
         rid = request.request_id
         if self.cfg.save_tiers and rid not in self._tracked:
             tokens = request.prompt_token_ids or ()
-            n = len(tokens) // self.reg.chunk_tokens
+            ct = self.reg.chunk_tokens
+            n = len(tokens) // ct
             if n > 0:
-                self._tracked[rid] = _Tracked(list(tokens[: n * self.reg.chunk_tokens]), n,
-                                              request_salt(self.cfg.salt, request))
+                self._tracked[rid] = _Tracked(list(tokens[: n * ct]), n, request_salt(self.cfg.salt, request))
 
     # -- per step --------------------------------------------------------------------------
     def build_connector_meta(self, so) -> BSRConnectorMetadata:
@@ -107,6 +117,11 @@ class SchedulerSide:
             t = self._tracked.get(new.req_id)
             if t is not None:
                 t.computed = new.num_computed_tokens
+                if not t.overwrite:
+                    # chunks the engine's own cache (or a load) held when the request was first scheduled
+                    # were computed by a request that saved them: not gathered again (one that could not
+                    # save them is a future miss, not an error)
+                    t.saved_chunks = max(t.saved_chunks, min(t.num_chunks, t.computed // self.reg.chunk_tokens))
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             self._running(rid)  # scheduled again (e.g. recomputing after a failed load)
@@ -165,4 +180,4 @@ class SchedulerSide:
         return False, None
 
     def close(self) -> None:
-        pass
+        self.planner.close()
