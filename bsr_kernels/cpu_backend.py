@@ -180,45 +180,41 @@ def stream_bytes(nbytes: int | None = None, *, into: str = "staging") -> int:
     return int(lib.bsr_cpu_stream_bytes(STREAM_INTO.index(into), -1 if nbytes is None else int(nbytes)))
 
 
-class Prepared:
-    """Per-restore state: the descriptor table and block-table pointers for a set of CPU
-    destinations, built once; each window then passes only its staging and chunk range."""
+def run(kind: str, reg: Registration, desc: torch.Tensor, block_tables: tuple[torch.Tensor, ...],
+        staging: torch.Tensor, first_chunk: int, num_chunks: int, chunk_stride: int, threads: int = 0) -> None:
+    """One window through the library: chunk c of `staging` at byte c * chunk_stride, destinations
+    as the descriptor table `desc` (descriptors.descriptor_table) describes them."""
+    if num_chunks == 0:
+        return
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"CPU backend unavailable: {load_error()}")
+    if not all(t.is_cpu for t in block_tables):
+        raise ValueError("the cpu backend needs block tables on the CPU")
+    if not staging.is_cpu:
+        raise ValueError(f"the cpu backend needs host staging, got {staging.device}")
+    if threads < 0:
+        raise ValueError(f"threads must be >= 0 (0 = auto), got {threads}")
+    ptrs, _tables = block_table_pointers(block_tables, torch.device("cpu"))  # _tables: alive for the call
+    fn = lib.bsr_cpu_install_strided if kind == "install" else lib.bsr_cpu_gather_strided
+    rc = fn(staging.data_ptr(), reg.chunk_bytes, chunk_stride, first_chunk, num_chunks, desc.data_ptr(),
+            reg.num_tensors, ptrs.data_ptr(), reg.num_groups, int(threads))
+    if rc != 0:
+        raise RuntimeError(f"bsr_cpu_{kind}: {(lib.bsr_cpu_last_error() or b'').decode(errors='replace')}")
 
-    def __init__(self, reg: Registration, kv: tuple[torch.Tensor, ...], block_tables: tuple[torch.Tensor, ...],
-                 threads: int = 0) -> None:
-        lib = library()
-        if lib is None:
-            raise RuntimeError(f"CPU backend unavailable: {load_error()}")
-        cpu = torch.device("cpu")
-        if any(t.device != cpu for t in (*kv, *block_tables)):
-            raise ValueError("the cpu backend needs destinations and block tables on the CPU")
-        if threads < 0:
-            raise ValueError(f"threads must be >= 0 (0 = auto), got {threads}")
-        self.lib, self.reg, self.threads = lib, reg, int(threads)
-        self.kv = kv  # keeps the destinations alive while their addresses are in the table
-        self.desc = descriptor_table(reg, kv, cpu)
-        self.ptrs, self.tables = block_table_pointers(block_tables, cpu)
 
-    def run(self, kind: str, staging: torch.Tensor, first_chunk: int, num_chunks: int, chunk_stride: int) -> None:
-        """One window; chunk c of `staging` at byte c * chunk_stride."""
-        if num_chunks == 0:
-            return
-        if staging.device.type != "cpu":
-            raise ValueError(f"the cpu backend needs host staging, got {staging.device}")
-        fn = self.lib.bsr_cpu_install_strided if kind == "install" else self.lib.bsr_cpu_gather_strided
-        rc = fn(staging.data_ptr(), self.reg.chunk_bytes, chunk_stride, first_chunk, num_chunks, self.desc.data_ptr(),
-                self.reg.num_tensors, self.ptrs.data_ptr(), self.reg.num_groups, self.threads)
-        if rc != 0:
-            raise RuntimeError(f"bsr_cpu_{kind}: {(self.lib.bsr_cpu_last_error() or b'').decode(errors='replace')}")
+def _direct(kind: str, reg: Registration, a: WindowArgs, threads: int) -> None:
+    if not all(t.is_cpu for t in a.kv):
+        raise ValueError("the cpu backend needs destinations on the CPU")
+    run(kind, reg, descriptor_table(reg, a.kv, torch.device("cpu")), a.block_tables, a.staging, a.first_chunk,
+        a.num_chunks, a.chunk_stride, threads)
 
 
 def install(reg: Registration, a: WindowArgs, threads: int = 0) -> None:
     """One call: scatter the window's staged chunks into every tensor's destination blocks."""
-    Prepared(reg, a.kv, a.block_tables, threads).run("install", a.staging, a.first_chunk, a.num_chunks,
-                                                     a.chunk_stride)
+    _direct("install", reg, a, threads)
 
 
 def gather(reg: Registration, a: WindowArgs, threads: int = 0) -> None:
     """The inverse of install (-1 entries and segment padding read as zero)."""
-    Prepared(reg, a.kv, a.block_tables, threads).run("gather", a.staging, a.first_chunk, a.num_chunks,
-                                                     a.chunk_stride)
+    _direct("gather", reg, a, threads)

@@ -228,7 +228,7 @@ def _device_staging(kind: str, a: WindowArgs, device: torch.device, zero_copy: b
     return flat[:span].to(device, non_blocking=True), stride, True
 
 
-def _run(kind: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool) -> None:
+def _run(kind: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool, desc: torch.Tensor | None) -> None:
     if a.num_chunks == 0:
         return
     lib = library()
@@ -244,7 +244,8 @@ def _run(kind: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool) -
         if stream != current:
             stream.wait_stream(current)  # descriptors, tables and kv written on the current stream
         with torch.cuda.stream(stream):
-            desc = descriptor_table(reg, a.kv, device)
+            if desc is None:
+                desc = descriptor_table(reg, a.kv, device)
             ptrs, tables = block_table_pointers(a.block_tables, device)
             staged, stride, copied = _device_staging(kind, a, device, zero_copy, reg.chunk_bytes)
             name = DEVICE_FUNCTIONS[kind == "gather"]
@@ -263,14 +264,17 @@ def _run(kind: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool) -
                     a.staging[: staged.numel()].copy_(staged, non_blocking=a.staging.is_pinned())
 
 
-def install(reg: Registration, a: WindowArgs, stream=None, zero_copy: bool = True) -> None:
-    """One launch: scatter the window's staged chunks into every tensor's destination blocks."""
-    _run("install", reg, a, stream, zero_copy)
+def install(reg: Registration, a: WindowArgs, stream=None, zero_copy: bool = True,
+            desc: torch.Tensor | None = None) -> None:
+    """One launch: scatter the window's staged chunks into every tensor's destination blocks
+    (`desc`: the destinations' descriptor table on their device, when the caller has it)."""
+    _run("install", reg, a, stream, zero_copy, desc)
 
 
-def gather(reg: Registration, a: WindowArgs, stream=None, zero_copy: bool = True) -> None:
+def gather(reg: Registration, a: WindowArgs, stream=None, zero_copy: bool = True,
+           desc: torch.Tensor | None = None) -> None:
     """One launch: the inverse of install (-1 entries and segment padding read as zero)."""
-    _run("gather", reg, a, stream, zero_copy)
+    _run("gather", reg, a, stream, zero_copy, desc)
 
 
 # -- host emulation (tests) --------------------------------------------------------------------

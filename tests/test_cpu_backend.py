@@ -22,7 +22,7 @@ from kernel_util import (
     untouched_outside_window,
 )
 
-from bsr_kernels import WindowInstaller, gather_window, install, install_window, presets
+from bsr_kernels import WindowInstaller, backends, gather_window, install_window, presets
 from bsr_kernels.install import available_backends, resolve_backend
 
 cpu_backend = pytest.importorskip("bsr_kernels.cpu_backend")
@@ -155,7 +155,7 @@ def test_library_rejects_out_of_range_block():
 
 def test_auto_falls_back_to_torch_with_one_notice(monkeypatch, capsys):
     monkeypatch.setattr(cpu_backend, "available", lambda: False)
-    monkeypatch.setattr(install, "_NOTICED", set())
+    monkeypatch.setattr(backends, "_NOTICED", set())
     reg = kv_registration(layers=1)
     case = make_case(reg, 0, 1, seed=1)
     views, _ = kv_pair_layout("contiguous", reg, case.num_blocks[0])
