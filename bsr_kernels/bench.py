@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .install import WindowInstaller, available_backends
+from .install import WindowInstaller, available_backends, install_window
 from .registration import Registration
 
 # label -> (backend, cpu_threads): the cpu library once single-threaded and once with two threads
@@ -38,9 +38,10 @@ def make_window(reg: Registration, w: int, device: str, seed: int = 0):
 
 
 def install_step(reg: Registration, w: int, device: str, label: str, staging_on_device: bool = False,
-                 seed: int = 0) -> Callable[[], None]:
+                 seed: int = 0, one_shot: bool = False) -> Callable[[], None]:
     """A zero-argument callable installing one W-chunk window with backend `label` (a backend name,
-    or cpu:1t / cpu:2t), or doing the contiguous copy of the same bytes (label "contiguous")."""
+    or cpu:1t / cpu:2t), or doing the contiguous copy of the same bytes (label "contiguous").
+    Through a WindowInstaller made once, or with `one_shot` through install_window on every call."""
     staging, kv, tables = make_window(reg, w, device, seed)
     if staging_on_device:
         staging = staging.to(device)
@@ -54,6 +55,11 @@ def install_step(reg: Registration, w: int, device: str, label: str, staging_on_
             sync()
         return copy
     backend, threads = CPU_VARIANTS.get(label, (label, 0))
+    if one_shot:
+        def install_one_shot() -> None:
+            install_window(staging, reg, kv, tables, 0, w, backend=backend, cpu_threads=threads)
+            sync()
+        return install_one_shot
     inst = WindowInstaller(reg, kv, tables, w, backend=backend, cpu_threads=threads)
 
     def install() -> None:

@@ -27,20 +27,17 @@ from pathlib import Path
 import torch
 
 from .descriptors import block_table_pointers, descriptor_table
+from .native_abi import NativeAbi, read_abi
 from .native_library import LazyLibrary, LibraryNotLoaded, build_atomically, cache_dir, sources_digest
 from .registration import Registration
 from .validate import WindowArgs
 
-ABI_VERSION = 6003  # BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION (csrc/bsr_layout.h) in the C sources
-# the window functions (chunk-strided staging since ABI 3); a library without them is stale
-WINDOW_FUNCTIONS = ("bsr_cpu_install_strided", "bsr_cpu_gather_strided")
 LIB_NAME = "libbsr_cpu.so"
 SOURCE = "bsr_install_cpu.c"  # the library is every .c file of csrc/ (this one marks the directory)
-CC_FLAGS = ("-std=c11", "-O3", "-fPIC", "-shared", "-pthread")
+# hidden by default: the library exports only what csrc/bsr_abi.h declares (BSR_CPU_API)
+CC_FLAGS = ("-std=c11", "-O3", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden")
 
 _PKG = Path(__file__).resolve().parent
-_i64 = ctypes.c_int64
-_ptr = ctypes.c_void_p
 
 
 def source_dir() -> Path | None:
@@ -50,40 +47,16 @@ def source_dir() -> Path | None:
     return None
 
 
-def load(path: str | os.PathLike) -> ctypes.CDLL:
-    """Load one library file and check its ABI version; raises OSError/RuntimeError.
+def abi() -> NativeAbi:
+    """The C interface as csrc/bsr_abi.h declares it (the sources the library is built from)."""
+    return read_abi(source_dir())
 
-    The version is checked before any other symbol is declared: a stale library (built from older
-    sources, e.g. without the chunk_stride argument) is refused with its version in the message, and
-    `_find` then builds the current sources; its old window functions are never called."""
-    lib = ctypes.CDLL(str(path))
-    lib.bsr_cpu_abi_version.restype = ctypes.c_int
-    lib.bsr_cpu_abi_version.argtypes = []
-    version = lib.bsr_cpu_abi_version()
-    if version != ABI_VERSION:
-        raise RuntimeError(f"{path}: ABI version {version}, this package needs {ABI_VERSION} (a stale build: "
-                           "rebuild it with `pip install -e . --no-deps` or delete it)")
-    lib.bsr_cpu_last_error.restype = ctypes.c_char_p
-    lib.bsr_cpu_last_error.argtypes = []
-    lib.bsr_cpu_parallel_bytes.restype = _i64
-    lib.bsr_cpu_parallel_bytes.argtypes = []
-    lib.bsr_cpu_pool_spread.restype = ctypes.c_int
-    lib.bsr_cpu_pool_spread.argtypes = [ctypes.c_int]
-    lib.bsr_cpu_stream_bytes.restype = _i64
-    lib.bsr_cpu_stream_bytes.argtypes = [ctypes.c_int, _i64]
-    for name in WINDOW_FUNCTIONS:  # staging, chunk_bytes, chunk_stride, first, num, desc, n, ptrs, groups, threads
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64]
-    lib.bsr_crc32c.restype = ctypes.c_uint32
-    lib.bsr_crc32c.argtypes = [ctypes.c_uint32, _ptr, _i64]
-    lib.bsr_crc32c_hardware.restype = ctypes.c_int
-    lib.bsr_crc32c_hardware.argtypes = []
-    lib.bsr_crc32c_many.restype = ctypes.c_int
-    lib.bsr_crc32c_many.argtypes = [_i64, _ptr, _i64, _ptr, _i64]
-    lib.bsr_copy_crc32c.restype = ctypes.c_int
-    lib.bsr_copy_crc32c.argtypes = [_i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64]
-    return lib
+
+def load(path: str | os.PathLike) -> ctypes.CDLL:
+    """Load one library file, check the ABI version it reports against bsr_abi.h's and declare its
+    functions from the header; raises OSError/RuntimeError (a stale build: `_find` then builds the
+    current sources, and the stale library's functions are never called)."""
+    return abi().load(path, "cpu")
 
 
 def find_cc() -> str | None:
