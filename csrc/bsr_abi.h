@@ -1,7 +1,7 @@
 /*
  * bsr_abi.h: the C interface of the package's two native libraries, declared once.
  *
- * libbsr_cpu.so (csrc/*.c) defines the BSR_CPU_API functions, libbsr_cuda.so (csrc/bsr_install.cu)
+ * libbsr_cpu.so (the .c files of csrc/) defines the BSR_CPU_API functions, libbsr_cuda.so (bsr_install.cu)
  * the BSR_CUDA_API ones. Their sources include this header, so the compiler holds every definition
  * to its prototype here; bsr_kernels/native_abi.py reads the prototypes and the versions below when
  * it loads a library and declares each function's ctypes argument and result types from them.
