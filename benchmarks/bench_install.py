@@ -38,7 +38,7 @@ import torch
 
 from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import presets
-from bsr_kernels.bench import best_seconds, cache_evictor, default_labels, install_step
+from bsr_kernels.bench import best_seconds, cache_evictor, default_labels, install_step, prepared_and_one_shot
 
 SCALES = (1 / 16, 1 / 64)
 WINDOWS = (1, 8, 32)
@@ -86,14 +86,14 @@ def one_shot_vs_prepared(scales=SCALES, windows=WINDOWS, min_time: float = 2.0, 
     (also appended to `rows` as dicts)."""
     rows = [] if rows is None else rows
     backend = "cpu" if "cpu:1t" in default_labels(device) else "torch"
-    lines = [f"one-shot install_window vs prepared WindowInstaller ({device}, backend {backend}, warm)",
+    lines = [f"one-shot install_window vs prepared WindowInstaller ({device}, backend {backend}, warm; both on "
+             f"one window and its destinations)",
              f"{'registration':24} {'dev':4} {'W':>3} {'MB':>6} {'contig':>7} {'prepared':>8} {'one-shot':>8} "
              f"{'r prep':>7} {'r one':>7} {'one/prep':>8}"]
     for scale in scales:
         reg = presets.dsv4_flash(scale=scale)
         for w in windows:
-            fns = [install_step(reg, w, device, "contiguous"), install_step(reg, w, device, backend),
-                   install_step(reg, w, device, backend, one_shot=True)]
+            fns = [install_step(reg, w, device, "contiguous"), *prepared_and_one_shot(reg, w, device, backend)]
             contig, prep, one = best_seconds(fns, min_time=min_time, min_rounds=min_rounds)
             nbytes = w * reg.chunk_bytes
             row = (f"{reg.name:24} {device:4} {w:3d} {nbytes / 1e6:6.1f} {nbytes / contig / 1e9:7.2f} "

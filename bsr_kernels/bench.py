@@ -38,10 +38,9 @@ def make_window(reg: Registration, w: int, device: str, seed: int = 0):
 
 
 def install_step(reg: Registration, w: int, device: str, label: str, staging_on_device: bool = False,
-                 seed: int = 0, one_shot: bool = False) -> Callable[[], None]:
+                 seed: int = 0) -> Callable[[], None]:
     """A zero-argument callable installing one W-chunk window with backend `label` (a backend name,
-    or cpu:1t / cpu:2t), or doing the contiguous copy of the same bytes (label "contiguous").
-    Through a WindowInstaller made once, or with `one_shot` through install_window on every call."""
+    or cpu:1t / cpu:2t), or doing the contiguous copy of the same bytes (label "contiguous")."""
     staging, kv, tables = make_window(reg, w, device, seed)
     if staging_on_device:
         staging = staging.to(device)
@@ -55,17 +54,31 @@ def install_step(reg: Registration, w: int, device: str, label: str, staging_on_
             sync()
         return copy
     backend, threads = CPU_VARIANTS.get(label, (label, 0))
-    if one_shot:
-        def install_one_shot() -> None:
-            install_window(staging, reg, kv, tables, 0, w, backend=backend, cpu_threads=threads)
-            sync()
-        return install_one_shot
     inst = WindowInstaller(reg, kv, tables, w, backend=backend, cpu_threads=threads)
 
     def install() -> None:
         inst.install(staging, 0, w)
         sync()
     return install
+
+
+def prepared_and_one_shot(reg: Registration, w: int, device: str, label: str,
+                          seed: int = 0) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Two callables installing the same W-chunk window into the same destinations with backend
+    `label`: through a WindowInstaller made once, and through install_window on every call."""
+    staging, kv, tables = make_window(reg, w, device, seed)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    backend, threads = CPU_VARIANTS.get(label, (label, 0))
+    inst = WindowInstaller(reg, kv, tables, w, backend=backend, cpu_threads=threads)
+
+    def prepared() -> None:
+        inst.install(staging, 0, w)
+        sync()
+
+    def one_shot() -> None:
+        install_window(staging, reg, kv, tables, 0, w, backend=backend, cpu_threads=threads)
+        sync()
+    return prepared, one_shot
 
 
 def cache_evictor(nbytes: int = 128 << 20) -> Callable[[], None]:
