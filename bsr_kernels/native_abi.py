@@ -55,7 +55,8 @@ class NativeAbi:
         version = version_fn()
         if version != self.versions[library]:
             raise AbiError(f"{path}: ABI version {version}, this package needs {self.versions[library]} "
-                           f"({self.header.name}; a stale build: rebuild it)")
+                           f"({self.header.name}): a stale build; rebuild it with `pip install -e . --no-deps` "
+                           f"(BSR_BUILD_CUDA=1 for the CUDA library) or delete it")
         for proto in self.of(library):
             _declare(lib, proto)
         return lib

@@ -49,6 +49,9 @@ class PreparedDestinations:
         # torch: the destinations viewed in pieces; the others: the descriptor table on the device
         self.state: DestinationRows | torch.Tensor = (
             DestinationRows(reg, kv) if backend == "torch" else descriptor_table(reg, kv, self.device))
+        if self.device.type == "cuda" and backend != "torch":
+            # the table was uploaded on the current stream; windows launch on any stream later
+            torch.cuda.current_stream(self.device).synchronize()
 
     @property
     def holds_destinations(self) -> bool:
