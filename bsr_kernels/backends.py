@@ -17,22 +17,23 @@ _NOTICED: set[str] = set()
 def available_backends(device: str | torch.device = "cpu") -> list[str]:
     """Backends that can run on `device` on this machine (Triton on CPU needs TRITON_INTERPRET=1)."""
     device = torch.device(device)
-    out = ["torch"]
-    from . import install_triton
+    return [b for b in ("torch", "triton", "cuda", "cpu") if backend_available(b, device)]
 
-    if install_triton.available(device):
-        out.append("triton")
-    if device.type == "cuda":
+
+def backend_available(backend: str, device: torch.device) -> bool:
+    if backend == "torch":
+        return True
+    if backend == "triton":
+        from . import install_triton
+
+        return install_triton.available(device)
+    if backend == "cuda":
         from . import cuda_backend
 
-        if cuda_backend.available():
-            out.append("cuda")
-    if device.type == "cpu":
-        from . import cpu_backend
+        return device.type == "cuda" and cuda_backend.available()
+    from . import cpu_backend
 
-        if cpu_backend.available():
-            out.append("cpu")
-    return out
+    return backend == "cpu" and device.type == "cpu" and cpu_backend.available()
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -40,13 +41,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in (*BACKENDS, "auto"):
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join((*BACKENDS, 'auto'))}")
     if backend != "auto":
-        if backend != "torch" and backend not in available_backends(device):
+        if not backend_available(backend, device):
             raise ValueError(f"backend {backend!r} is not available for {device} on this machine")
         return backend
-    avail = available_backends(device)
     if device.type == "cuda":
-        return "cuda" if "cuda" in avail else ("triton" if "triton" in avail else "torch")
-    if "cpu" in avail:  # Triton on CPU is an interpreter: correct, but far slower
+        return next(b for b in ("cuda", "triton", "torch") if backend_available(b, device))
+    if backend_available("cpu", device):  # Triton on CPU is an interpreter: correct, but far slower
         return "cpu"
     if device.type == "cpu" and "cpu" not in _NOTICED:
         from . import cpu_backend

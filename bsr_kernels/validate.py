@@ -127,9 +127,12 @@ def check_block_tables(
     for g, table in enumerate(block_tables):
         if not isinstance(table, torch.Tensor) or table.dim() != 1:
             raise ValueError(f"block table of group {g} must be a 1-D tensor")
-        if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
-            raise ValueError(f"block table of group {g} must hold integers, got {table.dtype}")
-        table = table.to(torch.int64).contiguous()
+        if table.dtype is not torch.int64:
+            if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
+                raise ValueError(f"block table of group {g} must hold integers, got {table.dtype}")
+            table = table.to(torch.int64)
+        if not table.is_contiguous():
+            table = table.contiguous()
         need = reg.blocks_needed(g, end_tok)
         if table.numel() < need:
             raise ValueError(
