@@ -16,7 +16,7 @@ contiguous copy. Appends a record to benchmarks/results/bench_install.jsonl (bsr
 A third table puts the one-shot call beside the prepared one: `install_window(...)` on every call
 (the destinations' preparation cached by layout, bsr_kernels/prepared.py; staging, chunk range and
 the window's block-table entries checked per call) against a WindowInstaller made once, same
-backend, same bytes, rounds interleaved; `one/prep` is the one-shot call's time over the prepared
+backend, the same window and destinations, rounds interleaved; `one/prep` is the one-shot call's time over the prepared
 call's (1.00: no cost for calling the simple way).
 
     .venv/bin/python benchmarks/bench_install.py                   # the tables
@@ -112,18 +112,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--windows", default=",".join(map(str, WINDOWS)))
     p.add_argument("--min-time", type=float, default=2.0, help="seconds of interleaved rounds per row")
-    p.add_argument("--one-shot-only", action="store_true", help="only the one-shot vs prepared table")
     add_record_options(p)
     args = p.parse_args()
-    windows = [int(w) for w in args.windows.split(",")]
     rows: list[dict] = []
     one_shot_rows: list[dict] = []
-    if args.one_shot_only:
-        print("\n".join(one_shot_vs_prepared(windows=windows, min_time=args.min_time, rows=one_shot_rows)))
-    else:
-        print(run(windows=windows, min_time=args.min_time, rows=rows, one_shot_rows=one_shot_rows))
-    record_script(args, "bench_install", {"rows": rows, "one_shot_vs_prepared": one_shot_rows} if rows
-                  else {"one_shot_vs_prepared": one_shot_rows})
+    print(run(windows=[int(w) for w in args.windows.split(",")], min_time=args.min_time, rows=rows,
+              one_shot_rows=one_shot_rows))
+    record_script(args, "bench_install", {"rows": rows, "one_shot_vs_prepared": one_shot_rows})
 
 
 # -- pytest-benchmark: one case per (scale, W, device, backend) ----------------------------------
