@@ -57,7 +57,8 @@ def find_nvcc() -> str | None:
 CPU_SOURCE = CSRC / "bsr_install_cpu.c"
 CPU_SOURCES = sorted(str(f) for f in CSRC.glob("*.c"))  # the library: every .c file (pool, crc32c, install)
 CPU_LIB_NAME = "libbsr_cpu.so"
-CC_FLAGS = ["-std=c11", "-O3", "-fPIC", "-shared", "-pthread"]
+# hidden by default: the library exports only what csrc/bsr_abi.h declares (BSR_CPU_API)
+CC_FLAGS = ["-std=c11", "-O3", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden"]
 
 
 def _up_to_date(lib: Path, suffixes: tuple[str, ...] = (".cu", ".cuh", ".h")) -> bool:

@@ -13,7 +13,13 @@ buffers are as warm as the other columns leave them; at W = 1 they stay in the 3
 after a fetch of a large window). torch's copy_ uses all torch threads (2 here) for the
 contiguous copy. Appends a record to benchmarks/results/bench_install.jsonl (bsr_harness.records).
 
-    .venv/bin/python benchmarks/bench_install.py                   # the table
+A third table puts the one-shot call beside the prepared one: `install_window(...)` on every call
+(the destinations' preparation cached by layout, bsr_kernels/prepared.py; staging, chunk range and
+the window's block-table entries checked per call) against a WindowInstaller made once, same
+backend, the same window and destinations, rounds interleaved; `one/prep` is the one-shot call's time over the prepared
+call's (1.00: no cost for calling the simple way).
+
+    .venv/bin/python benchmarks/bench_install.py                   # the tables
     .venv/bin/python benchmarks/bench_install.py --windows 1,8,32 --min-time 2
     .venv/bin/python -m pytest benchmarks/bench_install.py --benchmark-only   # pytest-benchmark
 """
@@ -32,7 +38,7 @@ import torch
 
 from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import presets
-from bsr_kernels.bench import best_seconds, cache_evictor, default_labels, install_step
+from bsr_kernels.bench import best_seconds, cache_evictor, default_labels, install_step, prepared_and_one_shot
 
 SCALES = (1 / 16, 1 / 64)
 WINDOWS = (1, 8, 32)
@@ -43,8 +49,9 @@ def _devices() -> list[str]:
 
 
 def run(scales=SCALES, windows=WINDOWS, min_time: float = 2.0, min_rounds: int = 5,
-        rows: list[dict] | None = None) -> str:
-    """The table as text; each row also appended to `rows` as a dict."""
+        rows: list[dict] | None = None, one_shot_rows: list[dict] | None = None) -> str:
+    """The tables as text; each row of the backend tables also appended to `rows` as a dict, each
+    of the one-shot table to `one_shot_rows`."""
     rows = [] if rows is None else rows
     lines = [f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs"]
     modes = [(d, m) for d in _devices() for m in (("warm", "cold") if d == "cpu" else ("warm",))]
@@ -69,7 +76,36 @@ def run(scales=SCALES, windows=WINDOWS, min_time: float = 2.0, min_rounds: int =
                              **{f"{lab}_GBps": round(g, 2) for lab, g in zip(labels, gbps[1:])},
                              **{f"{lab}_vs_contiguous": round(g / gbps[0], 3) for lab, g in zip(labels, gbps[1:])}})
                 print(row, file=sys.stderr, flush=True)
+    lines += one_shot_vs_prepared(scales, windows, min_time, min_rounds, rows=one_shot_rows)
     return "\n".join(lines)
+
+
+def one_shot_vs_prepared(scales=SCALES, windows=WINDOWS, min_time: float = 2.0, min_rounds: int = 5,
+                         device: str = "cpu", rows: list[dict] | None = None) -> list[str]:
+    """Rows: registration, W, contig, prepared and one-shot GB/s, their ratios to contig, one/prep
+    (also appended to `rows` as dicts)."""
+    rows = [] if rows is None else rows
+    backend = "cpu" if "cpu:1t" in default_labels(device) else "torch"
+    lines = [f"one-shot install_window vs prepared WindowInstaller ({device}, backend {backend}, warm; both on "
+             f"one window and its destinations)",
+             f"{'registration':24} {'dev':4} {'W':>3} {'MB':>6} {'contig':>7} {'prepared':>8} {'one-shot':>8} "
+             f"{'r prep':>7} {'r one':>7} {'one/prep':>8}"]
+    for scale in scales:
+        reg = presets.dsv4_flash(scale=scale)
+        for w in windows:
+            fns = [install_step(reg, w, device, "contiguous"), *prepared_and_one_shot(reg, w, device, backend)]
+            contig, prep, one = best_seconds(fns, min_time=min_time, min_rounds=min_rounds)
+            nbytes = w * reg.chunk_bytes
+            row = (f"{reg.name:24} {device:4} {w:3d} {nbytes / 1e6:6.1f} {nbytes / contig / 1e9:7.2f} "
+                   f"{nbytes / prep / 1e9:8.2f} {nbytes / one / 1e9:8.2f} {contig / prep:7.3f} {contig / one:7.3f} "
+                   f"{one / prep:8.2f}")
+            lines.append(row)
+            rows.append({"registration": reg.name, "device": device, "backend": backend, "window_chunks": w,
+                         "bytes": nbytes, "contiguous_GBps": round(nbytes / contig / 1e9, 2),
+                         "prepared_GBps": round(nbytes / prep / 1e9, 2), "one_shot_GBps": round(nbytes / one / 1e9, 2),
+                         "one_shot_vs_prepared_time": round(one / prep, 2)})
+            print(row, file=sys.stderr, flush=True)
+    return lines
 
 
 def main() -> None:
@@ -79,8 +115,10 @@ def main() -> None:
     add_record_options(p)
     args = p.parse_args()
     rows: list[dict] = []
-    print(run(windows=[int(w) for w in args.windows.split(",")], min_time=args.min_time, rows=rows))
-    record_script(args, "bench_install", {"rows": rows})
+    one_shot_rows: list[dict] = []
+    print(run(windows=[int(w) for w in args.windows.split(",")], min_time=args.min_time, rows=rows,
+              one_shot_rows=one_shot_rows))
+    record_script(args, "bench_install", {"rows": rows, "one_shot_vs_prepared": one_shot_rows})
 
 
 # -- pytest-benchmark: one case per (scale, W, device, backend) ----------------------------------

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .install import WindowInstaller, available_backends
+from .install import WindowInstaller, available_backends, install_window
 from .registration import Registration
 
 # label -> (backend, cpu_threads): the cpu library once single-threaded and once with two threads
@@ -60,6 +60,25 @@ def install_step(reg: Registration, w: int, device: str, label: str, staging_on_
         inst.install(staging, 0, w)
         sync()
     return install
+
+
+def prepared_and_one_shot(reg: Registration, w: int, device: str, label: str,
+                          seed: int = 0) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Two callables installing the same W-chunk window into the same destinations with backend
+    `label`: through a WindowInstaller made once, and through install_window on every call."""
+    staging, kv, tables = make_window(reg, w, device, seed)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    backend, threads = CPU_VARIANTS.get(label, (label, 0))
+    inst = WindowInstaller(reg, kv, tables, w, backend=backend, cpu_threads=threads)
+
+    def prepared() -> None:
+        inst.install(staging, 0, w)
+        sync()
+
+    def one_shot() -> None:
+        install_window(staging, reg, kv, tables, 0, w, backend=backend, cpu_threads=threads)
+        sync()
+    return prepared, one_shot
 
 
 def cache_evictor(nbytes: int = 128 << 20) -> Callable[[], None]:

@@ -27,20 +27,17 @@ from pathlib import Path
 import torch
 
 from .descriptors import block_table_pointers, descriptor_table
+from .native_abi import NativeAbi, read_abi
 from .native_library import LazyLibrary, LibraryNotLoaded, build_atomically, cache_dir, sources_digest
 from .registration import Registration
 from .validate import WindowArgs
 
-ABI_VERSION = 6003  # BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION (csrc/bsr_layout.h) in the C sources
-# the window functions (chunk-strided staging since ABI 3); a library without them is stale
-WINDOW_FUNCTIONS = ("bsr_cpu_install_strided", "bsr_cpu_gather_strided")
 LIB_NAME = "libbsr_cpu.so"
 SOURCE = "bsr_install_cpu.c"  # the library is every .c file of csrc/ (this one marks the directory)
-CC_FLAGS = ("-std=c11", "-O3", "-fPIC", "-shared", "-pthread")
+# hidden by default: the library exports only what csrc/bsr_abi.h declares (BSR_CPU_API)
+CC_FLAGS = ("-std=c11", "-O3", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden")
 
 _PKG = Path(__file__).resolve().parent
-_i64 = ctypes.c_int64
-_ptr = ctypes.c_void_p
 
 
 def source_dir() -> Path | None:
@@ -50,40 +47,16 @@ def source_dir() -> Path | None:
     return None
 
 
-def load(path: str | os.PathLike) -> ctypes.CDLL:
-    """Load one library file and check its ABI version; raises OSError/RuntimeError.
+def abi() -> NativeAbi:
+    """The C interface as csrc/bsr_abi.h declares it (the sources the library is built from)."""
+    return read_abi(source_dir())
 
-    The version is checked before any other symbol is declared: a stale library (built from older
-    sources, e.g. without the chunk_stride argument) is refused with its version in the message, and
-    `_find` then builds the current sources; its old window functions are never called."""
-    lib = ctypes.CDLL(str(path))
-    lib.bsr_cpu_abi_version.restype = ctypes.c_int
-    lib.bsr_cpu_abi_version.argtypes = []
-    version = lib.bsr_cpu_abi_version()
-    if version != ABI_VERSION:
-        raise RuntimeError(f"{path}: ABI version {version}, this package needs {ABI_VERSION} (a stale build: "
-                           "rebuild it with `pip install -e . --no-deps` or delete it)")
-    lib.bsr_cpu_last_error.restype = ctypes.c_char_p
-    lib.bsr_cpu_last_error.argtypes = []
-    lib.bsr_cpu_parallel_bytes.restype = _i64
-    lib.bsr_cpu_parallel_bytes.argtypes = []
-    lib.bsr_cpu_pool_spread.restype = ctypes.c_int
-    lib.bsr_cpu_pool_spread.argtypes = [ctypes.c_int]
-    lib.bsr_cpu_stream_bytes.restype = _i64
-    lib.bsr_cpu_stream_bytes.argtypes = [ctypes.c_int, _i64]
-    for name in WINDOW_FUNCTIONS:  # staging, chunk_bytes, chunk_stride, first, num, desc, n, ptrs, groups, threads
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64]
-    lib.bsr_crc32c.restype = ctypes.c_uint32
-    lib.bsr_crc32c.argtypes = [ctypes.c_uint32, _ptr, _i64]
-    lib.bsr_crc32c_hardware.restype = ctypes.c_int
-    lib.bsr_crc32c_hardware.argtypes = []
-    lib.bsr_crc32c_many.restype = ctypes.c_int
-    lib.bsr_crc32c_many.argtypes = [_i64, _ptr, _i64, _ptr, _i64]
-    lib.bsr_copy_crc32c.restype = ctypes.c_int
-    lib.bsr_copy_crc32c.argtypes = [_i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64]
-    return lib
+
+def load(path: str | os.PathLike) -> ctypes.CDLL:
+    """Load one library file, check the ABI version it reports against bsr_abi.h's and declare its
+    functions from the header; raises OSError/RuntimeError (a stale build: `_find` then builds the
+    current sources, and the stale library's functions are never called)."""
+    return abi().load(path, "cpu")
 
 
 def find_cc() -> str | None:
@@ -180,45 +153,41 @@ def stream_bytes(nbytes: int | None = None, *, into: str = "staging") -> int:
     return int(lib.bsr_cpu_stream_bytes(STREAM_INTO.index(into), -1 if nbytes is None else int(nbytes)))
 
 
-class Prepared:
-    """Per-restore state: the descriptor table and block-table pointers for a set of CPU
-    destinations, built once; each window then passes only its staging and chunk range."""
+def run(kind: str, reg: Registration, desc: torch.Tensor, block_tables: tuple[torch.Tensor, ...],
+        staging: torch.Tensor, first_chunk: int, num_chunks: int, chunk_stride: int, threads: int = 0) -> None:
+    """One window through the library: chunk c of `staging` at byte c * chunk_stride, destinations
+    as the descriptor table `desc` (descriptors.descriptor_table) describes them."""
+    if num_chunks == 0:
+        return
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"CPU backend unavailable: {load_error()}")
+    if not all(t.is_cpu for t in block_tables):
+        raise ValueError("the cpu backend needs block tables on the CPU")
+    if not staging.is_cpu:
+        raise ValueError(f"the cpu backend needs host staging, got {staging.device}")
+    if threads < 0:
+        raise ValueError(f"threads must be >= 0 (0 = auto), got {threads}")
+    ptrs, _tables = block_table_pointers(block_tables, torch.device("cpu"))  # _tables: alive for the call
+    fn = lib.bsr_cpu_install_strided if kind == "install" else lib.bsr_cpu_gather_strided
+    rc = fn(staging.data_ptr(), reg.chunk_bytes, chunk_stride, first_chunk, num_chunks, desc.data_ptr(),
+            reg.num_tensors, ptrs.data_ptr(), reg.num_groups, int(threads))
+    if rc != 0:
+        raise RuntimeError(f"bsr_cpu_{kind}: {(lib.bsr_cpu_last_error() or b'').decode(errors='replace')}")
 
-    def __init__(self, reg: Registration, kv: tuple[torch.Tensor, ...], block_tables: tuple[torch.Tensor, ...],
-                 threads: int = 0) -> None:
-        lib = library()
-        if lib is None:
-            raise RuntimeError(f"CPU backend unavailable: {load_error()}")
-        cpu = torch.device("cpu")
-        if any(t.device != cpu for t in (*kv, *block_tables)):
-            raise ValueError("the cpu backend needs destinations and block tables on the CPU")
-        if threads < 0:
-            raise ValueError(f"threads must be >= 0 (0 = auto), got {threads}")
-        self.lib, self.reg, self.threads = lib, reg, int(threads)
-        self.kv = kv  # keeps the destinations alive while their addresses are in the table
-        self.desc = descriptor_table(reg, kv, cpu)
-        self.ptrs, self.tables = block_table_pointers(block_tables, cpu)
 
-    def run(self, kind: str, staging: torch.Tensor, first_chunk: int, num_chunks: int, chunk_stride: int) -> None:
-        """One window; chunk c of `staging` at byte c * chunk_stride."""
-        if num_chunks == 0:
-            return
-        if staging.device.type != "cpu":
-            raise ValueError(f"the cpu backend needs host staging, got {staging.device}")
-        fn = self.lib.bsr_cpu_install_strided if kind == "install" else self.lib.bsr_cpu_gather_strided
-        rc = fn(staging.data_ptr(), self.reg.chunk_bytes, chunk_stride, first_chunk, num_chunks, self.desc.data_ptr(),
-                self.reg.num_tensors, self.ptrs.data_ptr(), self.reg.num_groups, self.threads)
-        if rc != 0:
-            raise RuntimeError(f"bsr_cpu_{kind}: {(self.lib.bsr_cpu_last_error() or b'').decode(errors='replace')}")
+def _direct(kind: str, reg: Registration, a: WindowArgs, threads: int) -> None:
+    if not all(t.is_cpu for t in a.kv):
+        raise ValueError("the cpu backend needs destinations on the CPU")
+    run(kind, reg, descriptor_table(reg, a.kv, torch.device("cpu")), a.block_tables, a.staging, a.first_chunk,
+        a.num_chunks, a.chunk_stride, threads)
 
 
 def install(reg: Registration, a: WindowArgs, threads: int = 0) -> None:
     """One call: scatter the window's staged chunks into every tensor's destination blocks."""
-    Prepared(reg, a.kv, a.block_tables, threads).run("install", a.staging, a.first_chunk, a.num_chunks,
-                                                     a.chunk_stride)
+    _direct("install", reg, a, threads)
 
 
 def gather(reg: Registration, a: WindowArgs, threads: int = 0) -> None:
     """The inverse of install (-1 entries and segment padding read as zero)."""
-    Prepared(reg, a.kv, a.block_tables, threads).run("gather", a.staging, a.first_chunk, a.num_chunks,
-                                                     a.chunk_stride)
+    _direct("gather", reg, a, threads)

@@ -25,23 +25,19 @@ from pathlib import Path
 import torch
 
 from .descriptors import block_table_pointers, descriptor_table
+from .native_abi import NativeAbi, read_abi
 from .native_library import LazyLibrary, LibraryNotLoaded, build_atomically, cache_dir, sources_digest
 from .registration import Registration
 from .validate import WindowArgs
 
-ABI_VERSION = 3  # BSR_ABI_VERSION in csrc/bsr_layout.h (3: chunk-strided staging, the *_strided functions)
 LIB_NAME = "libbsr_cuda.so"
 MAX_ENTRY_BYTES = 1 << 30  # BSR_MAX_ENTRY_BYTES in csrc/bsr_layout.h
 NVCC_FLAGS = ("-O3", "-Xcompiler", "-fPIC", "-shared")
 
 _PKG = Path(__file__).resolve().parent
 
-_i64 = ctypes.c_int64
-_ptr = ctypes.c_void_p
-# staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc, num_tensors, table_ptrs, num_groups
-_WINDOW_ARGS = [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64]
-DEVICE_FUNCTIONS = ("bsr_install_strided", "bsr_gather_strided")  # + the stream
-HOST_FUNCTIONS = ("bsr_host_install_strided", "bsr_host_gather_strided")  # + split
+DEVICE_FUNCTIONS = ("bsr_install_strided", "bsr_gather_strided")
+HOST_FUNCTIONS = ("bsr_host_install_strided", "bsr_host_gather_strided")
 
 
 def source_dir() -> Path | None:
@@ -52,40 +48,16 @@ def source_dir() -> Path | None:
     return None
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.bsr_last_error.restype = ctypes.c_char_p
-    lib.bsr_last_error.argtypes = []
-    lib.bsr_device_count.restype = ctypes.c_int
-    lib.bsr_device_count.argtypes = [ctypes.POINTER(ctypes.c_int)]
-    for name in (*DEVICE_FUNCTIONS, *HOST_FUNCTIONS):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [*_WINDOW_ARGS, _ptr if name in DEVICE_FUNCTIONS else _i64]
-    lib.bsr_host_run_width.restype = ctypes.c_int
-    lib.bsr_host_run_width.argtypes = [ctypes.c_uint64, ctypes.c_uint64, _i64, ctypes.POINTER(ctypes.c_int)]
-    lib.bsr_host_access_width.restype = ctypes.c_int
-    lib.bsr_host_access_width.argtypes = [_i64, _i64, _i64, _i64, ctypes.c_uint64, ctypes.c_uint64,
-                                          ctypes.POINTER(ctypes.c_int)]
-    for name in ("bsr_copy_batch", "bsr_copy_loop"):  # DMA baselines of benchmarks/gpu_check.py
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr, _ptr, _ptr, ctypes.c_size_t, _ptr]
+def abi() -> NativeAbi:
+    """The C interface as csrc/bsr_abi.h declares it (the sources the library is built from)."""
+    return read_abi(source_dir())
 
 
 def load(path: str | os.PathLike) -> ctypes.CDLL:
-    """Load one library file and check its ABI version; raises OSError/RuntimeError.
-
-    The version is checked before anything else is declared: a stale library (older window
-    functions without chunk_stride) is refused with its version in the message, never called."""
-    lib = ctypes.CDLL(str(path))
-    lib.bsr_abi_version.restype = ctypes.c_int
-    lib.bsr_abi_version.argtypes = []
-    version = lib.bsr_abi_version()
-    if version != ABI_VERSION:
-        raise RuntimeError(f"{path}: ABI version {version}, this package needs {ABI_VERSION} (a stale build: "
-                           "rebuild it with BSR_BUILD_CUDA=1 pip install -e . --no-deps)")
-    _declare(lib)
-    return lib
+    """Load one library file, check the ABI version it reports against bsr_abi.h's and declare its
+    functions from the header; raises OSError/RuntimeError (a stale build is refused before any of
+    its functions is called)."""
+    return abi().load(path, "cuda")
 
 
 def find_nvcc() -> str | None:
@@ -228,7 +200,7 @@ def _device_staging(kind: str, a: WindowArgs, device: torch.device, zero_copy: b
     return flat[:span].to(device, non_blocking=True), stride, True
 
 
-def _run(kind: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool) -> None:
+def _run(kind: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool, desc: torch.Tensor | None) -> None:
     if a.num_chunks == 0:
         return
     lib = library()
@@ -244,7 +216,8 @@ def _run(kind: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool) -
         if stream != current:
             stream.wait_stream(current)  # descriptors, tables and kv written on the current stream
         with torch.cuda.stream(stream):
-            desc = descriptor_table(reg, a.kv, device)
+            if desc is None:
+                desc = descriptor_table(reg, a.kv, device)
             ptrs, tables = block_table_pointers(a.block_tables, device)
             staged, stride, copied = _device_staging(kind, a, device, zero_copy, reg.chunk_bytes)
             name = DEVICE_FUNCTIONS[kind == "gather"]
@@ -263,14 +236,17 @@ def _run(kind: str, reg: Registration, a: WindowArgs, stream, zero_copy: bool) -
                     a.staging[: staged.numel()].copy_(staged, non_blocking=a.staging.is_pinned())
 
 
-def install(reg: Registration, a: WindowArgs, stream=None, zero_copy: bool = True) -> None:
-    """One launch: scatter the window's staged chunks into every tensor's destination blocks."""
-    _run("install", reg, a, stream, zero_copy)
+def install(reg: Registration, a: WindowArgs, stream=None, zero_copy: bool = True,
+            desc: torch.Tensor | None = None) -> None:
+    """One launch: scatter the window's staged chunks into every tensor's destination blocks
+    (`desc`: the destinations' descriptor table on their device, when the caller has it)."""
+    _run("install", reg, a, stream, zero_copy, desc)
 
 
-def gather(reg: Registration, a: WindowArgs, stream=None, zero_copy: bool = True) -> None:
+def gather(reg: Registration, a: WindowArgs, stream=None, zero_copy: bool = True,
+           desc: torch.Tensor | None = None) -> None:
     """One launch: the inverse of install (-1 entries and segment padding read as zero)."""
-    _run("gather", reg, a, stream, zero_copy)
+    _run("gather", reg, a, stream, zero_copy, desc)
 
 
 # -- host emulation (tests) --------------------------------------------------------------------

@@ -133,9 +133,11 @@ if triton is not None:
                            GATHER, tl.uint8, 1, TILE_BYTES)
 
 
-def _launch(reg: Registration, a: WindowArgs, staging: torch.Tensor, chunk_stride: int, gather: bool) -> None:
+def _launch(reg: Registration, a: WindowArgs, staging: torch.Tensor, chunk_stride: int, gather: bool,
+            desc: torch.Tensor | None) -> None:
     device = a.kv[0].device
-    desc = descriptor_table(reg, a.kv, device)
+    if desc is None:
+        desc = descriptor_table(reg, a.kv, device)
     bt_ptrs, _tables = block_table_pointers(a.block_tables, device)  # _tables: keep them alive
     window_bytes = a.num_chunks * max(reg.segment_bytes(i) for i in range(reg.num_tensors))
     assert window_bytes < 2**31, "unit indices are int32: split windows over 2 GiB per tensor"
@@ -181,7 +183,8 @@ def _window(reg: Registration, a: WindowArgs) -> tuple[torch.Tensor, int]:
     return rows, a.chunk_stride
 
 
-def install(reg: Registration, a: WindowArgs, stream=None) -> None:
+def install(reg: Registration, a: WindowArgs, stream=None, desc: torch.Tensor | None = None) -> None:
+    """One launch (`desc`: the destinations' descriptor table on their device, when the caller has it)."""
     device = a.kv[0].device
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         staging, stride = _window(reg, a)
@@ -189,10 +192,10 @@ def install(reg: Registration, a: WindowArgs, stream=None) -> None:
             if staging.dim() == 2:  # the span of the rows, gaps included: one copy, same stride
                 staging = staging.as_strided(((a.num_chunks - 1) * stride + reg.chunk_bytes,), (1,))
             staging = staging.to(device, non_blocking=True)
-        _launch(reg, a, staging, stride, gather=False)
+        _launch(reg, a, staging, stride, False, desc)
 
 
-def gather(reg: Registration, a: WindowArgs, stream=None) -> None:
+def gather(reg: Registration, a: WindowArgs, stream=None, desc: torch.Tensor | None = None) -> None:
     device = a.kv[0].device
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         out, stride = _window(reg, a)
@@ -201,6 +204,6 @@ def gather(reg: Registration, a: WindowArgs, stream=None) -> None:
         else:  # gathered contiguous on the device, copied back below
             buf, stride = torch.empty(out.shape, dtype=torch.uint8, device=device), reg.chunk_bytes
         buf.zero_()  # padding between segments and chunk tails (only the rows of strided staging)
-        _launch(reg, a, buf, stride, gather=True)
+        _launch(reg, a, buf, stride, True, desc)
         if buf is not out:  # host staging: one bulk copy back (the rows only, never the gaps)
             out.copy_(buf, non_blocking=True)

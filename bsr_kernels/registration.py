@@ -224,8 +224,17 @@ class Registration:
         last = self.num_tensors - 1
         return align_up(self.segment_offsets[last] + self.segment_bytes(last))
 
+    @cached_property
+    def _group_tokens(self) -> tuple[int, ...]:  # cached: read per group on every one-shot call
+        return tuple(next(s.tokens_per_block for s in self.specs if s.group == g) for g in range(self.num_groups))
+
     def group_tokens_per_block(self, g: int) -> int:
-        return next(s.tokens_per_block for s in self.specs if s.group == g)
+        return self._group_tokens[g]
+
+    @cached_property
+    def sliding_window_groups(self) -> frozenset[int]:
+        """Groups with a tensor that has a sliding window: the only groups where block id -1 is legal."""
+        return frozenset(s.group for s in self.specs if s.sliding_window)
 
     def blocks_needed(self, g: int, num_tokens: int) -> int:
         """Block-table length group g needs to hold `num_tokens` tokens."""

@@ -36,14 +36,18 @@ def check_window(
     staging_name: str = "staging",
 ) -> WindowArgs:
     check_fingerprint(reg, fingerprint)
+    first_chunk, num_chunks = check_chunk_range(first_chunk, num_chunks)
+    stride = check_staging(staging, reg, num_chunks, staging_name)
+    kv, tables = check_destinations(reg, kv, block_tables, first_chunk, num_chunks)
+    return WindowArgs(staging, kv, tables, first_chunk, num_chunks, stride)
+
+
+def check_chunk_range(first_chunk: int, num_chunks: int) -> tuple[int, int]:
     if isinstance(first_chunk, bool) or int(first_chunk) != first_chunk or first_chunk < 0:
         raise ValueError(f"first_chunk must be a non-negative integer, got {first_chunk!r}")
     if isinstance(num_chunks, bool) or int(num_chunks) != num_chunks or num_chunks < 0:
         raise ValueError(f"num_chunks must be a non-negative integer, got {num_chunks!r}")
-    first_chunk, num_chunks = int(first_chunk), int(num_chunks)
-    stride = check_staging(staging, reg, num_chunks, staging_name)
-    kv, tables = check_destinations(reg, kv, block_tables, first_chunk, num_chunks)
-    return WindowArgs(staging, kv, tables, first_chunk, num_chunks, stride)
+    return int(first_chunk), int(num_chunks)
 
 
 def check_destinations(
@@ -55,11 +59,27 @@ def check_destinations(
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Destination tensors and block tables for chunks first_chunk.. of a request; returns
     them normalised (block tables as contiguous int64)."""
+    kv, layout = check_destination_tensors(reg, kv)
+    return kv, check_block_tables(reg, block_tables, first_chunk, num_chunks, layout)
+
+
+@dataclass(frozen=True)
+class DestinationLayout:
+    """What `check_destination_tensors` proved that the block tables are then checked against."""
+
+    group_blocks: dict[int, tuple[int, str]]  # group -> (block count of its tensors, one tensor's name)
+    aliases: tuple[tuple[int, int], ...]  # overlap.Verdict.aliases: groups whose tensors share memory
+
+
+def check_destination_tensors(reg: Registration, kv: Sequence[torch.Tensor]
+                              ) -> tuple[tuple[torch.Tensor, ...], DestinationLayout]:
+    """The destination tensors alone: count, dtype, shape, device, strides, no shared bytes. The
+    result depends only on their layout (addresses, shapes, strides, dtypes, devices)."""
     kv = tuple(kv)
     if len(kv) != reg.num_tensors:
         raise ValueError(f"expected {reg.num_tensors} destination tensors for {reg.name}, got {len(kv)}")
     group_blocks: dict[int, tuple[int, str]] = {}
-    device = kv[0].device if kv else None
+    device = kv[0].device if kv and isinstance(kv[0], torch.Tensor) else None
     for spec, t in zip(reg.specs, kv):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"tensor {spec.name!r}: destination is not a tensor ({type(t).__name__})")
@@ -82,27 +102,93 @@ def check_destinations(
     verdict = find_overlap([s.name for s in reg.specs], [s.group for s in reg.specs], kv)
     if verdict.error:
         raise ValueError(verdict.error)
-    tables, resident = _check_block_tables(reg, block_tables, first_chunk, num_chunks, group_blocks)
-    _check_aliased_groups(reg, verdict.aliases, resident, first_chunk, num_chunks)
-    return kv, tables
+    return kv, DestinationLayout(group_blocks, verdict.aliases)
 
 
-def _check_aliased_groups(reg: Registration, aliases: tuple[tuple[int, int], ...], resident: dict[int, torch.Tensor],
-                          first_chunk: int, num_chunks: int) -> None:
+def check_block_tables(
+    reg: Registration,
+    block_tables: Sequence[torch.Tensor],
+    first_chunk: int,
+    num_chunks: int,
+    layout: DestinationLayout,
+) -> tuple[torch.Tensor, ...]:
+    """The block tables for chunks first_chunk.. against destinations `layout` describes; returns
+    them as contiguous int64 on their device. Only the entries of those chunks are read: ids in
+    range, -1 only in groups with a sliding window, no id twice in a group, and no id resident in
+    two groups whose destinations are the same memory."""
+    block_tables = tuple(block_tables)
+    if len(block_tables) != reg.num_groups:
+        raise ValueError(f"expected {reg.num_groups} block tables (one per group), got {len(block_tables)}")
+    out = []
+    resident_ids: dict[int, list[int]] = {}
+    first_tok = first_chunk * reg.chunk_tokens
+    end_tok = (first_chunk + num_chunks) * reg.chunk_tokens
+    last = first_chunk + num_chunks - 1
+    for g, table in enumerate(block_tables):
+        if not isinstance(table, torch.Tensor) or table.dim() != 1:
+            raise ValueError(f"block table of group {g} must be a 1-D tensor")
+        if table.dtype is not torch.int64:
+            if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
+                raise ValueError(f"block table of group {g} must hold integers, got {table.dtype}")
+            table = table.to(torch.int64)
+        if not table.is_contiguous():
+            table = table.contiguous()
+        need = reg.blocks_needed(g, end_tok)
+        if table.numel() < need:
+            raise ValueError(
+                f"block table of group {g} too short: {table.numel()} blocks, chunks {first_chunk}..{last} need {need}"
+            )
+        lo = first_tok // reg.group_tokens_per_block(g)
+        if need > lo:
+            resident_ids[g] = _check_window_ids(reg, g, _window_ids(table, lo, need), layout, first_chunk, last)
+        out.append(table)
+    _check_aliased_groups(reg, layout.aliases, resident_ids, first_chunk, last)
+    return tuple(out)
+
+
+def _window_ids(table: torch.Tensor, lo: int, hi: int) -> list[int]:
+    """Entries lo..hi-1 of a contiguous int64 table (a window's entries: Python ints beat numpy or
+    torch reductions at these sizes)."""
+    if table.is_cpu:
+        return table.numpy()[lo:hi].tolist()
+    return table[lo:hi].tolist()
+
+
+def _check_window_ids(reg: Registration, g: int, window: list[int], layout: DestinationLayout,
+                      first_chunk: int, last: int) -> list[int]:
+    """The resident (>= 0) block ids of group g's window, after checking range, -1 and duplicates."""
+    nb, tname = layout.group_blocks[g]
+    low, high = min(window), max(window)
+    if low < -1 or high >= nb:
+        bad = next(b for b in window if b < -1 or b >= nb)
+        raise ValueError(f"block table of group {g}: block id {bad} out of range [-1, {nb}) for tensor {tname!r}")
+    if low == -1 and g not in reg.sliding_window_groups:
+        raise ValueError(
+            f"block table of group {g}: block id -1 in chunks {first_chunk}..{last}, but no tensor of the group "
+            f"has a sliding window (nothing would be installed there, yet the restore would commit)")
+    resident = [b for b in window if b >= 0] if low == -1 else window
+    if len(set(resident)) != len(resident):
+        raise ValueError(f"block table of group {g}: duplicated block ids in chunks {first_chunk}..{last}")
+    return resident
+
+
+def _check_aliased_groups(reg: Registration, aliases: tuple[tuple[int, int], ...], resident: dict[int, list[int]],
+                          first_chunk: int, last: int) -> None:
     """Groups whose destinations share memory block for block (vLLM's hybrid allocator: one tensor
     per layer position, one block pool) are safe only if no block id is resident in both: one set
     intersection per aliased pair of groups, over the chunks being installed or gathered."""
     for i, j in aliases:
         a, b = reg.specs[i], reg.specs[j]
         ids_a, ids_b = resident.get(a.group), resident.get(b.group)
-        if ids_a is None or ids_b is None or not ids_a.numel() or not ids_b.numel():
+        if not ids_a or not ids_b:
             continue
-        shared = ids_a[torch.isin(ids_a, ids_b.to(ids_a.device))]
-        if shared.numel():
+        in_b = set(ids_b)
+        shared = next((x for x in ids_a if x in in_b), None)
+        if shared is not None:
             raise ValueError(
                 f"tensors {a.name!r} (group {a.group}) and {b.name!r} (group {b.group}) are the same memory, and "
-                f"both groups' block tables name block id {int(shared[0])} in chunks {first_chunk}.."
-                f"{first_chunk + num_chunks - 1}: the groups would write each other's entries")
+                f"both groups' block tables name block id {shared} in chunks {first_chunk}.."
+                f"{last}: the groups would write each other's entries")
 
 
 def _check_strides(name: str, t: torch.Tensor) -> None:
@@ -169,55 +255,3 @@ def check_staging(staging: torch.Tensor, reg: Registration, num_chunks: int, nam
     if staging.numel() and staging.data_ptr() % SEGMENT_ALIGN:
         raise ValueError(f"{name} misaligned: address {staging.data_ptr():#x} is not {SEGMENT_ALIGN}-byte aligned")
     return stride
-
-
-def _check_block_tables(
-    reg: Registration,
-    block_tables: Sequence[torch.Tensor],
-    first_chunk: int,
-    num_chunks: int,
-    group_blocks: dict[int, tuple[int, str]],
-) -> tuple[tuple[torch.Tensor, ...], dict[int, torch.Tensor]]:
-    """The block tables normalised, and per group its resident block ids (>= 0) in the chunks."""
-    block_tables = tuple(block_tables)
-    if len(block_tables) != reg.num_groups:
-        raise ValueError(f"expected {reg.num_groups} block tables (one per group), got {len(block_tables)}")
-    out = []
-    resident_ids: dict[int, torch.Tensor] = {}
-    first_tok = first_chunk * reg.chunk_tokens
-    windowed = {s.group for s in reg.specs if s.sliding_window}
-    end_tok = (first_chunk + num_chunks) * reg.chunk_tokens
-    for g, table in enumerate(block_tables):
-        if not isinstance(table, torch.Tensor) or table.dim() != 1:
-            raise ValueError(f"block table of group {g} must be a 1-D tensor")
-        if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
-            raise ValueError(f"block table of group {g} must hold integers, got {table.dtype}")
-        table = table.to(torch.int64).contiguous()
-        need = reg.blocks_needed(g, end_tok)
-        if table.numel() < need:
-            raise ValueError(
-                f"block table of group {g} too short: {table.numel()} blocks, chunks "
-                f"{first_chunk}..{first_chunk + num_chunks - 1} need {need}"
-            )
-        lo = first_tok // reg.group_tokens_per_block(g)
-        window = table[lo:need]
-        if window.numel():
-            nb, tname = group_blocks[g]
-            bad = window[(window < -1) | (window >= nb)]
-            if bad.numel():
-                raise ValueError(
-                    f"block table of group {g}: block id {int(bad[0])} out of range [-1, {nb}) "
-                    f"for tensor {tname!r}"
-                )
-            if g not in windowed and bool((window == -1).any()):
-                raise ValueError(
-                    f"block table of group {g}: block id -1 in chunks {first_chunk}..{first_chunk + num_chunks - 1}, "
-                    f"but no tensor of the group has a sliding window (nothing would be installed there, yet the "
-                    f"restore would commit)")
-            resident = window[window >= 0]
-            if resident.numel() != torch.unique(resident).numel():
-                raise ValueError(f"block table of group {g}: duplicated block ids in chunks {first_chunk}.."
-                                 f"{first_chunk + num_chunks - 1}")
-            resident_ids[g] = resident
-        out.append(table)
-    return tuple(out), resident_ids

@@ -3,8 +3,8 @@
  * in bsr_install_cpu.c, copy-and-checksum in bsr_crc32c.c).
  *
  * bsr_pool_run(tasks, n) runs tasks[1..n-1] on pool workers and tasks[0] in the caller's thread,
- * and returns when all have run. Workers are started at first use and kept (creating a thread per
- * call cost ~30 us); one call uses the pool at a time: a concurrent caller runs all its tasks in
+ * and returns when all have run. Workers are started at first use and kept (a call does not pay
+ * for creating a thread); one call uses the pool at a time: a concurrent caller runs all its tasks in
  * its own thread. A fork child starts with no workers (pthread_atfork).
  *
  * Spread (on unless BSR_CPU_SPREAD=0): the workers' affinity excludes the CPU the caller runs on

@@ -3,8 +3,7 @@
  * and a copy that checksums what it lands, behind the CPU library's C ABI (bsr_kernels/host_crc.py).
  *
  * CRC, the fastest the CPU has (checked at run time, x86-64): from 1 KiB up, carry-less multiply
- * folding with AVX-512 VPCLMULQDQ (fold_update: 36 GB/s from DRAM, 54 GB/s from L2 on the
- * development VM); else SSE4.2 `crc32` in three independent streams over 3 x 8 KiB (then
+ * folding with AVX-512 VPCLMULQDQ (fold_update); else SSE4.2 `crc32` in three independent streams over 3 x 8 KiB (then
  * 3 x 256 B) blocks so the instruction's 3-cycle latency is hidden, joined with a zeros-shift
  * operator (the register update over n zero bytes is linear in the register, so it is 4 table
  * lookups; tables built at first use); else a byte-wise table. BSR_CRC_NO_FOLD=1 turns the
@@ -22,10 +21,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bsr_abi.h"
 #include "bsr_cpu_pool.h"
 #include "bsr_stream.h"
 
-#define BSR_CPU_API __attribute__((visibility("default")))
 #define POLY 0x82F63B78u /* reflected Castagnoli */
 #define LONG_BLOCK 8192
 #define SHORT_BLOCK 256
@@ -307,21 +306,18 @@ static void run_split(void (*fn)(void*), copy_job proto, int64_t n, int64_t thre
     bsr_pool_run(tasks, threads);
 }
 
-/* ---- C ABI ----------------------------------------------------------------------------------- */
-/* CRC-32C of n bytes at p, continuing `crc` (0 to start), like google_crc32c's extend. */
+/* ---- C ABI (prototypes and their description: bsr_abi.h) ----------------------------------------- */
 BSR_CPU_API uint32_t bsr_crc32c(uint32_t crc, const void* p, int64_t n) {
     init();
     if (n <= 0) return crc;
     return ~update(~crc, (const uint8_t*)p, (size_t)n);
 }
 
-/* 0: the table; 1: the crc32 instruction; 2: also carry-less multiply folding (AVX-512 VPCLMULQDQ). */
 BSR_CPU_API int bsr_crc32c_hardware(void) {
     init();
     return g_hw ? 1 + g_fold : 0;
 }
 
-/* crcs[i] = CRC-32C of nbytes at ptrs[i], for i < n. Returns 0, or -1 for invalid arguments. */
 BSR_CPU_API int bsr_crc32c_many(int64_t n, const int64_t* ptrs, int64_t nbytes, uint32_t* crcs, int64_t threads) {
     init();
     if (n < 0 || nbytes < 0 || (n > 0 && (!ptrs || !crcs))) return -1;
@@ -331,8 +327,6 @@ BSR_CPU_API int bsr_crc32c_many(int64_t n, const int64_t* ptrs, int64_t nbytes, 
     return 0;
 }
 
-/* For i < n: copy head_bytes from src[i] to dst_head[i] and the body_bytes after them to
- * dst_body[i]; crcs[i] = CRC-32C of the body as it landed. Returns 0, or -1 for invalid arguments. */
 BSR_CPU_API int bsr_copy_crc32c(int64_t n, const int64_t* src, const int64_t* dst_head, const int64_t* dst_body,
                                 int64_t head_bytes, int64_t body_bytes, uint32_t* crcs, int64_t threads) {
     init();

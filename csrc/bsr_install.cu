@@ -30,9 +30,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "bsr_abi.h"
 #include "bsr_layout.h"
-
-#define BSR_API extern "C" __attribute__((visibility("default")))
 
 namespace {
 
@@ -425,12 +424,12 @@ int device_window(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int6
 
 }  // namespace
 
-// ---- C ABI ----------------------------------------------------------------------------------
-BSR_API const char* bsr_last_error(void) { return g_last_error; }
+// ---- C ABI (prototypes and their description: bsr_abi.h) --------------------------------------
+BSR_CUDA_API const char* bsr_last_error(void) { return g_last_error; }
 
-BSR_API int bsr_abi_version(void) { return BSR_ABI_VERSION; }
+BSR_CUDA_API int bsr_abi_version(void) { return BSR_CUDA_ABI_VERSION; }
 
-BSR_API int bsr_device_count(int* n) {
+BSR_CUDA_API int bsr_device_count(int* n) {
     if (!n) return set_error(BSR_ERR_INVALID, "bsr_device_count: null output pointer");
     *n = 0;
     int count = 0;
@@ -444,53 +443,49 @@ BSR_API int bsr_device_count(int* n) {
     return BSR_OK;
 }
 
-// Window functions: chunk c of the window at staging + c * chunk_stride (chunk_stride >= chunk_bytes).
-BSR_API int bsr_install_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
+BSR_CUDA_API int bsr_install_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
                                 int64_t num_chunks, const int64_t* desc_dev, int64_t num_tensors,
                                 const int64_t* table_ptrs_dev, int64_t num_groups, void* stream) {
     return device_window<false>(staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc_dev, num_tensors,
                                 table_ptrs_dev, num_groups, stream);
 }
 
-BSR_API int bsr_gather_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
+BSR_CUDA_API int bsr_gather_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
                                int64_t num_chunks, const int64_t* desc_dev, int64_t num_tensors,
                                const int64_t* table_ptrs_dev, int64_t num_groups, void* stream) {
     return device_window<true>(staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc_dev, num_tensors,
                                table_ptrs_dev, num_groups, stream);
 }
 
-BSR_API int bsr_host_install_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
+BSR_CUDA_API int bsr_host_install_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
                                      int64_t num_chunks, const int64_t* desc, int64_t num_tensors,
                                      const int64_t* table_ptrs, int64_t num_groups, int64_t split) {
     return host_window<false>(staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc, num_tensors,
                               table_ptrs, num_groups, split);
 }
 
-BSR_API int bsr_host_gather_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
+BSR_CUDA_API int bsr_host_gather_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
                                     int64_t num_chunks, const int64_t* desc, int64_t num_tensors,
                                     const int64_t* table_ptrs, int64_t num_groups, int64_t split) {
     return host_window<true>(staging, chunk_bytes, chunk_stride, first_chunk, num_chunks, desc, num_tensors,
                              table_ptrs, num_groups, split);
 }
 
-BSR_API int bsr_host_access_width(int64_t entry_bytes, int64_t seg_offset, int64_t chunk_stride, int64_t block_stride,
+BSR_CUDA_API int bsr_host_access_width(int64_t entry_bytes, int64_t seg_offset, int64_t chunk_stride, int64_t block_stride,
                                   uint64_t staging_addr, uint64_t dst_addr, int* width) {
     if (!width) return set_error(BSR_ERR_INVALID, "bsr_host_access_width: null output pointer");
     *width = bsr_access_width(entry_bytes, seg_offset, chunk_stride, block_stride, staging_addr, dst_addr);
     return BSR_OK;
 }
 
-BSR_API int bsr_host_run_width(uint64_t src_addr, uint64_t dst_addr, int64_t nbytes, int* width) {
+BSR_CUDA_API int bsr_host_run_width(uint64_t src_addr, uint64_t dst_addr, int64_t nbytes, int* width) {
     if (!width) return set_error(BSR_ERR_INVALID, "bsr_host_run_width: null output pointer");
     *width = bsr_run_width(src_addr, dst_addr, nbytes);
     return BSR_OK;
 }
 
-// ---- DMA baselines for benchmarks/gpu_check.py ------------------------------------------------
-// The same contiguous runs the kernel moves, by the copy engines instead: one batched call
-// (cudaMemcpyBatchAsync, CUDA >= 12.8), or one cudaMemcpyAsync per run from C (no Python per
-// run). `count` runs of sizes[i] bytes from srcs[i] to dsts[i], on `stream`.
-BSR_API int bsr_copy_batch(void** dsts, void** srcs, size_t* sizes, size_t count, void* stream) {
+// ---- DMA baselines for benchmarks/gpu_check.py: the runs the kernel moves, by the copy engines --
+BSR_CUDA_API int bsr_copy_batch(void** dsts, void** srcs, size_t* sizes, size_t count, void* stream) {
     if (count == 0) return BSR_OK;
     if (!dsts || !srcs || !sizes) return set_error(BSR_ERR_INVALID, "bsr_copy_batch: null array");
 #if CUDART_VERSION >= 12080
@@ -513,7 +508,7 @@ BSR_API int bsr_copy_batch(void** dsts, void** srcs, size_t* sizes, size_t count
 #endif
 }
 
-BSR_API int bsr_copy_loop(void** dsts, void** srcs, size_t* sizes, size_t count, void* stream) {
+BSR_CUDA_API int bsr_copy_loop(void** dsts, void** srcs, size_t* sizes, size_t count, void* stream) {
     if (count > 0 && (!dsts || !srcs || !sizes)) return set_error(BSR_ERR_INVALID, "bsr_copy_loop: null array");
     for (size_t i = 0; i < count; ++i) {
         cudaError_t e = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault,

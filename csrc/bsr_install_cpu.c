@@ -16,28 +16,21 @@
  *
  * Threads: `threads` = 1 runs in the caller's thread; n > 1 splits the items by bytes over n
  * threads (the caller plus n-1 workers of the pool in bsr_cpu_pool.c); 0 picks 1, or 2 from
- * BSR_CPU_PARALLEL_BYTES up (measured in benchmarks/bench_install.py: below it, waking a worker
- * costs more than it saves).
+ * BSR_CPU_PARALLEL_BYTES up (below it, waking a worker costs more than it saves:
+ * benchmarks/bench_install.py times cpu:1t beside cpu:2t).
  */
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "bsr_abi.h"
 #include "bsr_cpu_pool.h"
 #include "bsr_layout.h"
 #include "bsr_stream.h"
 
-/* 2: + bsr_crc32c*, bsr_copy_crc32c (bsr_crc32c.c); 3: chunk-strided staging, bsr_cpu_install_strided and
- * bsr_cpu_gather_strided (a chunk_stride argument) replace bsr_cpu_install and bsr_cpu_gather, so a stale
- * library can neither be loaded by the new wrapper nor be called with the new arguments; 4: bsr_cpu_pool_spread;
- * 5: bsr_cpu_stream_bytes; 6: its `into` argument (staging or destinations) */
-#define BSR_CPU_ABI_VERSION 6
-/* auto: a second thread from 4 MiB per window up. Measured on a 2-core EPYC VM with
- * dsv4_flash(scale=1/16 and 1/64): one thread wins below ~3 MB, two win by ~20% at 6 MB. */
+/* threads = 0 (auto): a second thread from this many bytes per window up */
 #define BSR_CPU_PARALLEL_BYTES (4LL << 20)
-
-#define BSR_CPU_API __attribute__((visibility("default")))
 
 static _Thread_local char g_error[1024] = "";
 
@@ -229,23 +222,17 @@ static int run_window(window* w, int64_t threads) {
     return rc;
 }
 
-/* ---- C ABI ----------------------------------------------------------------------------------- */
+/* ---- C ABI (prototypes and their description: bsr_abi.h) ----------------------------------------- */
 BSR_CPU_API const char* bsr_cpu_last_error(void) { return g_error; }
 
-BSR_CPU_API int bsr_cpu_abi_version(void) { return BSR_CPU_ABI_VERSION * 1000 + BSR_ABI_VERSION; }
+BSR_CPU_API int bsr_cpu_abi_version(void) { return BSR_CPU_ABI_VERSION; }
 
 BSR_CPU_API int64_t bsr_cpu_parallel_bytes(void) { return BSR_CPU_PARALLEL_BYTES; }
 
-/* Keep the pool's workers off the caller's CPU (1), let the scheduler place them (0), or read the
- * setting (-1); returns the previous one (bsr_cpu_pool.h). */
 BSR_CPU_API int bsr_cpu_pool_spread(int on) { return bsr_pool_spread(on); }
 
-/* Calls moving at least this many bytes into staging (into = 0) or destinations (1) use non-temporal
- * stores (bsr_stream.h); bytes < 0 only reads it. Returns the previous value. */
 BSR_CPU_API int64_t bsr_cpu_stream_bytes(int into, int64_t bytes) { return bsr_stream_set_threshold(into, bytes); }
 
-/* Chunk c of the window is at staging + c * chunk_stride (chunk_stride >= chunk_bytes; chunk_bytes
- * for back-to-back chunks). */
 BSR_CPU_API int bsr_cpu_install_strided(void* staging, int64_t chunk_bytes, int64_t chunk_stride, int64_t first_chunk,
                                         int64_t num_chunks, const int64_t* desc, int64_t num_tensors,
                                         const int64_t* table_ptrs, int64_t num_groups, int64_t threads) {

@@ -15,7 +15,8 @@
  * entry dims, outermost first) starts at i0 * dim0_stride + i1 * dim1_stride + i2 * dim2_stride
  * from the entry's address. The staged entry is canonical: its rows back to back.
  *
- * Keep the BSR_DESC_* columns in the order of DESC_FIELDS in bsr_kernels/descriptors.py.
+ * Keep the BSR_DESC_* columns in the order of DESC_FIELDS in bsr_kernels/descriptors.py; a change
+ * here is a change of both libraries' interface (their versions: bsr_abi.h).
  */
 #ifndef BSR_LAYOUT_H
 #define BSR_LAYOUT_H
@@ -28,10 +29,6 @@
 #else
 #define BSR_HD static inline
 #endif
-
-/* 3: the window functions take chunk_stride (chunk-strided staging); the CUDA ones are renamed
- * bsr_*_strided so that a stale library is never called with the new arguments */
-#define BSR_ABI_VERSION 3
 
 /* Descriptor row: int64 columns, one row per registered tensor. */
 #define BSR_DESC_DST_BASE 0          /* address of the destination tensor */

@@ -11,8 +11,7 @@
  *   else 32 MiB), where the window would not stay in the cache anyway; $BSR_CPU_STREAM_BYTES;
  * - BSR_INTO_DESTINATIONS (the install): the KV blocks are not read back by the restore, so every
  *   window streams (threshold 0); $BSR_CPU_STREAM_DEST_BYTES.
- * Measured side by side by benchmarks/stream_stores.py (an 8 MiB install 1.04-1.17x streamed, an 8
- * MiB two-thread checksumming copy 0.81-0.89x).
+ * benchmarks/stream_stores.py measures both kinds streamed and cached, side by side.
  *
  * bsr_stream_threshold(into): bytes per call from which copies into that kind stream; the
  * environment sets it at first use, bsr_stream_set_threshold at any time (0: always; huge: never).

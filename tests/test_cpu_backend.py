@@ -22,7 +22,7 @@ from kernel_util import (
     untouched_outside_window,
 )
 
-from bsr_kernels import WindowInstaller, gather_window, install, install_window, presets
+from bsr_kernels import WindowInstaller, backends, gather_window, install_window, presets
 from bsr_kernels.install import available_backends, resolve_backend
 
 cpu_backend = pytest.importorskip("bsr_kernels.cpu_backend")
@@ -155,7 +155,7 @@ def test_library_rejects_out_of_range_block():
 
 def test_auto_falls_back_to_torch_with_one_notice(monkeypatch, capsys):
     monkeypatch.setattr(cpu_backend, "available", lambda: False)
-    monkeypatch.setattr(install, "_NOTICED", set())
+    monkeypatch.setattr(backends, "_NOTICED", set())
     reg = kv_registration(layers=1)
     case = make_case(reg, 0, 1, seed=1)
     views, _ = kv_pair_layout("contiguous", reg, case.num_blocks[0])
@@ -287,7 +287,7 @@ def test_first_use_build_compiles_every_source(monkeypatch, tmp_path):
     built = cpu_backend._cached_build(src)
     assert str(built).startswith(str(tmp_path))
     lib = cpu_backend.load(built)
-    assert lib.bsr_cpu_abi_version() == cpu_backend.ABI_VERSION
+    assert lib.bsr_cpu_abi_version() == cpu_backend.abi().versions["cpu"]
     data = b"123456789"
     assert lib.bsr_crc32c(0, data, len(data)) == 0xE3069283  # the CRC-32C check value
 
@@ -323,7 +323,7 @@ def test_stale_library_is_refused_and_rebuilt(monkeypatch, tmp_path):
     import subprocess
 
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(stale), str(src)], check=True)
-    with pytest.raises(RuntimeError, match=f"ABI version 2002, this package needs {cpu_backend.ABI_VERSION}"):
+    with pytest.raises(RuntimeError, match=f"ABI version 2002, this package needs {cpu_backend.abi().versions['cpu']}"):
         cpu_backend.load(stale)
     monkeypatch.setenv("BSR_CPU_LIB", str(stale))
     with pytest.raises(LibraryNotLoaded, match="ABI version 2002"):
@@ -334,6 +334,6 @@ def test_stale_library_is_refused_and_rebuilt(monkeypatch, tmp_path):
     assert not cpu_backend._stale(stale)  # newer than the sources: only the ABI check catches it
     lib, path = cpu_backend._find()
     assert path.startswith(str(tmp_path / "cache"))
-    assert lib.bsr_cpu_abi_version() == cpu_backend.ABI_VERSION
-    assert all(hasattr(lib, name) for name in cpu_backend.WINDOW_FUNCTIONS)
+    assert lib.bsr_cpu_abi_version() == cpu_backend.abi().versions["cpu"]
+    assert all(hasattr(lib, p.name) for p in cpu_backend.abi().of("cpu"))
     assert not hasattr(lib, "bsr_cpu_install")

@@ -44,9 +44,6 @@ CSRC = ROOT / "csrc"
 # Same flags as setup.py (checked below).
 NVCC_FLAGS = ["-O3", "-Xcompiler", "-fPIC", "-shared",
               "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90"]
-EXPORTS = ("bsr_last_error", "bsr_abi_version", "bsr_device_count", "bsr_install_strided", "bsr_gather_strided",
-           "bsr_host_install_strided", "bsr_host_gather_strided", "bsr_host_access_width", "bsr_host_run_width",
-           "bsr_copy_batch", "bsr_copy_loop")
 # the window functions before chunk_stride (ABI 2): gone, so nothing can call them with the new arguments
 OLD_EXPORTS = ("bsr_install", "bsr_gather", "bsr_host_install", "bsr_host_gather")
 
@@ -81,9 +78,9 @@ def test_library_builds_and_loads(built_lib):
     path, seconds = built_lib
     assert path.stat().st_size > 0
     lib = cuda_backend.load(path)
-    assert lib.bsr_abi_version() == cuda_backend.ABI_VERSION
-    for name in EXPORTS:
-        assert hasattr(lib, name), name
+    assert lib.bsr_abi_version() == cuda_backend.abi().versions["cuda"]
+    for proto in cuda_backend.abi().of("cuda"):  # the functions csrc/bsr_abi.h declares
+        assert hasattr(lib, proto.name), proto.name
     for name in OLD_EXPORTS:
         assert not hasattr(lib, name), name
     assert seconds < 300
@@ -109,9 +106,10 @@ def test_header_is_plain_c_and_cxx():
     if cc is None:
         pytest.skip("no host C compiler")
     for lang, std in (("c", "c99"), ("c++", "c++11")):
-        proc = subprocess.run([cc, f"-std={std}", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-x", lang,
-                               str(CSRC / "bsr_layout.h")], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
+        for header in ("bsr_layout.h", "bsr_abi.h"):
+            proc = subprocess.run([cc, f"-std={std}", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-x", lang,
+                                   str(CSRC / header)], capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stderr
 
 
 def test_descriptor_columns_match_header():
@@ -381,7 +379,7 @@ def test_first_use_build(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     path = cuda_backend._cached_build(cuda_backend.source_dir())
     assert path is not None and path.is_file() and path.parent.name.endswith("-sm90")
-    assert cuda_backend.load(path).bsr_abi_version() == cuda_backend.ABI_VERSION
+    assert cuda_backend.load(path).bsr_abi_version() == cuda_backend.abi().versions["cuda"]
     assert cuda_backend._cached_build(cuda_backend.source_dir()) == path  # cached: no rebuild
 
 
@@ -444,7 +442,7 @@ def test_stale_library_is_refused(tmp_path):
                    "                const int64_t* p, int64_t ng, void* stream) { return 0; }\n")
     stale = tmp_path / "libbsr_cuda.so"
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(stale), str(src)], check=True)
-    with pytest.raises(RuntimeError, match=f"ABI version 2, this package needs {cuda_backend.ABI_VERSION}"):
+    with pytest.raises(RuntimeError, match=f"ABI version 2, this package needs {cuda_backend.abi().versions['cuda']}"):
         cuda_backend.load(stale)
 
 
