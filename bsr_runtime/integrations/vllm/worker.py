@@ -20,6 +20,9 @@ from collections import deque
 
 import torch
 
+from bsr_kernels.backends import resolve_backend
+from bsr_kernels.prepared import prepare
+
 from ...keys import KeySpace
 from ...loader import Loader, LoadResult
 from ...saver import Saver
@@ -62,6 +65,9 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv = destinations(self.reg, kv_caches)
+        # validated and prepared once, at start-up: the first save on a step (and the first restore)
+        # finds them prepared (checking a large cache for overlaps takes a while)
+        prepare(self.reg, tuple(self.kv), self.cfg.backend, resolve_backend)
         self.loader.register_kv_caches(self.kv)
         if self.saver is not None:
             self.saver.kv = self.kv
