@@ -171,8 +171,7 @@ def _concurrency(llm, worker, name: str, long: list[int], cold_long, budget: int
     engine.add_request("long", {"prompt_token_ids": long}, sp)
     while worker.loader.in_flight == 0:
         engine.step()
-    time.sleep(0.05)
-    engine.add_request("short", {"prompt_token_ids": short}, sp)
+    engine.add_request("short", {"prompt_token_ids": short}, sp)  # arrives while the long one restores
     done = {}
     while engine.has_unfinished_requests():
         for o in engine.step():

@@ -10,7 +10,7 @@ once the engine allocated the request's blocks. Engine-neutral; holds no staging
     match_in_background(request, num_computed_tokens) -> external tokens, or None
         the same decision with the lookup on the planner's probe thread: None while it runs (the
         engine asks again at its next step), then the answer. The caller's thread pays no key
-        derivation and no tier round trip.
+        derivation and no tier round trip. `start_lookup(request)` starts it as the request arrives.
     allocated(request, block_ids_per_group, num_external_tokens)
         records the load of N chunks into the request's blocks (one list per HMA group)
     take_loads() -> [LoadSpec]     the loads recorded since the last call (shipped to the workers)
@@ -123,21 +123,32 @@ class Planner:
             plan = self._lookup(request)
         return self._decide(request, plan, num_computed_tokens, time.perf_counter() - t0)
 
+    def start_lookup(self, request) -> None:
+        """Start the request's lookup on the probe thread now (it arrived; the engine asks later)."""
+        rid = request_id_of(request)
+        if self.markers.is_set(rid):
+            return
+        with self._lock:
+            if rid in self._probing:
+                return
+            if self._probe_thread is None:
+                self._probe_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bsr-probe")
+            self._probing[rid] = self._probe_thread.submit(self._timed_lookup, request)
+
     def match_in_background(self, request, num_computed_tokens: int) -> int | None:
         """match() with the lookup on the probe thread: None until it finished (see the module docstring)."""
         num_computed_tokens = check_int("num_computed_tokens", num_computed_tokens, lo=0)
         rid = request_id_of(request)
         with self._lock:
             running = self._probing.get(rid)
-        if running is None:
-            plan = self._quick_plan(request, num_computed_tokens)
-            if plan is not None:
-                return self._decide(request, plan, num_computed_tokens, 0.0)
-            if self._probe_thread is None:
-                self._probe_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bsr-probe")
-            running = self._probe_thread.submit(self._timed_lookup, request)
+        plan = self._quick_plan(request, num_computed_tokens)
+        if plan is not None:  # a marker, or the engine holds it all: whatever a lookup found is moot
             with self._lock:
-                self._probing[rid] = running
+                self._probing.pop(rid, None)
+            return self._decide(request, plan, num_computed_tokens, 0.0)
+        if running is None:
+            self.start_lookup(request)
+            return None
         if not running.done():
             return None
         with self._lock:

@@ -72,6 +72,9 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._kv_cache_manager is not None, "vLLM bound no KV cache manager to the connector"
         return self._kv_cache_manager.get_block_ids(request_id)
 
+    def on_new_request(self, request) -> None:
+        self.scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 

@@ -74,6 +74,12 @@ class SchedulerSide:
         return self.planner.tiers
 
     # -- admission -------------------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        """The request arrived: its lookup starts on the probe thread, so it is often done by the time
+        the engine first asks (async loads)."""
+        if self.load_async:
+            self.planner.start_lookup(request)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """With async loads the lookup runs on the planner's probe thread: None (vLLM asks again next
         step) until it finished; the step thread pays neither key derivation nor tier round trips."""
