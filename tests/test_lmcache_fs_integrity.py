@@ -20,7 +20,7 @@ from restore_util import random_tables  # noqa: E402
 
 from bsr_harness.testdata import POISON  # noqa: E402
 from bsr_kernels import presets  # noqa: E402
-from bsr_runtime.integrations.lmcache import LMCacheAdapter, LMCacheKeys, fs_l2, load_adapter_config  # noqa: E402
+from bsr_runtime.integrations.lmcache import LMCacheAdapter, LMCacheKeys, fs_l2_config, load_adapter_config  # noqa: E402
 from bsr_runtime.integrations.lmcache.fs_l2_object import HEADER_SIZE  # noqa: E402
 from bsr_runtime.keys import KeySpace  # noqa: E402
 from bsr_runtime.restore import RestoreRequest  # noqa: E402
@@ -61,14 +61,14 @@ class Stored:
 def stored(tmp_path_factory):
     """N chunks of tenant A, written through LMCache's own store path into an FS L2 directory."""
     s = Stored(str(tmp_path_factory.mktemp("lmcache-fs-a")))
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(s.base)], load_adapter_config()) as ad:
+    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(s.base)], load_adapter_config()) as ad:
         assert ad.store(SPACE_A, s.tokens, s.kv, s.tables).state_hash == s.hash
     assert len([f for f in os.listdir(s.base) if f.endswith(".data")]) == N
     return s
 
 
 def _retrieve(base: str, stored: Stored, space: KeySpace, conc: int, seed: int):
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(base, load_concurrency=conc)],
+    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(base, load_concurrency=conc)],
                                load_adapter_config(prefetch_window_chunks=4)) as ad:
         baseline = ad.l1_usage()[0]
         req = stored.request(space, seed)
@@ -335,7 +335,7 @@ def test_windowed_retrieve_logs_one_line(stored, copy, level):
         lg.addHandler(handler)
         lg.setLevel(level)
     try:
-        with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(copy)], load_adapter_config()) as ad:
+        with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(copy)], load_adapter_config()) as ad:
             req = stored.request(SPACE_A, seed=3)
             rep = ad.retrieve(req, N, window_chunks=2)
             assert rep.ok and rep.windows == N // 2

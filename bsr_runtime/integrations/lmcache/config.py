@@ -7,7 +7,7 @@ behaviour), LMCACHE_PROBE_ONLY, LMCACHE_FS_LOAD_CONCURRENCY (read by the FS L2 p
 LMCACHE_PREFETCH_TIMEOUT_S, LMCACHE_INSTALL_BACKEND, LMCACHE_EVICT_RETAINED.
 
 `build_storage_manager` makes LMCache 0.5.6's multiprocess StorageManager (one DRAM L1, the given
-L2 adapters); `fs_l2` and `mooncake_l2` are the L2 plugin configs of fs_l2.py and mooncake_l2.py.
+L2 adapters); `fs_l2_config` and `mooncake_l2_config` are the L2 plugin configs of fs_l2.py and mooncake_l2.py.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def load_adapter_config(config_file: str | None = None, **overrides):
     return load_config_with_overrides(BSRLMCacheConfig, CONFIG_FILE_ENV, config_file, overrides or None)
 
 
-def fs_l2(base_path: str, load_concurrency: int | None = None, **kw) -> PluginL2AdapterConfig:
+def fs_l2_config(base_path: str, load_concurrency: int | None = None, **kw) -> PluginL2AdapterConfig:
     """LMCache's FS L2 adapter with concurrent loads (fs_l2.ConcurrentFSL2Adapter), as a plugin.
     `load_concurrency` None: $LMCACHE_FS_LOAD_CONCURRENCY (default 1 = LMCache's one-at-a-time loads)."""
     params = {"base_path": str(base_path), **kw}
@@ -84,7 +84,7 @@ def fs_l2(base_path: str, load_concurrency: int | None = None, **kw) -> PluginL2
     })
 
 
-def mooncake_l2(master_address: str, metadata_server: str, **kw) -> PluginL2AdapterConfig:
+def mooncake_l2_config(master_address: str, metadata_server: str, **kw) -> PluginL2AdapterConfig:
     """The Mooncake L2 adapter of mooncake_l2.py (pip wheels only), as a plugin."""
     params = {"master_address": master_address, "metadata_server": metadata_server, **kw}
     return PluginL2AdapterConfig.from_dict({

@@ -45,7 +45,7 @@ from ...tiers.base import (
     TierError,
 )
 from .adapter import LMCacheAdapter
-from .config import fs_l2, load_adapter_config, mooncake_l2
+from .config import fs_l2_config, load_adapter_config, mooncake_l2_config
 from .objects import _owners
 from .probe import _probe_l1
 from .retrieve import WINDOW_TAG, evict_l2_loaded, release_result
@@ -187,10 +187,10 @@ def open_lmcache_tier(reg: Registration, kind: str, options: Mapping) -> Iterato
     if kind == "lmcache-fs":
         root = opts.pop("root")
         Path(root).mkdir(parents=True, exist_ok=True)
-        l2 = fs_l2(root, opts.pop("load_concurrency", None), **opts)
+        l2 = fs_l2_config(root, opts.pop("load_concurrency", None), **opts)
     elif kind == "lmcache-mooncake":
         opts.setdefault("global_segment_size", 0)
-        l2 = mooncake_l2(opts.pop("master_address"), opts.pop("metadata_server"), **opts)
+        l2 = mooncake_l2_config(opts.pop("master_address"), opts.pop("metadata_server"), **opts)
     else:
         raise ValueError(f"{kind!r} is not an LMCache tier (lmcache-fs | lmcache-mooncake)")
     adapter = LMCacheAdapter.create(reg, l1_bytes, [l2], config)
