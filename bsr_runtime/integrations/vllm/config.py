@@ -24,6 +24,7 @@ from typing import Any
 
 from bsr_kernels import Registration
 
+from ...diagnostics import report_writer
 from ...restore import RestoreConfig
 from ...tiers.base import Tier
 from ...tiers.factory import make_tier
@@ -135,17 +136,6 @@ def open_tiers(cfg: ConnectorConfig, reg: Registration, stack: contextlib.ExitSt
 
 
 def write_report(path: str | None, record: dict[str, Any]) -> None:
-    """Append one JSON line to the connector's report file (no-op without one). Lines are short
-    and written with one O_APPEND write, so ranks and roles can share a file."""
-    if not path:
-        return
-    import json
-    import os
-    import time
-
-    line = (json.dumps({"t": time.time(), "pid": os.getpid(), **record}, default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    """Append one JSON line to the connector's report file (no-op without one); never raises: a
+    failure is counted and logged once (bsr_runtime.diagnostics.ReportWriter)."""
+    report_writer(path).write(record)
