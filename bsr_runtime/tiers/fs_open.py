@@ -60,9 +60,11 @@ def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: int = 
 
 
 def read_regular(path: str | os.PathLike, limit: int) -> bytes:
-    """The bytes of the regular file `path` (opened by open_regular), at most `limit` of them: a
-    longer file raises ValueError (a config file, not a data set)."""
-    fd = open_regular(path)
+    """The bytes of the regular file `path`, a file the user named (a config file), at most `limit`
+    of them (a longer file raises ValueError). Like the filesystem tier's root, the path the user gave
+    is resolved once (symlinks in it are the user's); the resolved file is opened by open_regular, so
+    a FIFO or device never blocks the read."""
+    fd = open_regular(os.path.realpath(path))
     out = bytearray()
     try:
         while len(out) <= limit:

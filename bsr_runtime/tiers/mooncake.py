@@ -48,7 +48,6 @@ runs its own native threads (heartbeat, transfer engine), which its close() stop
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -58,6 +57,7 @@ import torch
 
 from bsr_kernels import host_crc
 
+from ..config_schema import parse
 from .base import (
     CorruptObjectError,
     FetchHandle,
@@ -91,7 +91,8 @@ class MooncakeTier(Tier):
     def __init__(self, chunk_bytes: int, fingerprint: str, master_address: str, metadata_server: str,
                  options: MooncakeTierOptions | None = None, **overrides) -> None:
         """`options` (or keyword overrides of its fields) configure the client; see MooncakeTierOptions."""
-        o = dataclasses.replace(options or MooncakeTierOptions(), **overrides)
+        base = {} if options is None else {k: getattr(options, k) for k in MooncakeTierOptions.model_fields}
+        o = parse(MooncakeTierOptions, {**base, **overrides}, "Mooncake tier options")
         super().__init__(chunk_bytes, fingerprint)
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")

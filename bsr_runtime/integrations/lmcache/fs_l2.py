@@ -46,29 +46,31 @@ from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import (
     _readinto_full,
 )
 
-from .config import BSRLMCacheConfig
+from bsr_runtime.config_schema import parse
+
+from .config import checked_values
 from .fs_l2_object import HEADER_SIZE, header_problem, pack_header, payload_problem
+from .specs import FSL2Params
 
 logger = init_logger(__name__)
 
 
 class ConcurrentFSL2AdapterConfig(FSL2AdapterConfig):
-    """FSL2AdapterConfig plus `load_concurrency` (None: $LMCACHE_FS_LOAD_CONCURRENCY)."""
+    """FSL2AdapterConfig plus `load_concurrency` (None: $LMCACHE_FS_LOAD_CONCURRENCY); every parameter is
+    checked by one schema (specs.FSL2Params: unknown keys refused, one error naming every bad key)."""
 
     def __init__(self, base_path: str, relative_tmp_dir: str | None = None, read_ahead_size: int | None = None,
                  use_odirect: bool = False, load_concurrency: int | None = None) -> None:
-        super().__init__(base_path, relative_tmp_dir, read_ahead_size, use_odirect)
-        if load_concurrency is not None and (
-            isinstance(load_concurrency, bool) or not isinstance(load_concurrency, int) or load_concurrency < 1
-        ):
-            raise ValueError(f"load_concurrency must be a positive integer, got {load_concurrency!r}")
-        self.load_concurrency = load_concurrency
+        p = parse(FSL2Params, {"base_path": base_path, "relative_tmp_dir": relative_tmp_dir,
+                               "read_ahead_size": read_ahead_size, "use_odirect": use_odirect,
+                               "load_concurrency": load_concurrency}, "FS L2 plugin adapter_params")
+        super().__init__(p.base_path, p.relative_tmp_dir, p.read_ahead_size, p.use_odirect)
+        self.load_concurrency = p.load_concurrency
 
     @classmethod
     def from_dict(cls, d: dict) -> ConcurrentFSL2AdapterConfig:
-        base = FSL2AdapterConfig.from_dict(d)
-        return cls(base.base_path, base.relative_tmp_dir, base.read_ahead_size, base.use_odirect,
-                   d.get("load_concurrency"))
+        p = parse(FSL2Params, d, "FS L2 plugin adapter_params")
+        return cls(**p.model_dump())
 
     @classmethod
     def help(cls) -> str:
@@ -76,9 +78,7 @@ class ConcurrentFSL2AdapterConfig(FSL2AdapterConfig):
 
 
 def _env_load_concurrency() -> int:
-    cfg = BSRLMCacheConfig.from_env()
-    cfg.validate()
-    return cfg.fs_load_concurrency
+    return checked_values()["fs_load_concurrency"]
 
 
 INLINE_LOOKUP_KEYS = 64  # ~6 us of stat per key here: at most ~0.4 ms on LMCache's controller thread

@@ -36,6 +36,7 @@ from lmcache.v1.distributed.api import GroupedObjectKeys, ObjectKey, PrefetchTas
 
 from bsr_kernels import Registration
 
+from ...config_schema import parse
 from ...tiers.base import (
     CorruptObjectError,
     FetchHandle,
@@ -49,6 +50,7 @@ from .config import fs_l2_config, load_adapter_config, mooncake_l2_config
 from .objects import _owners
 from .probe import _probe_l1
 from .retrieve import WINDOW_TAG, evict_l2_loaded, release_result
+from .specs import LMCACHE_TIER_SPECS, LMCacheFSTierSpec
 from .store import abort_writes, flush_l1, wait_in_l2
 
 _RANK = re.compile(r"-r(\d+)of(\d+)-")
@@ -177,23 +179,21 @@ class LMCacheTier(Tier):
 
 @contextlib.contextmanager
 def open_lmcache_tier(reg: Registration, kind: str, options: Mapping) -> Iterator[LMCacheTier]:
-    """An LMCacheTier with LMCache's FS ("lmcache-fs": `root`, `load_concurrency`) or Mooncake
-    ("lmcache-mooncake": `master_address`, `metadata_server`, `protocol`, `global_segment_size`)
+    """An LMCacheTier with LMCache's FS ("lmcache-fs": `root`, `load_concurrency`, ...) or Mooncake
+    ("lmcache-mooncake": `master_address`, `metadata_server`, `protocol`, `global_segment_size`, ...)
     L2 adapter, an L1 of `l1_bytes`, and the adapter config loaded the LMCache way (`config_file`,
-    then LMCACHE_* variables)."""
-    opts = dict(options)
-    l1_bytes = int(opts.pop("l1_bytes", 256 << 20))
-    config = load_adapter_config(opts.pop("config_file", None))
-    if kind == "lmcache-fs":
-        root = opts.pop("root")
-        Path(root).mkdir(parents=True, exist_ok=True)
-        l2 = fs_l2_config(root, opts.pop("load_concurrency", None), **opts)
-    elif kind == "lmcache-mooncake":
-        opts.setdefault("global_segment_size", 0)
-        l2 = mooncake_l2_config(opts.pop("master_address"), opts.pop("metadata_server"), **opts)
-    else:
+    then LMCACHE_* variables). The options are checked first (specs.py: one error naming every bad key)."""
+    if kind not in LMCACHE_TIER_SPECS:
         raise ValueError(f"{kind!r} is not an LMCache tier (lmcache-fs | lmcache-mooncake)")
-    adapter = LMCacheAdapter.create(reg, l1_bytes, [l2], config)
+    spec = parse(LMCACHE_TIER_SPECS[kind], {"type": kind, **options}, f"{kind} tier spec")
+    config = load_adapter_config(spec.config_file)
+    l2_params = spec.model_dump(exclude={"type", "l1_bytes", "config_file", "root"}, exclude_defaults=True)
+    if isinstance(spec, LMCacheFSTierSpec):
+        Path(spec.root).mkdir(parents=True, exist_ok=True)
+        l2 = fs_l2_config(spec.root, **l2_params)
+    else:
+        l2 = mooncake_l2_config(**{"global_segment_size": spec.global_segment_size, **l2_params})
+    adapter = LMCacheAdapter.create(reg, spec.l1_bytes, [l2], config)
     tier = LMCacheTier(adapter)
     try:
         yield tier
