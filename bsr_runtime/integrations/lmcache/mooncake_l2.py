@@ -56,6 +56,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from bsr_runtime.config_schema import parse
+from bsr_runtime.tiers._common import shutdown_bounded
 from bsr_runtime.tiers.base import TierError
 from bsr_runtime.tiers.mooncake import MooncakeTier
 from bsr_runtime.tiers.mooncake_object import HEADER_SIZE, ObjectCodec
@@ -341,7 +342,8 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if not shutdown_bounded(self._pool, "BSRMooncakeL2Adapter"):
+            return  # a job still running may use the client, the L1 registration and the event fds
         if self._registered is not None:  # even while a fault makes _live_store() raise
             with contextlib.suppress(Exception):
                 self._tier._registrations.remove(self._registered)

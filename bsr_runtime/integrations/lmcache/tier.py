@@ -13,7 +13,9 @@ It drives the StorageManager of an `LMCacheAdapter` (adapter.py), configured the
   window's objects during the fetch, BSR's staging the window: both bounded by W.
 - put: `reserve_write` -> copy into the reserved L1 objects -> `finish_write`; LMCache's store
   controller writes them to the L2 adapters; the put waits until an L2 adapter holds them and
-  deletes them from L1.
+  deletes them from L1. A key it cannot reserve is an error. `overwrites` is False (an L2 lookup
+  cannot tell the new object from an old one under the key), so the store path deletes first
+  (`delete`: L1 and every L2 adapter): a damaged object is replaced, not kept.
 
 Object keys: LMCache ObjectKeys whose chunk_hash is a 128-bit hash of the BSR key (which binds the
 registration, TP geometry, tenant, model and prefix chain), model_name "bsr-<fingerprint[:16]>",
@@ -149,29 +151,54 @@ class LMCacheTier(Tier):
             evict_l2_loaded(self.sm, result, okeys)
         return len(keys) * c
 
+    @property
+    def overwrites(self) -> bool:
+        """False: a put goes to L2 through LMCache's store controller, and the put waits until an L2 lookup
+        finds each key, which an old object under the key already satisfies; so a replacing put
+        (store.store_prefix, through tiers.base.put_replacing) deletes the keys first (`delete`)."""
+        return False
+
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor], *, headroom: int = 0) -> None:
+        """reserve_write -> copy into the reserved L1 objects -> finish_write; waits until an L2 adapter holds
+        every key and flushes them from L1. A key that cannot be reserved in L1 (resident there already,
+        or no room) is a TierError, never a success without a write."""
         c = self.chunk_bytes
         okeys = self._object_keys(keys)
         reserved = self.sm.reserve_write(okeys, self.adapter.layout)
         try:
+            missing = [k for k in okeys if reserved.get(k) is None]
+            if missing:
+                raise TierError(f"LMCache put: {len(missing)}/{len(okeys)} objects could not be reserved in L1 "
+                                "(already resident, being written, or no room)")
             for k, view in zip(okeys, views, strict=True):
-                obj = reserved.get(k)
-                if obj is not None:
-                    obj.raw_tensor.view(torch.uint8).reshape(-1)[:c].copy_(view.reshape(-1)[:c])
+                reserved[k].raw_tensor.view(torch.uint8).reshape(-1)[:c].copy_(view.reshape(-1)[:c])
         except BaseException:
             abort_writes(self.sm, list(reserved))
             raise
-        if reserved:
-            self.sm.finish_write([k for k in okeys if k in reserved])
+        self.sm.finish_write(okeys)
         deadline = time.monotonic() + self.put_timeout_s
         try:
             if self.sm.l2_adapters():
                 wait_in_l2(self.adapter.l2, okeys, deadline)
                 flush_l1(self.sm, okeys, deadline)
-            elif len(reserved) < len(okeys):
-                raise TierError(f"LMCache L1 had no room for {len(okeys) - len(reserved)} objects")
         except TimeoutError as e:
             raise TierError(f"LMCache put: {e}") from e
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """The keys' objects gone from L1 (waiting out readers' locks) and from every L2 adapter."""
+        okeys = self._object_keys(keys)
+        if not okeys:
+            return
+        try:
+            flush_l1(self.sm, okeys, time.monotonic() + self.put_timeout_s)
+            for _desc, l2 in self.sm.l2_adapters():
+                l2.delete(okeys)  # LMCache's adapters log a failed delete and return
+        except TimeoutError as e:
+            raise TierError(f"LMCache delete: {e}") from e
+        found, errors = self.adapter.l2.lookup(okeys)
+        left = sum(any(row[i] for row in found.values()) for i in range(len(okeys)))
+        if left or errors:
+            raise TierError(f"LMCache delete: {left}/{len(okeys)} objects are still in L2 {'; '.join(errors)}")
 
     def close(self) -> None:
         self.adapter.close()
