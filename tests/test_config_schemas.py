@@ -68,14 +68,26 @@ def test_tier_spec_error_names_every_bad_key():
     assert "4 bad keys" in msg and all(k in msg for k in ("fetch_workers", "verify", "colour", "rpc_timeout_s"))
 
 
+def test_restore_config_refuses_an_unknown_backend():
+    """The restore's own config: a typo used to pass and fail every window's install."""
+    from bsr_runtime.restore import RestoreConfig
+
+    with pytest.raises(ValueError, match="backend"):
+        RestoreConfig(backend="bogus")
+    assert RestoreConfig(backend="torch").backend == "torch"
+
+
 def test_mooncake_tier_options_are_one_schema():
+    from bsr_runtime.tiers.mooncake import MooncakeTier
     from bsr_runtime.tiers.mooncake_options import MooncakeTierOptions
     from bsr_runtime.tiers.specs import MooncakeTierSpec
 
     assert set(MooncakeTierSpec.model_fields) == set(MooncakeTierOptions.model_fields) | {
         "type", "master_address", "metadata_server"}
-    with pytest.raises(ValueError, match="fetch_workers"):
+    with pytest.raises(ValueError, match="fetch_workers"):  # built directly: pydantic's ValidationError
         MooncakeTierOptions(fetch_workers=0)
+    with pytest.raises(ConfigError, match="^Mooncake tier options: fetch_workers: input should be greater"):
+        MooncakeTier(1, "f", "h:1", "m", fetch_workers=0)  # the tier's keyword options: one line, before connecting
 
 
 # -- the `bsr` command -------------------------------------------------------------------------
