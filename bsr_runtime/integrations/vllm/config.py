@@ -79,10 +79,10 @@ class TierSpec(Schema):
         """(the spec, []) or (None, every problem of `d`, each prefixed with `where`)."""
         if not isinstance(d, Mapping):
             return None, [f"{where}: a tier spec is a mapping with a 'type', got {type(d).__name__}"]
-        kind = _ALIASES.get(d.get("type"), d.get("type")) if isinstance(d.get("type"), str) else d.get("type")
+        raw = d.get("type")
+        kind = _ALIASES.get(raw, raw) if isinstance(raw, str) else raw
         if kind not in TIER_TYPES:
-            return None, [f"{where}.type: unknown tier type {d.get('type')!r}; choose one of "
-                          f"{', '.join(TIER_TYPES)} (or fs)"]
+            return None, [f"{where}.type: unknown tier type {raw!r}; choose one of {', '.join(TIER_TYPES)} (or fs)"]
         options = {k: v for k, v in d.items() if k not in ("type", "save")}
         if kind == "mooncake":
             # an engine mounts no segment by default: objects live on the store hosts and outlive the engine
@@ -94,6 +94,7 @@ class TierSpec(Schema):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TierSpec:
+        """One checked tier spec (ConnectorConfig.from_extra checks them all at once)."""
         spec, bad = cls.check(d, "tier")
         if bad:
             raise_problems(WHAT, bad)
