@@ -167,6 +167,21 @@ def test_options_are_refused_where_they_enter(args, needle, capsys):
     assert ei.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_json_output_that_is_a_fifo_is_refused_not_blocked_on(tmp_path, capsys):
+    import os
+
+    from bsr_runtime.cli import build_parser
+    from bsr_runtime.cli.output import write_json
+
+    fifo = tmp_path / "rows.json"
+    os.mkfifo(fifo)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["sweep", "--json", str(fifo)])
+    assert "not a regular file" in capsys.readouterr().err
+    with pytest.raises(OSError):  # a FIFO put there during the run: an error (one line from the CLI), no hang
+        write_json(str(fifo), [{"a": 1}])
+
+
 def test_cli_tier_names_are_the_harness_tiers():
     from bsr_harness.tier_setup import TIER_NAMES
     from bsr_runtime.cli.args import TIER_CHOICES

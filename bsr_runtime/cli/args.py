@@ -111,6 +111,8 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"the directory of {text!r} ({parent}) does not exist")
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if os.path.exists(text) and not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular file (a FIFO or device would block)")
     return text
 
 
