@@ -50,6 +50,30 @@ def _released_fifo(path):
             os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
 
 
+def test_weights_digest_of_a_fifo_never_blocks(tmp_path):
+    """The engine's model identity reads the checkpoint's files (weights_digest): a FIFO put in a weight
+    file's place between the listing and the read is an error, not an engine that never starts."""
+    from bsr_runtime.weights_digest import file_digest
+
+    fifo = tmp_path / "model-00001.safetensors"
+    os.mkfifo(fifo)
+    errors = []
+    with _released_fifo(fifo):
+        t = threading.Thread(target=lambda: errors.append(_raised(file_digest, fifo)), daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "the digest blocked opening a FIFO"
+    assert errors and isinstance(errors[0], OSError)
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return e
+    return None
+
+
 # -- LMCache FS plugin, through the StorageManager -------------------------------------------------
 lmcache = pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
 
