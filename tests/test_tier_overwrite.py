@@ -107,19 +107,31 @@ def test_a_tier_that_overwrites_replaces_on_a_plain_put(tier):
     assert all(torch.equal(a, b) for a, b in zip(fetched(tier, ks), data, strict=True))
 
 
-def test_a_put_that_cannot_write_raises(tier):
-    """LMCache: a key already resident in L1 cannot be reserved for the write: the put raises, never
-    reports a success it did not make (before: it skipped the key and returned)."""
-    if not tier.name.startswith("lmcache"):
-        pytest.skip("an LMCache L1 behaviour")
-    ks = keys(2)
-    old, new = payloads(2, 5), payloads(2, 6)
-    put_replacing(tier, ks, old)
-    okeys = tier._object_keys(ks)
-    reserved = tier.sm.reserve_write(okeys[:1], tier.adapter.layout)  # another writer's object, resident in L1
-    reserved[okeys[0]].raw_tensor.view(torch.uint8).reshape(-1)[:C].copy_(old[0])
-    tier.sm.finish_write(okeys[:1])
-    with pytest.raises(TierError, match="could not be reserved"):
-        tier.put(ks, new)
-    put_replacing(tier, ks, new)  # deletes it from L1 and L2 first
-    assert all(torch.equal(a, b) for a, b in zip(fetched(tier, ks), new, strict=True))
+@pytest.mark.parametrize("kind", ["lmcache-fs", pytest.param("lmcache-mooncake", marks=_MOONCAKE)])
+def test_a_put_that_cannot_write_raises(kind, request, tmp_path):
+    """LMCache: a key already resident in L1 (another writer's object, kept there by LMCache's default
+    store policy) cannot be reserved for the write: the put raises, never reports a success it did not
+    make (before: it skipped the key, found the other writer's object in L2 and returned)."""
+    pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
+    from bsr_runtime.integrations.lmcache import LMCacheAdapter, fs_l2_config, load_adapter_config, mooncake_l2_config
+    from bsr_runtime.integrations.lmcache.tier import LMCacheTier
+
+    if kind == "lmcache-fs":
+        l2 = fs_l2_config(str(tmp_path / "l2"))
+    else:
+        m = request.getfixturevalue("mooncake_master")
+        l2 = mooncake_l2_config(m.master_address, m.metadata_server, global_segment_size=64 << 20)
+    tier = LMCacheTier(LMCacheAdapter.create(REG, 16 << 20, [l2], load_adapter_config(), store_policy="default"))
+    try:
+        ks = keys(2)
+        old, new = payloads(2, 5), payloads(2, 6)
+        okeys = tier._object_keys(ks)
+        reserved = tier.sm.reserve_write(okeys[:1], tier.adapter.layout)  # another writer, resident in L1
+        reserved[okeys[0]].raw_tensor.view(torch.uint8).reshape(-1)[:C].copy_(old[0])
+        tier.sm.finish_write(okeys[:1])
+        with pytest.raises(TierError, match="could not be reserved"):
+            tier.put(ks, new)
+        put_replacing(tier, ks, new)  # deletes it from L1 and L2 first
+        assert all(torch.equal(a, b) for a, b in zip(fetched(tier, ks), new, strict=True))
+    finally:
+        tier.close()
