@@ -19,7 +19,7 @@ import tempfile
 from bsr_harness.experiments import Destinations, make_source
 from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import presets
-from bsr_runtime.integrations.lmcache import LMCacheAdapter, fs_l2
+from bsr_runtime.integrations.lmcache import LMCacheAdapter, fs_l2_config
 from bsr_runtime.restore import RestoreRequest
 from bsr_runtime.state_hash import state_hash
 
@@ -53,11 +53,11 @@ def main(argv=None) -> int:
     results, rows = {}, []
     with tempfile.TemporaryDirectory(prefix="bsr-lmcache-ab-") as root:
         l1 = (args.window + 2) * (reg.chunk_bytes + 4096)
-        with LMCacheAdapter.create(reg, l1, [fs_l2(root)]) as ad:
+        with LMCacheAdapter.create(reg, l1, [fs_l2_config(root)]) as ad:
             ad.store(src.keyspace, src.tokens, src.kv, src.block_tables)
         for conc in (1, 4):
             files = drop_page_cache(root)
-            with LMCacheAdapter.create(reg, l1, [fs_l2(root, load_concurrency=conc)]) as ad:
+            with LMCacheAdapter.create(reg, l1, [fs_l2_config(root, load_concurrency=conc)]) as ad:
                 dst.poison()
                 rep = ad.retrieve(RestoreRequest(f"ab-{conc}", src.tokens, src.keyspace, dst.kv, dst.tables), n,
                                   window_chunks=args.window)

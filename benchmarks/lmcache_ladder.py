@@ -29,7 +29,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # read by LMCache's loggers
 from bsr_harness.experiments import Destinations, make_source  # noqa: E402
 from bsr_harness.records import add_record_options, record_script  # noqa: E402
 from bsr_kernels import presets  # noqa: E402
-from bsr_runtime.integrations.lmcache import LMCacheAdapter, align_up, fs_l2, load_adapter_config  # noqa: E402
+from bsr_runtime.integrations.lmcache import LMCacheAdapter, align_up, fs_l2_config, load_adapter_config  # noqa: E402
 from bsr_runtime.restore import RestoreRequest  # noqa: E402
 from bsr_runtime.state_hash import state_hash  # noqa: E402
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bsr-lmcache-ladder-", dir=args.workdir) as root:
         t = time.perf_counter()
         cfg = load_adapter_config(prefetch_window_chunks=w)
-        with LMCacheAdapter.create(reg, bsr_capacity, [fs_l2(root)], cfg) as ad:
+        with LMCacheAdapter.create(reg, bsr_capacity, [fs_l2_config(root)], cfg) as ad:
             srep = ad.store(src.keyspace, src.tokens, src.kv, src.block_tables, n_max)
         assert srep.state_hash == state_hash(reg, src.kv, src.block_tables, n_max)
         header.append(f"# stored {n_max} chunks ({_mib(n_max * c)} MiB) into the FS L2 in "
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # BSR at W with L1 fixed at W objects, one StorageManager for every length
         bsr = {}
-        with LMCacheAdapter.create(reg, bsr_capacity, [fs_l2(root)], load_adapter_config()) as ad:
+        with LMCacheAdapter.create(reg, bsr_capacity, [fs_l2_config(root)], load_adapter_config()) as ad:
             for n in counts:
                 ok, rep, secs = attempt(ad, src, dst, n, w, expected[n])
                 bsr[n] = (ok and rep.peak_staging_bytes <= bsr_capacity, rep, secs)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             rung, tried, passed, whole_s = args.first_rung, 0, None, None
             while tried < args.max_rungs:
                 tried += 1
-                with LMCacheAdapter.create(reg, rung, [fs_l2(root)], load_adapter_config()) as ad:
+                with LMCacheAdapter.create(reg, rung, [fs_l2_config(root)], load_adapter_config()) as ad:
                     ok, rep, secs = attempt(ad, src, dst, n, 0, expected[n])
                 if ok:
                     passed, whole_s = rung, secs

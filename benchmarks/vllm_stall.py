@@ -164,9 +164,7 @@ def _concurrency(llm, worker, name: str, long: list[int], cold_long, budget: int
     identical = all(o is not None and o[0] == ref[0] for o, ref in zip(out["b_outputs"], cold))
     llm.reset_prefix_cache()
     n0 = len(worker.loads)
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+    sp = offline.greedy(8)
     engine = llm.llm_engine
     engine.add_request("long", {"prompt_token_ids": long}, sp)
     while worker.loader.in_flight == 0:

@@ -18,9 +18,9 @@ _ids = itertools.count()
 
 
 def _params(max_tokens: int):
-    from vllm import SamplingParams
+    from bsr_runtime.integrations.vllm.offline import greedy
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+    return greedy(max_tokens)
 
 
 def measure_stall(llm, tokens_a: Sequence[int], tokens_b: Sequence[int] | Sequence[Sequence[int]], *,

@@ -48,7 +48,7 @@ from bsr_harness.fault_scenarios import (
 )
 from bsr_harness.faulty_installer import InjectedInstallError
 from bsr_harness.faulty_tier import FaultyTier
-from bsr_harness.testdata import block_tables, poison
+from bsr_harness.testdata import block_tables, poison, prefix_block_ids
 from bsr_kernels import Registration, presets
 from bsr_runtime.connector import BSRConnector, ConnectorRequest
 from bsr_runtime.restore import RestoreConfig
@@ -65,7 +65,7 @@ class FaultRow:
     tokens: int  # external tokens advertised at the probe
     exposed_tokens: int  # external tokens exposed after the load
     invalid_blocks: int
-    total_blocks: int
+    total_blocks: int  # every block of the loaded prefix, from the request's tables (testdata.prefix_block_ids)
     marker_set: bool
     marker_cleared: bool  # no marker left after RUNNING admission (and teardown)
     staging_leaked_bytes: int
@@ -78,6 +78,8 @@ class FaultRow:
     probes_while_marked: int = 0  # tier lookups during the re-admission with the marker set
     healthy_served_by: str = ""
     seconds: float = 0.0
+    # the blocks reported invalid are exactly the request's (per group, the oracle's), when it failed
+    invalid_ids_match: bool = True
 
     @property
     def passed(self) -> bool:
@@ -86,7 +88,8 @@ class FaultRow:
         if self.outcome == "committed":
             return common and self.exposed_tokens == self.tokens > 0 and self.invalid_blocks == 0
         return (common and self.exposed_tokens == 0 and self.invalid_blocks == self.total_blocks > 0
-                and self.marker_set and self.probes_while_marked == 0 and self.served_by == LOCAL)
+                and self.invalid_ids_match and self.marker_set and self.probes_while_marked == 0
+                and self.served_by == LOCAL)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -270,9 +273,11 @@ class FaultMatrix:
         hash_ok = not outcome.committed or state_hash(self.reg, kv, tables, src.num_chunks) == src.state_hash
         healthy, healthy_ok = self._healthy_request(scenario, conn, healthy_src, healthy_tables, kv)
         first = outcome.attempts[0] if outcome.attempts else None
+        every = prefix_block_ids(self.reg, tables, outcome.num_chunks)  # the oracle, not the connector's count
         row = FaultRow(
             scenario=scenario, outcome=outcome.outcome, tokens=tokens, exposed_tokens=outcome.exposed_tokens,
-            invalid_blocks=outcome.invalid_blocks, total_blocks=outcome.total_blocks, marker_set=marker_set,
+            invalid_blocks=outcome.invalid_blocks, total_blocks=sum(len(ids) for ids in every),
+            invalid_ids_match=outcome.committed or tuple(outcome.invalid_block_ids) == every, marker_set=marker_set,
             marker_cleared=marker_cleared, staging_leaked_bytes=_live_staging(conn), served_by=outcome.served_by,
             state_hash_ok=hash_ok and healthy_ok, expected=EXPECTED[scenario], error=outcome.error,
             windows=first.windows if first else 0, windows_installed=first.windows_installed if first else 0,

@@ -166,8 +166,35 @@ def damage_stored(tier: Tier, key: str, damaged: torch.Tensor) -> None:
         rc = store.upsert(key, bytes(stored[:OBJECT_HEADER]) + data)
         if rc != 0:
             raise TierError(f"damaging {key} in the Mooncake store failed with code {rc}")
+    elif type(tier).__name__ == "LMCacheTier":
+        _damage_lmcache(tier, key, data)
     else:
         raise NotImplementedError(f"FaultyTier cannot damage objects of a {type(tier).__name__}")
+
+
+def _damage_lmcache(tier, key: str, data: bytes) -> None:
+    """The object of `key` in each L2 adapter of an LMCacheTier (the BSR FS and Mooncake plugins), its
+    payload replaced, its header (and the checksum in it) kept."""
+    from bsr_runtime.integrations.lmcache.fs_l2 import ConcurrentFSL2Adapter
+    from bsr_runtime.integrations.lmcache.fs_l2_object import HEADER_SIZE as FS_HEADER
+    from bsr_runtime.integrations.lmcache.mooncake_l2 import BSRMooncakeL2Adapter, _key_string
+    from bsr_runtime.tiers.mooncake_object import HEADER_SIZE as OBJECT_HEADER
+
+    (okey,) = tier._object_keys([key])
+    for _desc, l2 in tier.sm.l2_adapters():
+        if isinstance(l2, ConcurrentFSL2Adapter):
+            with open(l2._key_to_path(okey), "r+b") as f:
+                f.seek(FS_HEADER)
+                f.write(data)
+        elif isinstance(l2, BSRMooncakeL2Adapter):
+            name = _key_string(l2.config.key_prefix, okey)
+            store = l2._tier._live_store()
+            stored = store.get(name)
+            rc = store.upsert(name, bytes(stored[:OBJECT_HEADER]) + data)
+            if rc != 0:
+                raise TierError(f"damaging {key} in the Mooncake store failed with code {rc}")
+        else:
+            raise NotImplementedError(f"FaultyTier cannot damage objects of LMCache's {type(l2).__name__}")
 
 
 def flipped(payload: torch.Tensor) -> torch.Tensor:
@@ -206,6 +233,10 @@ class FaultyTier(Tier):
     @property
     def preferred_pipeline_depth(self) -> int:
         return self.inner.preferred_pipeline_depth
+
+    @property
+    def overwrites(self) -> bool:
+        return self.inner.overwrites
 
     def _check(self, op: str) -> None:
         if self._closed:

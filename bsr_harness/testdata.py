@@ -111,4 +111,21 @@ def window_tables(reg: Registration, first: int, num: int, gen: torch.Generator 
     return tables, nblocks
 
 
-__all__ = ["HOLES", "POISON", "block_tables", "poison", "poisoned", "request_tables", "window_tables"]
+def prefix_block_ids(reg: Registration, tables: Sequence[Sequence[int] | torch.Tensor], num_chunks: int
+                     ) -> tuple[frozenset[int], ...]:
+    """Test oracle of the blocks a restore of chunks 0..num_chunks-1 writes (and a failed one reports
+    invalid), written apart from bsr_runtime.retrieve.request_block_ids, the code it checks: per group,
+    the non-negative ids among the first ceil(num_chunks * chunk_tokens / tokens per block) entries of
+    its table, tokens per block read off the group's tensor specs (block_size * token_ratio)."""
+    out = []
+    for g, table in enumerate(tables):
+        spec = next(s for s in reg.specs if s.group == g)
+        tokens_per_block = spec.block_size * spec.token_ratio
+        n_blocks = -(-(num_chunks * reg.chunk_tokens) // tokens_per_block)
+        ids = [int(b) for b in (table.tolist() if isinstance(table, torch.Tensor) else table)][:n_blocks]
+        out.append(frozenset(b for b in ids if b >= 0))
+    return tuple(out)
+
+
+__all__ = ["HOLES", "POISON", "block_tables", "poison", "poisoned", "prefix_block_ids", "request_tables",
+           "window_tables"]

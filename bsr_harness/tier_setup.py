@@ -102,7 +102,7 @@ def _mooncake_endpoints(opts: TierOptions, capacity_bytes: int) -> Iterator[tupl
 def open_lmcache(opts: TierOptions, reg: Registration, *, l1_bytes: int, capacity_bytes: int = 0):
     """Yield an LMCacheAdapter over LMCache's StorageManager with an L1 of `l1_bytes` and the
     filesystem ("lmcache-fs") or Mooncake ("lmcache-mooncake") L2 adapter."""
-    from bsr_runtime.integrations.lmcache import LMCacheAdapter, fs_l2, mooncake_l2
+    from bsr_runtime.integrations.lmcache import LMCacheAdapter, fs_l2_config, mooncake_l2_config
 
     with contextlib.ExitStack() as stack:
         if opts.name == "lmcache-fs":
@@ -112,10 +112,10 @@ def open_lmcache(opts: TierOptions, reg: Registration, *, l1_bytes: int, capacit
                 stack.callback(shutil.rmtree, root, True)
             elif not Path(root).is_dir():
                 raise ValueError(f"filesystem tier root {root} does not exist or is not a directory")
-            l2 = fs_l2(root, opts.load_concurrency)
+            l2 = fs_l2_config(root, opts.load_concurrency)
         elif opts.name == "lmcache-mooncake":
             master, metadata, segment = stack.enter_context(_mooncake_endpoints(opts, capacity_bytes))
-            l2 = mooncake_l2(master, metadata, global_segment_size=segment, protocol=opts.protocol)
+            l2 = mooncake_l2_config(master, metadata, global_segment_size=segment, protocol=opts.protocol)
         else:
             raise ValueError(f"{opts.name!r} is not an LMCache tier")
         with redirected():  # its Mooncake L2 client logs like the tier's

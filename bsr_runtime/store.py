@@ -17,7 +17,7 @@ from .admission import Admission, SerialAdmission
 from .keys import KeySpace, PrefixKeys
 from .plan import Window, plan_windows
 from .state_hash import ChunkHasher
-from .tiers.base import FETCH_HEADROOM, Tier
+from .tiers.base import FETCH_HEADROOM, Tier, put_replacing
 from .validation import check_int
 from .window_loop import WindowFailed, WindowLoop
 
@@ -52,7 +52,7 @@ class TierStoreStage:
 
     def commit(self) -> None:
         self.hasher.update(self.lease.view)
-        self.tier.put(self.keys, self.lease.chunks(), headroom=self.lease.pool.headroom)
+        put_replacing(self.tier, self.keys, self.lease.chunks(), headroom=self.lease.pool.headroom)
 
     def release(self) -> None:
         if not self._released:

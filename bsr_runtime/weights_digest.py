@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .tiers.fs_open import open_regular
+
 CONFIG_FILES = ("config.json", "params.json")
 SAFETENSORS_SUFFIX = ".safetensors"
 OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf")
@@ -74,7 +76,9 @@ def checkpoint_digest(path: str | os.PathLike) -> str:
 def file_digest(path: Path) -> bytes:
     """The digest of one file of a checkpoint (what the module docstring says is read of it)."""
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb", buffering=0) as f:
+    # opened the filesystem tier's way: a FIFO or device put in a weight file's place cannot block the
+    # engine's start (a checkpoint's own symlinks, e.g. a Hugging Face cache's, are resolved first)
+    with os.fdopen(open_regular(os.path.realpath(path)), "rb", buffering=0) as f:
         fd = f.fileno()
         size = os.fstat(fd).st_size
         h.update(struct.pack("<Q", size))

@@ -72,7 +72,7 @@ TENSOR = {"name": "a", "dtype": "uint8", "entry_shape": [8], "block_size": 16}
     ({"tensors": [TENSOR | {"dtype": ["uint8"]}]}, "dtype"),
     ({"tensors": [TENSOR | {"entry_shape": "8"}]}, "entry_shape"),
     ({"tensors": [{"name": "a"}]}, "missing"),
-    ({"tensors": [TENSOR | {"bogus": 1}]}, "unknown fields"),
+    ({"tensors": [TENSOR | {"bogus": 1}]}, "tensors.0.bogus: unknown key"),
     ({"tensors": ["a"]}, "mapping"),
     ({"tensors": []}, "tensors"),
     ({"tensors": [TENSOR], "chunk_tokens": 2.5}, "chunk_tokens"),

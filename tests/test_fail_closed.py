@@ -31,7 +31,7 @@ from bsr_harness.fault_matrix import (
 )
 from bsr_harness.faulty_installer import InstallFault
 from bsr_harness.faulty_tier import FaultyTier
-from bsr_harness.testdata import block_tables
+from bsr_harness.testdata import block_tables, prefix_block_ids
 from bsr_kernels import WindowInstaller, presets
 from bsr_runtime import commit
 from bsr_runtime.connector import BSRConnector, ConnectorRequest, FinishedIds
@@ -118,7 +118,7 @@ def test_fault_fails_closed(matrix, scenario):
     rid = out.request_id
     n = res.source.num_chunks
     ct = REG.chunk_tokens
-    every_block = request_block_ids(REG, res.tables, n)  # from the request's tables, not the outcome
+    every_block = prefix_block_ids(REG, res.tables, n)  # the oracle, from the request's tables
     assert len(every_block) == REG.num_groups and all(every_block)
 
     # the probe advertised the prefix; after the failure none of it is exposed
@@ -173,7 +173,7 @@ def test_damaged_ssd_object_fails_closed(matrix, scenario):
         res = matrix.run(scenario)
     row, out = res.row, res.outcome
     n = res.source.num_chunks
-    every_block = request_block_ids(REG, res.tables, n)
+    every_block = prefix_block_ids(REG, res.tables, n)
     assert row.tokens == n * REG.chunk_tokens
     assert out.outcome == row.outcome == "failed_closed" and not out.committed
     assert out.exposed_tokens == row.exposed_tokens == 0 and out.served_by == LOCAL
@@ -271,7 +271,7 @@ def test_marker_suppresses_lookup_until_running(fs_setup):
     sending, recving = fin  # unpacks like vLLM's (finished_sending, finished_recving)
     assert sending == set() and recving == {"r1"}
     assert conn.get_finished(set()) == (set(), set())  # drained
-    assert conn.get_block_ids_with_load_errors() == set().union(*request_block_ids(reg, tables, 3))
+    assert conn.get_block_ids_with_load_errors() == set().union(*prefix_block_ids(reg, tables, 3))
     assert conn.get_block_ids_with_load_errors() == set()
 
     counted = _Counted(tier)

@@ -17,11 +17,11 @@ from kernel_util import registrations
 
 from bsr_harness.fault_matrix import FETCH, INSTALL, FaultSpec, make_source, store
 from bsr_harness.faulty_tier import FaultyTier
-from bsr_harness.testdata import block_tables, poison
+from bsr_harness.testdata import block_tables, poison, prefix_block_ids
 from bsr_runtime import commit
 from bsr_runtime.plan import count_windows
 from bsr_runtime.restore import RestoreConfig, RestoreRequest
-from bsr_runtime.retrieve import LOCAL, Retriever, request_block_ids
+from bsr_runtime.retrieve import LOCAL, Retriever
 from bsr_runtime.state_hash import state_hash
 from bsr_runtime.tiers import MemoryTier
 
@@ -83,7 +83,7 @@ def test_outcome_is_all_or_nothing(case):
         expect_commit = not faulty or lower == "full"
         assert committed == {expect_commit}
         for r, (o, req, src, ret) in enumerate(zip(outs, requests, sources, retrievers)):
-            every = request_block_ids(reg, req.block_tables, n)
+            every = prefix_block_ids(reg, req.block_tables, n)  # the oracle, not the code under test
             assert o.block_ids == every
             if o.committed:
                 assert o.exposed_tokens == n * ct

@@ -28,9 +28,9 @@ from bsr_runtime.integrations.lmcache import (  # noqa: E402
     LMCacheAdapter,
     LMCacheKeys,
     build_storage_manager,
-    fs_l2,
+    fs_l2_config,
     load_adapter_config,
-    mooncake_l2,
+    mooncake_l2_config,
 )
 from bsr_runtime.keys import KeySpace  # noqa: E402
 from bsr_runtime.restore import RestoreRequest  # noqa: E402
@@ -73,7 +73,7 @@ def config(**kw):
 def stored(tmp_path_factory):
     """N chunks written into an FS L2 directory through LMCache's own write path (small L1)."""
     s = Stored(str(tmp_path_factory.mktemp("lmcache-fs")))
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(s.base)], config(prefetch_window_chunks=8)) as ad:
+    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(s.base)], config(prefetch_window_chunks=8)) as ad:
         rep = ad.store(s.space, s.tokens, s.kv, s.tables)
         assert rep.state_hash == s.hash[N]
         assert rep.peak_staging_bytes <= 8 * OBJ_4K
@@ -85,7 +85,7 @@ def stored(tmp_path_factory):
 @pytest.fixture(scope="module")
 def small(stored):
     """L1 of 32 objects (< N): a windowed retrieve must work, the whole plan cannot fit."""
-    with LMCacheAdapter.create(REG, 32 * OBJ_4K, [fs_l2(stored.base)], config()) as ad:
+    with LMCacheAdapter.create(REG, 32 * OBJ_4K, [fs_l2_config(stored.base)], config()) as ad:
         yield ad
 
 
@@ -143,7 +143,7 @@ def all_block_ids(req: RestoreRequest, n: int = N) -> list[list[int]]:
 
 # ---------------------------------------------------------------------------------------------
 def test_probe_only_holds_nothing(stored):
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(stored.base)], config(probe_only=True),
+    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(stored.base)], config(probe_only=True),
                                prefetch_policy="retain") as ad:
         sm = ad.sm
         # make chunks 0-1 resident in L1 (a legacy lookup with a retaining policy, then released)
@@ -208,7 +208,7 @@ def test_windowed_retrieve_small_l1(stored, small, w):
 def test_prefix_eight_times_larger_than_l1(stored):
     """L1 holds 5 objects, the prefix 40 (8x): W = 4 restores it hash-equal, LMCache's own L1
     usage (sampled on another thread throughout) never above one window; W = 0 gets nothing."""
-    with LMCacheAdapter.create(REG, 5 * OBJ_4K, [fs_l2(stored.base)], config()) as ad:
+    with LMCacheAdapter.create(REG, 5 * OBJ_4K, [fs_l2_config(stored.base)], config()) as ad:
         assert ad.l1_usage()[1] < N * OBJ_4K / 8 + OBJ_4K
         req = stored.request(seed=81, rid="eightfold")
         with Sampler(ad.sm) as s:
@@ -223,7 +223,7 @@ def test_prefix_eight_times_larger_than_l1(stored):
 def test_whole_plan_needs_n_objects_and_is_bit_exact(stored):
     """The capacity ladder's other side: W = 0 passes once L1 holds N objects; L1 aligned to 64 B
     (c is a multiple of 64) makes LMCache's batch contiguous, so the install is one launch."""
-    with LMCacheAdapter.create(REG, N * C, [fs_l2(stored.base)], config(), align_bytes=64) as ad:
+    with LMCacheAdapter.create(REG, N * C, [fs_l2_config(stored.base)], config(), align_bytes=64) as ad:
         assert ad.l1_object_bytes == C
         req = stored.request(seed=50, rid="whole")
         rep = ad.retrieve(req, N, window_chunks=0)
@@ -372,7 +372,7 @@ def test_store_gather_error_aborts_the_batch_and_releases_everything(stored, tmp
 
     monkeypatch.setattr(lm_store, "WindowInstaller", Flaky)
     budget = ByteBudget(4 * C)
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(str(tmp_path))], config(), admission=budget) as ad:
+    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(str(tmp_path))], config(), admission=budget) as ad:
         with pytest.raises(KeyError, match="gather"):
             ad.store(stored.space, stored.tokens, stored.kv, stored.tables, 12)
         assert len(made) == 2  # one installer per store (and one for the hash scratch), not one per run
@@ -387,7 +387,7 @@ def test_config_from_lmcache_env(stored, monkeypatch):
     monkeypatch.setenv("LMCACHE_PREFETCH_WINDOW_CHUNKS", "7")
     monkeypatch.setenv("LMCACHE_PROBE_ONLY", "true")
     monkeypatch.setenv("LMCACHE_FS_LOAD_CONCURRENCY", "3")
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(stored.base)]) as ad:
+    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(stored.base)]) as ad:
         assert (ad.config.prefetch_window_chunks, ad.config.probe_only, ad.config.fs_load_concurrency) == (7, True, 3)
         assert ad.sm.l2_adapters()[0][1].load_concurrency == 3
         look = ad.lookup(stored.space, stored.tokens)
@@ -418,7 +418,8 @@ def test_fs_load_concurrency_same_bits_and_bytes(stored):
     results = {}
     keys = LMCacheKeys(stored.space, stored.tokens, 256).window(0, 12)
     for conc in (1, 4):
-        with LMCacheAdapter.create(REG, 16 * OBJ_4K, [fs_l2(stored.base, load_concurrency=conc)], config()) as ad:
+        l2 = [fs_l2_config(stored.base, load_concurrency=conc)]
+        with LMCacheAdapter.create(REG, 16 * OBJ_4K, l2, config()) as ad:
             sm = ad.sm
             assert sm.l2_adapters()[0][1].load_concurrency == conc
             req = stored.request(seed=80 + conc)
@@ -446,7 +447,7 @@ def test_admission_serializes_concurrent_retrieves(stored):
     """Two requests at once on an L1 of one window: the byte budget B = W*c admits one window at a
     time, so both restore (without it the second reservation would find L1 full)."""
     w = 8
-    with LMCacheAdapter.create(REG, w * OBJ_4K, [fs_l2(stored.base)], config(prefetch_window_chunks=w),
+    with LMCacheAdapter.create(REG, w * OBJ_4K, [fs_l2_config(stored.base)], config(prefetch_window_chunks=w),
                                admission=ByteBudget(w * C)) as ad:
         reqs = [stored.request(seed=90 + i, rid=f"c{i}") for i in range(2)]
         reps = [None, None]
@@ -488,7 +489,7 @@ def mc_l2(master, **kw):
     kw.setdefault("global_segment_size", 64 << 20)
     kw.setdefault("connect_timeout_s", 5.0)
     kw.setdefault("rpc_timeout_s", 2.0)
-    return mooncake_l2(master.master_address, master.metadata_server, **kw)
+    return mooncake_l2_config(master.master_address, master.metadata_server, **kw)
 
 
 @contextmanager
@@ -565,7 +566,7 @@ def test_l2_loaded_objects_left_to_the_default_policy(stored, temporary, monkeyp
     """LMCache's default prefetch policy frees what it loaded from L2 when the read finishes: an adapter
     that made its StorageManager with that policy deletes nothing per window; over a StorageManager of
     unknown policy it deletes the L2-loaded keys itself. Either way L1 returns to its baseline."""
-    sm = build_storage_manager(32 * OBJ_4K, [fs_l2(stored.base)])
+    sm = build_storage_manager(32 * OBJ_4K, [fs_l2_config(stored.base)])
     try:
         ad = LMCacheAdapter(REG, sm, config(), l2_loads_are_temporary=temporary)
         deletes = []
@@ -581,7 +582,7 @@ def test_l2_loaded_objects_left_to_the_default_policy(stored, temporary, monkeyp
         assert deletes == ([] if temporary else [8] * (N // 8))
     finally:
         sm.close()
-    made = LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(stored.base)], config())
+    made = LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(stored.base)], config())
     with made:
         assert made.l2_loads_are_temporary
 
@@ -593,7 +594,7 @@ def test_lmcache_tier_fetch_leaves_l2_loads_to_the_default_policy(tmp_path, temp
     adapter cannot tell that LMCache frees them."""
     from bsr_runtime.integrations.lmcache.tier import LMCacheTier
 
-    sm = build_storage_manager(16 * OBJ_4K, [fs_l2(str(tmp_path))])
+    sm = build_storage_manager(16 * OBJ_4K, [fs_l2_config(str(tmp_path))])
     tier = LMCacheTier(LMCacheAdapter(REG, sm, config(), l2_loads_are_temporary=temporary))
     try:
         gen = torch.Generator().manual_seed(72)

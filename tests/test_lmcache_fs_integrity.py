@@ -20,7 +20,7 @@ from restore_util import random_tables  # noqa: E402
 
 from bsr_harness.testdata import POISON  # noqa: E402
 from bsr_kernels import presets  # noqa: E402
-from bsr_runtime.integrations.lmcache import LMCacheAdapter, LMCacheKeys, fs_l2, load_adapter_config  # noqa: E402
+from bsr_runtime.integrations.lmcache import LMCacheAdapter, LMCacheKeys, fs_l2_config, load_adapter_config  # noqa: E402
 from bsr_runtime.integrations.lmcache.fs_l2_object import HEADER_SIZE  # noqa: E402
 from bsr_runtime.keys import KeySpace  # noqa: E402
 from bsr_runtime.restore import RestoreRequest  # noqa: E402
@@ -61,14 +61,14 @@ class Stored:
 def stored(tmp_path_factory):
     """N chunks of tenant A, written through LMCache's own store path into an FS L2 directory."""
     s = Stored(str(tmp_path_factory.mktemp("lmcache-fs-a")))
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(s.base)], load_adapter_config()) as ad:
+    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(s.base)], load_adapter_config()) as ad:
         assert ad.store(SPACE_A, s.tokens, s.kv, s.tables).state_hash == s.hash
     assert len([f for f in os.listdir(s.base) if f.endswith(".data")]) == N
     return s
 
 
 def _retrieve(base: str, stored: Stored, space: KeySpace, conc: int, seed: int):
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(base, load_concurrency=conc)],
+    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(base, load_concurrency=conc)],
                                load_adapter_config(prefetch_window_chunks=4)) as ad:
         baseline = ad.l1_usage()[0]
         req = stored.request(space, seed)
@@ -227,23 +227,24 @@ def _load(ad, keys, objs):
 
 @pytest.mark.parametrize("conc", [1, 3, 8, 16])
 def test_plugin_tasks_store_lookup_load(stored, tmp_path, conc):
-    """Store: an existing file is kept (not rewritten), a key whose write fails is reported (success False)
-    and leaves no file; lookup: exactly the keys with files; load into poisoned objects: exactly those keys,
-    byte for byte, the others untouched. A store is one pool job, a window's lookup none (it runs on the
-    submitting thread), a load min(conc, n) jobs."""
+    """Store: an existing file is replaced (LMCache's FSL2Adapter keeps it, so a damaged object could never be
+    repaired by storing it again), a key whose write fails is reported (success False) and leaves no temp
+    file; lookup: exactly the keys with files; load into poisoned objects: exactly those keys, byte for
+    byte, the others untouched. A store is one pool job, a window's lookup none (it runs on the submitting
+    thread), a load min(conc, n) jobs."""
     keys = stored.keys(SPACE_A)
     src, older = _objects(seed=conc), _objects(seed=99)
     ad = _plugin(tmp_path, conc)
     try:
         calls = _CountingPoolJobs(ad)
-        assert _store(ad, [keys[1]], [older[1]]) == FILE_BYTES  # written before: kept as it is
-        failing = ad._key_to_file_and_tmp_path(keys[4])[1]
-        os.makedirs(failing)  # its temp file cannot be created
+        assert _store(ad, [keys[1]], [older[1]]) == FILE_BYTES  # written before: replaced below
+        failing = ad._key_to_path(keys[4])
+        os.makedirs(failing)  # a directory in its place: its temp file cannot be renamed over it
         calls.calls = 0
         result = _store(ad, keys, src)
         assert result < 0  # L2StoreResult: -1 = failed
         assert calls.calls == 1
-        assert not os.path.exists(ad._key_to_path(keys[4])) and os.path.isdir(failing)
+        assert os.path.isdir(failing) and not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
         present = [i for i in range(N) if i != 4]
 
         calls.calls = 0
@@ -254,7 +255,7 @@ def test_plugin_tasks_store_lookup_load(stored, tmp_path, conc):
         assert _load(ad, keys, dst).get_indices_list() == present
         assert calls.calls == min(conc, N)
         for i in range(N):
-            want = older[1].t if i == 1 else src[i].t
+            want = src[i].t
             if i == 4:
                 assert bool((dst[i].t == POISON).all())
             else:
@@ -297,7 +298,7 @@ def test_plugin_task_that_raises_still_completes(stored, tmp_path, monkeypatch, 
             monkeypatch.setattr(ad, "_store_all", broken)
             assert _store(ad, keys, src) < 0
         elif task == "lookup":
-            monkeypatch.setattr(ad, "_key_to_path", broken)
+            monkeypatch.setattr(ad, "_present", broken)
             assert _lookup(ad, keys).get_indices_list() == []
         else:
             monkeypatch.setattr(ad, "_load_one", broken)
@@ -335,7 +336,7 @@ def test_windowed_retrieve_logs_one_line(stored, copy, level):
         lg.addHandler(handler)
         lg.setLevel(level)
     try:
-        with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2(copy)], load_adapter_config()) as ad:
+        with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(copy)], load_adapter_config()) as ad:
             req = stored.request(SPACE_A, seed=3)
             rep = ad.retrieve(req, N, window_chunks=2)
             assert rep.ok and rep.windows == N // 2

@@ -28,8 +28,8 @@ def test_filesystem_spec_opens_a_working_tier(tmp_path):
     ({"type": "s3"}, "unknown tier type 's3'"),
     ({}, "unknown tier type None"),
     ("filesystem", "must be a mapping"),
-    ({"type": "filesystem"}, "filesystem tier spec needs root"),
-    ({"type": "mooncake", "master_address": "127.0.0.1:1"}, "needs metadata_server"),
+    ({"type": "filesystem"}, "filesystem tier spec: root: missing"),
+    ({"type": "mooncake", "master_address": "127.0.0.1:1"}, "metadata_server: missing"),
     ({"type": "filesystem", "root": "/tmp", "colour": "red"}, "colour"),
 ])
 def test_bad_specs_are_one_line_errors(spec, needle):

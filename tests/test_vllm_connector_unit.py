@@ -35,7 +35,14 @@ def test_config_parsing_and_errors():
     assert not sync.load_async
     auto = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "load_mode": "auto"})
     assert auto.load_mode == "async"  # the earlier default's spelling still reads, as async
-    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
+    old = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "save_window_chunks": 6})
+    assert old.save_staging_chunks == 6  # the earlier name still reads
+    for bad in ({"restore_budget_bytes": 0}, {"restore_budget_bytes": "1GiB"}, {"max_concurrent_restores": 0},
+                {"save_staging_chunks": -1}, {"shutdown_timeout_s": -1}, {"load_mode": "lazy"},
+                {"window_chunks": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], **bad})
+    with pytest.raises(ValueError, match="kv_connector_extra_config: window: unknown key"):
         ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "window": 4})
     with pytest.raises(ValueError, match="needs 'tiers'"):
         ConnectorConfig.from_extra({})
@@ -62,9 +69,8 @@ def test_pipeline_depth_is_the_first_tiers_unless_configured(tmp_path):
         assert (rc.prefetch_window_chunks, rc.fetch_timeout_s, rc.backend) == (8, cfg.fetch_timeout_s, cfg.backend)
         set_one = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "pipeline_depth": 1})
         assert set_one.restore_config([fs]).pipeline_depth == 1
-        three = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "pipeline_depth": 3})
-        with pytest.raises(ValueError, match="pipeline_depth"):
-            three.restore_config([fs])
+        with pytest.raises(ValueError, match="pipeline_depth"):  # refused where it enters, not at the first load
+            ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "pipeline_depth": 3})
     finally:
         fs.close()
         one.close()

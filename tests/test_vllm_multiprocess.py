@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 from pathlib import Path
 
@@ -29,7 +30,9 @@ def test_readme_config_multiprocess_save_then_restore(tmp_path):
     kv = readme_kv_transfer_config()
     assert kv["kv_connector"] == "BSRConnector" and kv["kv_load_failure_policy"] == "recompute"
     root = Path(kv["kv_connector_extra_config"]["tiers"][0]["root"])
-    model = U.build_tiny_llama(tmp_path / "model", seed=3)  # a fresh model: its own objects under root
+    # weights of this run's own (the model identity is a digest of the weights): the README's root is a
+    # fixed path that earlier runs' objects share, and this run must not hit them
+    model = U.build_tiny_llama(tmp_path / "model", seed=random.SystemRandom().randrange(1 << 30))
     tokens = U.prompt(12 * U.CHUNK + 5, seed=11)
     llm = U.make_llm(model, kv, multiprocess=True)
     try:

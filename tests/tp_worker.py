@@ -25,10 +25,10 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 def _summary(out, reg, kv, tables, src) -> dict:
-    from bsr_runtime.retrieve import request_block_ids
+    from bsr_harness.testdata import prefix_block_ids
     from bsr_runtime.state_hash import state_hash
 
-    every = request_block_ids(reg, tables, src.num_chunks)
+    every = prefix_block_ids(reg, tables, src.num_chunks)  # the oracle, not the code under test
     return {
         "committed": out.committed,
         "exposed_tokens": out.exposed_tokens,

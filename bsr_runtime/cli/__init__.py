@@ -16,9 +16,11 @@ from .args import (
     Parser,
     add_common,
     count_int,
+    output_file,
     parse_tokens,
     parse_windows,
     positive_int,
+    positive_window,
     window_int,
 )
 from .commands import cmd_bench, cmd_demo, cmd_faults, cmd_ladder, cmd_sweep, cmd_wlaw
@@ -47,14 +49,17 @@ def _add_demo(sub) -> None:
     add_common(d, tier_default="auto")
     d.add_argument("--tokens", type=parse_tokens, default=PAPER_TOKENS, help="prefix lengths (default the paper's)")
     d.add_argument("--window", type=window_int, default=32, help="W in chunks (default 32)")
-    d.add_argument("--plot", default="bsr_demo_peak_staging.png", help="PNG to write (default %(default)s)")
+    d.add_argument("--plot", type=output_file, default="bsr_demo_peak_staging.png",
+                   help="PNG to write (default %(default)s)")
     e = d.add_argument_group("real engine (vLLM)")
     e.add_argument("--engine", choices=("auto", "on", "off"), default="auto",
                    help="also run a real vLLM engine on a tiny Llama built here: cold prefill, save, restore "
                         "with small W, output compared (auto: when vLLM is installed)")
-    e.add_argument("--engine-tokens", type=int, default=32 * 256 + 100, help="prompt length (default %(default)s)")
-    e.add_argument("--engine-window", type=int, default=4, help="W of the engine restore (default %(default)s)")
-    e.add_argument("--engine-log", default="bsr_demo_engine.log",
+    e.add_argument("--engine-tokens", type=positive_int, default=32 * 256 + 100,
+                   help="prompt length (default %(default)s)")
+    e.add_argument("--engine-window", type=positive_window, default=4,
+                   help="W of the engine restore (default %(default)s)")
+    e.add_argument("--engine-log", type=output_file, default="bsr_demo_engine.log",
                    help="vLLM's and Mooncake's native output of the engine part goes here (default %(default)s)")
     d.set_defaults(func=cmd_demo)
 
@@ -68,7 +73,7 @@ def _add_sweep(sub) -> None:
     s.add_argument("--window", type=window_int, default=32, help="W in chunks (0 = whole plan; default 32)")
     s.add_argument("--baseline", action="store_true", help="also run the whole-plan path (W=0) for every length")
     s.add_argument("--repeat", type=count_int, default=1, help="runs per row; the median is reported (default 1)")
-    s.add_argument("--plot", help="PNG of peak staging against prefix length")
+    s.add_argument("--plot", type=output_file, help="PNG of peak staging against prefix length")
     s.set_defaults(func=cmd_sweep)
 
 
@@ -80,7 +85,7 @@ def _add_wlaw(sub) -> None:
     w.add_argument("--tokens", type=positive_int, default=262144, help="prefix length (default 262144)")
     w.add_argument("--windows", type=parse_windows, default=[8, 16, 32, 64],
                    help="comma-separated W values (default 8,16,32,64)")
-    w.add_argument("--plot", help="PNG of peak staging against W")
+    w.add_argument("--plot", type=output_file, help="PNG of peak staging against W")
     w.set_defaults(func=cmd_wlaw)
 
 
@@ -95,7 +100,7 @@ def _add_ladder(sub) -> None:
     la.add_argument("--window", type=window_int, default=32, help="BSR window W (default 32)")
     la.add_argument("--first-rung", type=positive_int, default=1 << 20,
                     help="first capacity rung in bytes (default 1 MiB)")
-    la.add_argument("--plot", help="PNG of the first passing rung against prefix length")
+    la.add_argument("--plot", type=output_file, help="PNG of the first passing rung against prefix length")
     la.set_defaults(func=cmd_ladder)
 
 
@@ -119,7 +124,7 @@ def _add_bench(sub) -> None:
     add_common(b)
     b.add_argument("--windows", type=parse_windows, default=[1, 8, 16, 32, 64],
                    help="comma-separated W values (default 1,8,16,32,64)")
-    b.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    b.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="cpu, cuda or auto (default)")
     b.add_argument("--rounds", type=count_int, default=5, help="timed rounds per case; the fastest counts (default 5)")
     b.set_defaults(func=cmd_bench)
 

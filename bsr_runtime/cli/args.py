@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import sys
 import threading
@@ -23,6 +22,9 @@ MAX_WINDOW = 1 << 16  # = bsr_runtime.restore.MAX_WINDOW_CHUNKS (kept import-fre
 
 
 MAX_COUNT = 1 << 20  # --repeat, --rounds, --load-concurrency: anything above is a typo
+
+
+TIER_CHOICES = ("fs", "mooncake", "lmcache-fs", "lmcache-mooncake")  # = bsr_harness.tier_setup.TIER_NAMES
 
 
 class CliError(Exception):
@@ -64,6 +66,11 @@ def window_int(text: str) -> int:
     return int_arg(text, 0, MAX_WINDOW)
 
 
+def positive_window(text: str) -> int:
+    """W in chunks where the whole plan is no choice: 1 .. MAX_WINDOW."""
+    return int_arg(text, 1, MAX_WINDOW)
+
+
 def count_int(text: str) -> int:
     return int_arg(text, 1, MAX_COUNT)
 
@@ -92,6 +99,33 @@ def seconds_type(text: str) -> float:
     return v
 
 
+def output_file(text: str) -> str:
+    """A file the command writes at the end (--json, --plot, a log): checked when the option enters,
+    not after a long run: its directory must exist and it must not be a directory."""
+    import os
+
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file name")
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"the directory of {text!r} ({parent}) does not exist")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if os.path.exists(text) and not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular file (a FIFO or device would block)")
+    return text
+
+
+def tier_list(text: str) -> str:
+    """--tier: auto, or a comma-separated list of tier names."""
+    names = text.split(",")
+    if text != "auto":
+        for n in names:
+            if n not in TIER_CHOICES:
+                raise argparse.ArgumentTypeError(f"unknown tier {n!r}; choose from {', '.join(TIER_CHOICES)} or auto")
+    return text
+
+
 def scale_type(text: str) -> float:
     try:
         num, _, den = text.partition("/")  # "1/64" is allowed
@@ -111,7 +145,7 @@ def existing_dir(text: str) -> str:
 
 
 def load_registration(name: str, scale: float):
-    from bsr_kernels import Registration, presets
+    from bsr_kernels import presets
 
     if name == "dsv4-flash":
         return presets.dsv4_flash(mtp=False, scale=scale)
@@ -120,25 +154,14 @@ def load_registration(name: str, scale: float):
     if name == "llama-like":
         return presets.llama_like(layers=32, kv_heads=8, head_dim=128, block_size=16) if scale == 1 else \
             presets.llama_like(layers=32, kv_heads=max(1, round(8 * scale)), head_dim=128, block_size=16)
-    path = Path(name)
-    if not path.is_file():
+    if not Path(name).is_file():
         raise CliError(f"--registration {name!r} is neither one of {', '.join(REGISTRATION_NAMES)} nor a file")
-    try:
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
+    from .registration_file import RegistrationFileError, load_registration_file
 
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as e:  # noqa: BLE001 - any parse error is the user's file
-        raise CliError(f"cannot parse registration file {name}: {e}") from None
-    if not isinstance(data, dict):
-        raise CliError(f"registration file {name} must hold a mapping with a 'tensors' list")
     try:
-        return Registration.from_dict(data, name=path.stem)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CliError(f"registration file {name}: {e}") from None
+        return load_registration_file(name)
+    except RegistrationFileError as e:
+        raise CliError(str(e)) from None
 
 
 def add_common(p: argparse.ArgumentParser, *, tier_default: str = "fs") -> None:
@@ -150,7 +173,7 @@ def add_common(p: argparse.ArgumentParser, *, tier_default: str = "fs") -> None:
     g.add_argument("--scale", type=scale_type, default=DEFAULT_SCALE,
                    help="shrink preset entry widths so long prefixes fit in memory here (default 1/64; "
                         "1 = the real widths); ignored for registration files")
-    g.add_argument("--tier", default=tier_default, metavar="fs|mooncake|lmcache-fs|lmcache-mooncake",
+    g.add_argument("--tier", type=tier_list, default=tier_default, metavar="fs|mooncake|lmcache-fs|lmcache-mooncake",
                    help=f"where the state is stored and restored from (default {tier_default})")
     g.add_argument("--root", help="fs tier: keep the objects in this existing directory (default: a temporary "
                                   "directory, removed afterwards)")
@@ -169,7 +192,7 @@ def add_common(p: argparse.ArgumentParser, *, tier_default: str = "fs") -> None:
     r.add_argument("--backend", default="auto", choices=("auto", "torch", "cpu", "triton", "cuda"),
                    help="install backend (default auto)")
     o = p.add_argument_group("output")
-    o.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
+    o.add_argument("--json", type=output_file, metavar="FILE", help="write the rows as JSON to FILE")
     o.add_argument("--quiet", action="store_true", help="no progress bars or notes, just the table")
     o.add_argument("--record", metavar="DIR", type=existing_dir,
                    help="append this run's provenance record (commit, machine, command, figures) to "

@@ -7,7 +7,6 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 
 def human_bytes(n: float) -> str:
@@ -54,8 +53,15 @@ class _NoBar:
 
 
 def write_json(path: str | None, rows: list[dict]) -> None:
+    """The rows as JSON in `path` (the user's --json), opened the filesystem tier's way: a FIFO there
+    is an error, not a hang."""
     if path:
-        Path(path).write_text(json.dumps(rows, indent=1) + "\n")
+        from bsr_runtime.tiers.fs_open import open_regular
+
+        data = (json.dumps(rows, indent=1) + "\n").encode()
+        fd = open_regular(os.path.realpath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
 
 
 def rows_table(rows) -> None:

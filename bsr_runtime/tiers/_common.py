@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -13,6 +16,30 @@ import torch
 from bsr_kernels import host_crc
 
 from .base import CorruptObjectError, FetchHandle, TierError
+
+log = logging.getLogger(__name__)
+
+# How long close() waits for a worker that is running (a read, a write, a transfer) before it gives
+# the worker up: a worker stuck in a system call (a hung network filesystem, a device) must not hang
+# the engine's shutdown
+CLOSE_TIMEOUT_S = 10.0
+
+
+def shutdown_bounded(pool: ThreadPoolExecutor, what: str, timeout_s: float | None = None) -> bool:
+    """Cancel `pool`'s queued work and wait at most `timeout_s` (default CLOSE_TIMEOUT_S) for its running
+    work. True when every worker thread has ended; False (and one warning naming them) when some are
+    still running: they are abandoned, and the caller must leave alone whatever they may still touch
+    (descriptors, registered buffers, event fds)."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + (CLOSE_TIMEOUT_S if timeout_s is None else timeout_s)
+    threads = list(getattr(pool, "_threads", ()))
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in threads if t.is_alive()]
+    if stuck:
+        log.warning("%s: %d worker(s) still running after %.1f s (%s); abandoned so that close() returns",
+                    what, len(stuck), CLOSE_TIMEOUT_S if timeout_s is None else timeout_s, ", ".join(stuck))
+    return not stuck
 
 
 class SettledFetchHandle(FetchHandle):

@@ -78,6 +78,14 @@ class FetchHandle:
         return self.bytes_read
 
 
+def put_replacing(tier: Tier, keys: Sequence[str], views: Sequence[torch.Tensor], *, headroom: int = 0) -> None:
+    """`tier.put`, such that whatever was stored under the keys is replaced: a tier that cannot overwrite
+    (`overwrites` False) deletes the keys first. The store path writes through this."""
+    if not tier.overwrites:
+        tier.delete(keys)
+    tier.put(keys, views, headroom=headroom)
+
+
 class Tier(ABC):
     """One storage tier. Implementations: MemoryTier (tests), FilesystemTier, MooncakeTier."""
 
@@ -98,10 +106,17 @@ class Tier(ABC):
         `headroom`: the bytes before each view are scratch the tier may overwrite until the handle
         completes (a StagingPool with headroom; FETCH_HEADROOM fits a Mooncake object's header)."""
 
+    # Whether put() replaces an object already present under a key (intact, damaged, another
+    # writer's): the repair of a damaged object (the overwrite-save after a failed load) relies on it.
+    # A tier whose store keeps what is there sets this False, and `put_replacing` deletes first.
+    overwrites: bool = True
+
     @abstractmethod
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor], *, headroom: int = 0) -> None:
-        """Store each view (uint8, chunk_bytes) under its key, overwriting atomically. `headroom`:
-        the bytes before each view are scratch the tier may overwrite (never the views)."""
+        """Store each view (uint8, chunk_bytes) under its key, atomically, replacing an object already
+        there (unless `overwrites` is False: see put_replacing). A put that did not store every key
+        raises TierError, never returns. `headroom`: the bytes before each view are scratch the tier may
+        overwrite (never the views)."""
 
     @property
     def preferred_pipeline_depth(self) -> int:

@@ -45,6 +45,7 @@ from ._common import (
     crc_at,
     host_views,
     payload_crc,
+    shutdown_bounded,
 )
 from .base import (
     CorruptObjectError,
@@ -420,13 +421,14 @@ class FilesystemTier(Tier):
         return removed
 
     def close(self) -> None:
-        """Cancel queued reads, wait for running ones, stop every thread, close the root fd.
-        Fetches that had not completed fail with TierUnavailableError."""
+        """Cancel queued reads, wait for running ones (at most CLOSE_TIMEOUT_S: a read stuck in the
+        kernel is abandoned with a warning, and the root fd left open for it), stop every thread, close
+        the root fd. Fetches that had not completed fail with TierUnavailableError."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        stopped = shutdown_bounded(self._pool, f"filesystem tier {self.root}")
         with self._lock:
             stranded = list(self._inflight)
         for state in stranded:  # their queued reads were cancelled: nothing runs any more
@@ -434,7 +436,8 @@ class FilesystemTier(Tier):
                 if state.error is None:
                     state.error = TierUnavailableError("filesystem tier closed before the fetch completed")
             self._maybe_finish(state)
-        os.close(self._root_fd)
+        if stopped:
+            os.close(self._root_fd)
 
     def __del__(self) -> None:  # pragma: no cover - best effort for tiers never closed
         try:

@@ -25,10 +25,58 @@ import ctypes
 import errno
 import os
 import platform
+import stat
 import sys
 
 from .base import CorruptObjectError, MissingObjectError
-from .fs_format import DIR_FLAGS, FILE_FLAGS, SUFFIX
+from .fs_format import DIR_FLAGS, FILE_FLAGS, O_CLOEXEC, SUFFIX
+
+# Added to every open of a file BSR reads or writes (objects, reports, registration files): a
+# symlink in the last component is refused (ELOOP), and a FIFO or device can never block the open.
+SAFE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC
+
+
+class NotRegularFileError(OSError):
+    """A FIFO, socket, device or directory stands where a regular file was expected."""
+
+
+def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: int = 0o644, *,
+                 dir_fd: int | None = None) -> int:
+    """fd of the regular file `path` (relative to `dir_fd` if given), opened the filesystem tier's
+    way: never following a symlink in the last component, never blocking (O_NONBLOCK, so a FIFO
+    opens at once), and refused by an fstat unless it is a regular file. Raises OSError (ELOOP for a
+    symlink, ENXIO for a FIFO opened for writing without a reader) or NotRegularFileError; O_NONBLOCK
+    stays set, which regular files ignore."""
+    fd = os.open(path, flags | SAFE_FLAGS, mode, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(errno.EINVAL, f"not a regular file (mode {stat.filemode(st.st_mode)})",
+                                      os.fspath(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of the regular file `path`, a file the user named (a config file), at most `limit`
+    of them (a longer file raises ValueError). Like the filesystem tier's root, the path the user gave
+    is resolved once (symlinks in it are the user's); the resolved file is opened by open_regular, so
+    a FIFO or device never blocks the read."""
+    fd = open_regular(os.path.realpath(path))
+    out = bytearray()
+    try:
+        while len(out) <= limit:
+            data = os.read(fd, limit + 1 - len(out))
+            if not data:
+                break
+            out += data
+    finally:
+        os.close(fd)
+    if len(out) > limit:
+        raise ValueError(f"{os.fspath(path)} is larger than {limit:,} B")
+    return bytes(out)
 
 _SYS_OPENAT2 = 437  # the same number on every Linux architecture but alpha
 _RESOLVE_NO_MAGICLINKS = 0x02

@@ -48,7 +48,6 @@ runs its own native threads (heartbeat, transfer engine), which its close() stop
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -58,6 +57,9 @@ import torch
 
 from bsr_kernels import host_crc
 
+from ..config_schema import parse
+from . import _common
+from ._common import shutdown_bounded
 from .base import (
     CorruptObjectError,
     FetchHandle,
@@ -91,7 +93,8 @@ class MooncakeTier(Tier):
     def __init__(self, chunk_bytes: int, fingerprint: str, master_address: str, metadata_server: str,
                  options: MooncakeTierOptions | None = None, **overrides) -> None:
         """`options` (or keyword overrides of its fields) configure the client; see MooncakeTierOptions."""
-        o = dataclasses.replace(options or MooncakeTierOptions(), **overrides)
+        base = {} if options is None else {k: getattr(options, k) for k in MooncakeTierOptions.model_fields}
+        o = parse(MooncakeTierOptions, {**base, **overrides}, "Mooncake tier options")
         super().__init__(chunk_bytes, fingerprint)
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -342,22 +345,26 @@ class MooncakeTier(Tier):
         return 1 if self._store is None or self._closed else self._store.health_check()
 
     def close(self) -> None:
-        """Stop the fetch workers (waiting for transfers in flight), unregister every buffer
-        and close the client (its segment is unmounted: objects it hosted are gone)."""
+        """Stop the fetch workers (waiting for transfers in flight at most CLOSE_TIMEOUT_S), unregister
+        every buffer and close the client (its segment is unmounted: objects it hosted are gone). A
+        worker still running then is abandoned with a warning, with the client and its registrations."""
         if self._closed:
             return
         self._closing.set()
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-        verifiers = getattr(self, "_verifiers", None)
-        if verifiers is not None:
-            verifiers.shutdown(wait=True, cancel_futures=True)
-        with self._pending_lock:  # fetches cancelled before they started
+        stopped = True
+        for pool in (getattr(self, "_pool", None), getattr(self, "_verifiers", None)):
+            if pool is not None:
+                # a running transfer ends within its RPC timeout: wait for that at least
+                stopped = shutdown_bounded(pool, f"Mooncake tier ({self.master_address})",
+                                           max(_common.CLOSE_TIMEOUT_S, 2 * self.rpc_timeout_s)) and stopped
+        with self._pending_lock:  # fetches cancelled before they started (or abandoned running)
             for h in self._pending.values():
                 h.set_error(TierUnavailableError("Mooncake tier closed before the fetch ran"))
             self._pending.clear()
         self._closed = True
+        if not stopped:  # a transfer may still land in registered buffers: leave them and the client alone
+            self._store = None
+            return
         self._reads.close()  # header and landing buffers, unregistered through self._store
         self._staging.close()
         store, self._store = self._store, None

@@ -11,9 +11,9 @@ from .config import (
     BSRLMCacheConfig,
     align_up,
     build_storage_manager,
-    fs_l2,
+    fs_l2_config,
     load_adapter_config,
-    mooncake_l2,
+    mooncake_l2_config,
 )
 from .l1_usage import L1UsageTracker
 from .objects import LMCacheKeys, chunk_layout
@@ -24,6 +24,6 @@ from .store import L1StoreStage
 __all__ = [
     "CONFIG_FILE_ENV", "PROBE_BATCH_CHUNKS", "BSRLMCacheConfig", "L1RestoreStage", "L1StoreStage",
     "L1UsageTracker", "L1WindowError", "LMCacheAdapter", "LMCacheKeys", "LMCacheLookup", "LMCacheProbeResult",
-    "LMCacheRestoreReport", "align_up", "build_storage_manager", "chunk_layout", "fs_l2", "load_adapter_config",
-    "mooncake_l2",
+    "LMCacheRestoreReport", "align_up", "build_storage_manager", "chunk_layout", "fs_l2_config",
+    "load_adapter_config", "mooncake_l2_config",
 ]

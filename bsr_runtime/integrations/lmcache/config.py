@@ -1,20 +1,27 @@
 """The adapter's configuration and the LMCache storage stack it runs on.
 
-Config, the LMCache way: a config class made by LMCache's `create_config_class`, loaded with
-`load_config_with_overrides`: the file named by LMCACHE_BSR_CONFIG_FILE, then LMCACHE_* variables,
-then explicit overrides. LMCACHE_PREFETCH_WINDOW_CHUNKS (W, default 0 = LMCache's whole-plan
-behaviour), LMCACHE_PROBE_ONLY, LMCACHE_FS_LOAD_CONCURRENCY (read by the FS L2 plugin, fs_l2.py),
-LMCACHE_PREFETCH_TIMEOUT_S, LMCACHE_INSTALL_BACKEND, LMCACHE_EVICT_RETAINED.
+Config, the LMCache way: a config class made by LMCache's `create_config_class`, loaded from the
+file named by LMCACHE_BSR_CONFIG_FILE (YAML), then LMCACHE_* variables, then explicit overrides.
+LMCACHE_PREFETCH_WINDOW_CHUNKS (W, default 0 = LMCache's whole-plan behaviour), LMCACHE_PROBE_ONLY,
+LMCACHE_FS_LOAD_CONCURRENCY (read by the FS L2 plugin, fs_l2.py), LMCACHE_PREFETCH_TIMEOUT_S,
+LMCACHE_INSTALL_BACKEND, LMCACHE_EVICT_RETAINED. Unlike LMCache's own loader (which logs a bad
+value and falls back to a default or None, and ignores unknown keys), every source is checked by
+one schema (`LMCacheKnobs`): an unknown key in the file or the overrides, a variable that does not
+parse ("ture", "8.5") or a value out of range is one ValueError naming every bad key and its source.
 
 `build_storage_manager` makes LMCache 0.5.6's multiprocess StorageManager (one DRAM L1, the given
-L2 adapters); `fs_l2` and `mooncake_l2` are the L2 plugin configs of fs_l2.py and mooncake_l2.py.
+L2 adapters); `fs_l2_config` and `mooncake_l2_config` are the L2 plugin configs of fs_l2.py and
+mooncake_l2.py (their parameters: specs.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
 
-from lmcache.v1.config_base import create_config_class, load_config_with_overrides
+import yaml
+from lmcache.v1.config_base import create_config_class
 from lmcache.v1.distributed.config import (
     EvictionConfig,
     L1ManagerConfig,
@@ -24,69 +31,140 @@ from lmcache.v1.distributed.config import (
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase, L2AdaptersConfig
 from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 from lmcache.v1.distributed.storage_manager import StorageManager
+from pydantic import Field
 
+from bsr_runtime.config_schema import Backend, Count, Schema, Seconds, parse, problems, raise_problems
 from bsr_runtime.restore import MAX_WINDOW_CHUNKS
+from bsr_runtime.tiers.fs_open import read_regular
+
+from .specs import FSL2Params, MooncakeL2Params
+
+CONFIG_FILE_ENV = "LMCACHE_BSR_CONFIG_FILE"
+ENV_PREFIX = "LMCACHE_"
+WHAT = "BSR LMCache config"
 
 
-def _to_bool(v) -> bool:
+class LMCacheKnobs(Schema):
+    """The adapter's knobs: one line each (the LMCache config class below is made from them)."""
+
+    prefetch_window_chunks: Annotated[int, Field(ge=0, le=MAX_WINDOW_CHUNKS)] = Field(
+        0, description="W: chunks per prefetch window; 0 = LMCache's whole-plan prefetch")
+    probe_only: bool = Field(False, description="lookup() reports hits without making them resident or keeping locks")
+    fs_load_concurrency: Count = Field(1, description="concurrent file reads per FS L2 load task (fs_l2 plugin)")
+    prefetch_timeout_s: Seconds = Field(30.0, description="per window: a prefetch not complete by then fails "
+                                                          "the retrieve")
+    install_backend: Backend = Field("auto", description="bsr_kernels install backend: auto, torch, cpu, triton, "
+                                                         "cuda")
+    evict_retained: bool = Field(True, description="W > 0: delete L2-loaded keys a retaining prefetch policy kept "
+                                                   "in L1")
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _env_bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
-    return str(v).strip().lower() in ("1", "true", "yes", "on")
+    text = str(v).strip().lower()
+    if text not in _TRUE + _FALSE:
+        raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+    return text in _TRUE
+
+
+def _env_int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else int(str(v).strip(), 10)
+
+
+def _env_float(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float(str(v).strip())
+
+
+_CONVERTERS = {bool: _env_bool, int: _env_int, float: _env_float, str: str}
+
+
+def _definitions() -> dict[str, dict[str, Any]]:
+    """LMCache's config definitions, from the schema (its defaults and descriptions)."""
+    return {name: {"type": type(f.default), "default": f.default, "env_converter": _CONVERTERS[type(f.default)],
+                   "description": f.description} for name, f in LMCacheKnobs.model_fields.items()}
+
+
+def checked_values(config_file: str | None = None, env: bool = True, values: Mapping[str, Any] | None = None
+                   ) -> dict[str, Any]:
+    """The knobs from `config_file` (YAML), then LMCACHE_* variables (`env`), then `values`, checked by
+    LMCacheKnobs: one ValueError naming every bad key and where it came from."""
+    raw: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    bad: list[str] = []
+    if config_file:
+        try:
+            data = yaml.safe_load(read_regular(config_file, 1 << 20)) or {}
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            raise_problems(WHAT, [f"config file {config_file}: {e}"])
+        if not isinstance(data, Mapping):
+            raise_problems(WHAT, [f"config file {config_file}: expected a mapping of keys, got {type(data).__name__}"])
+        raw.update(data)
+        source.update({k: f"file {config_file}" for k in data})
+    for name, f in LMCacheKnobs.model_fields.items() if env else ():
+        text = os.environ.get(ENV_PREFIX + name.upper())
+        if text is None:
+            continue
+        source[name] = f"${ENV_PREFIX}{name.upper()}"
+        try:
+            raw[name] = _CONVERTERS[type(f.default)](text)
+        except ValueError as e:
+            bad.append(f"{name} (from {source[name]}): {e} (got {text!r})")
+            raw.pop(name, None)
+    for k, v in (values or {}).items():
+        raw[k] = v
+        source[k] = "overrides"
+    for p in problems(LMCacheKnobs, raw):
+        key = p.partition(":")[0]
+        bad.append(p.replace(key, f"{key} (from {source[key]})", 1) if key in source else p)
+    if bad:
+        raise_problems(WHAT, bad)
+    return LMCacheKnobs.model_validate(raw).model_dump()
 
 
 def _validate(self) -> None:
-    w = self.prefetch_window_chunks
-    if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= MAX_WINDOW_CHUNKS:
-        raise ValueError(f"prefetch_window_chunks (W) must be an integer in [0, {MAX_WINDOW_CHUNKS}], got {w!r}")
-    n = self.fs_load_concurrency
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"fs_load_concurrency must be an integer >= 1, got {n!r}")
-    if not (isinstance(self.prefetch_timeout_s, (int, float)) and self.prefetch_timeout_s > 0):
-        raise ValueError(f"prefetch_timeout_s must be positive, got {self.prefetch_timeout_s!r}")
+    parse(LMCacheKnobs, {name: getattr(self, name) for name in LMCacheKnobs.model_fields}, WHAT)
 
-
-_CONFIG_DEFINITIONS = {
-    "prefetch_window_chunks": {"type": int, "default": 0, "env_converter": int,
-                               "description": "W: chunks per prefetch window; 0 = LMCache's whole-plan prefetch"},
-    "probe_only": {"type": bool, "default": False, "env_converter": _to_bool,
-                   "description": "lookup() reports hits without making them resident or keeping locks"},
-    "fs_load_concurrency": {"type": int, "default": 1, "env_converter": int,
-                            "description": "concurrent file reads per FS L2 load task (fs_l2 plugin)"},
-    "prefetch_timeout_s": {"type": float, "default": 30.0, "env_converter": float,
-                           "description": "per window: a prefetch not complete by then fails the retrieve"},
-    "install_backend": {"type": str, "default": "auto", "env_converter": str,
-                        "description": "bsr_kernels install backend: auto, torch, cpu, triton, cuda"},
-    "evict_retained": {"type": bool, "default": True, "env_converter": _to_bool,
-                       "description": "W > 0: delete L2-loaded keys a retaining prefetch policy kept in L1"},
-}
 
 BSRLMCacheConfig = create_config_class(
-    "BSRLMCacheConfig", _CONFIG_DEFINITIONS, namespace_extras={"validate": _validate}, env_prefix="LMCACHE_"
-)
-CONFIG_FILE_ENV = "LMCACHE_BSR_CONFIG_FILE"
+    "BSRLMCacheConfig", _definitions(), env_prefix=ENV_PREFIX, namespace_extras={
+        "validate": _validate,
+        # the strict loaders replace LMCache's lenient ones (which log a bad value and carry on)
+        "from_env": classmethod(lambda cls: cls(**checked_values())),
+        "from_file": classmethod(lambda cls, path: cls(**checked_values(path, env=False))),
+        "from_dict": classmethod(lambda cls, d: cls(**checked_values(env=False, values=d))),
+        "from_defaults": classmethod(lambda cls, **kw: cls(**checked_values(env=False, values=kw))),
+    })
 
 
 def load_adapter_config(config_file: str | None = None, **overrides):
     """The adapter config, loaded like LMCache's own: file (`config_file` or $LMCACHE_BSR_CONFIG_FILE),
-    then LMCACHE_* environment variables, then `overrides`; validated."""
-    return load_config_with_overrides(BSRLMCacheConfig, CONFIG_FILE_ENV, config_file, overrides or None)
+    then LMCACHE_* environment variables, then `overrides`; every key checked (LMCacheKnobs)."""
+    return BSRLMCacheConfig(**checked_values(config_file or os.environ.get(CONFIG_FILE_ENV), True, overrides))
 
 
-def fs_l2(base_path: str, load_concurrency: int | None = None, **kw) -> PluginL2AdapterConfig:
+def fs_l2_config(base_path: str, load_concurrency: int | None = None, **kw) -> PluginL2AdapterConfig:
     """LMCache's FS L2 adapter with concurrent loads (fs_l2.ConcurrentFSL2Adapter), as a plugin.
-    `load_concurrency` None: $LMCACHE_FS_LOAD_CONCURRENCY (default 1 = LMCache's one-at-a-time loads)."""
-    params = {"base_path": str(base_path), **kw}
+    `load_concurrency` None: $LMCACHE_FS_LOAD_CONCURRENCY (default 1 = LMCache's one-at-a-time loads).
+    The parameters are checked here (specs.FSL2Params) and again by the plugin's config."""
+    params = {"base_path": os.fspath(base_path), **kw}
     if load_concurrency is not None:
-        params["load_concurrency"] = int(load_concurrency)
+        params["load_concurrency"] = load_concurrency
+    parse(FSL2Params, params, "FS L2 plugin adapter_params")
     return PluginL2AdapterConfig.from_dict({
         "module_path": "bsr_runtime.integrations.lmcache.fs_l2", "class_name": "ConcurrentFSL2Adapter",
         "adapter_params": params,
     })
 
 
-def mooncake_l2(master_address: str, metadata_server: str, **kw) -> PluginL2AdapterConfig:
-    """The Mooncake L2 adapter of mooncake_l2.py (pip wheels only), as a plugin."""
+def mooncake_l2_config(master_address: str, metadata_server: str, **kw) -> PluginL2AdapterConfig:
+    """The Mooncake L2 adapter of mooncake_l2.py (pip wheels only), as a plugin; parameters checked
+    here (specs.MooncakeL2Params) and again by the plugin's config."""
     params = {"master_address": master_address, "metadata_server": metadata_server, **kw}
+    parse(MooncakeL2Params, params, "Mooncake L2 plugin adapter_params")
     return PluginL2AdapterConfig.from_dict({
         "module_path": "bsr_runtime.integrations.lmcache.mooncake_l2", "class_name": "BSRMooncakeL2Adapter",
         "adapter_params": params,

@@ -6,9 +6,17 @@ with nothing binding the bytes to the key: a damaged, swapped or other-tenant fi
 valid. This subclass writes each file as a 64-byte header (magic, version, payload length, sha256 of
 the ObjectKey, CRC-32C of the payload; fs_l2_object.py) + the payload, and checks the header and the
 payload's checksum on every load before it sets the key's bit: a failed check (or a headerless file
-in LMCache's format) is logged and the key is not loaded, so the restore fails closed. Lookups still
-report the file (its existence); deletes are LMCache's. O_DIRECT is not used (the header breaks its
-alignment): use_odirect is ignored with a warning.
+in LMCache's format) is logged and the key is not loaded, so the restore fails closed. Lookups
+report a regular file under the key's name (its existence, not followed if a symlink); deletes are
+LMCache's. O_DIRECT is not used (the header breaks its alignment): use_odirect is ignored with a warning.
+
+Files are opened the filesystem tier's way (bsr_runtime/tiers/fs_open.py): relative to the base
+directory's descriptor, never following a symlink, never blocking (O_NONBLOCK, so a FIFO in an
+object's place cannot hang a load), regular files only (fstat); a store writes a temp file of its own
+(O_EXCL, unique name) and renames it over the key's file. A store replaces the key's file whether or
+not one is there (`overwrites_objects`: LMCache's FSL2Adapter skips a key whose file exists, so a
+damaged object could never be repaired by storing it again). close() waits for running jobs at most
+CLOSE_TIMEOUT_S (tiers/_common.py), then abandons a stuck one with a warning.
 
 Each task hands work between threads as few times as it can. FSL2Adapter sends every task from
 LMCache's controller thread to its event loop, which awaits one or more thread-pool calls per key, and
@@ -33,6 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -43,32 +53,38 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import (
     FSL2Adapter,
     FSL2AdapterConfig,
+    _object_key_to_filename,
     _readinto_full,
 )
 
-from .config import BSRLMCacheConfig
+from bsr_runtime.config_schema import parse
+from bsr_runtime.tiers._common import shutdown_bounded
+from bsr_runtime.tiers.fs_format import DIR_FLAGS, TMP_FLAGS
+from bsr_runtime.tiers.fs_open import open_regular
+
+from .config import checked_values
 from .fs_l2_object import HEADER_SIZE, header_problem, pack_header, payload_problem
+from .specs import FSL2Params
 
 logger = init_logger(__name__)
 
 
 class ConcurrentFSL2AdapterConfig(FSL2AdapterConfig):
-    """FSL2AdapterConfig plus `load_concurrency` (None: $LMCACHE_FS_LOAD_CONCURRENCY)."""
+    """FSL2AdapterConfig plus `load_concurrency` (None: $LMCACHE_FS_LOAD_CONCURRENCY); every parameter is
+    checked by one schema (specs.FSL2Params: unknown keys refused, one error naming every bad key)."""
 
     def __init__(self, base_path: str, relative_tmp_dir: str | None = None, read_ahead_size: int | None = None,
                  use_odirect: bool = False, load_concurrency: int | None = None) -> None:
-        super().__init__(base_path, relative_tmp_dir, read_ahead_size, use_odirect)
-        if load_concurrency is not None and (
-            isinstance(load_concurrency, bool) or not isinstance(load_concurrency, int) or load_concurrency < 1
-        ):
-            raise ValueError(f"load_concurrency must be a positive integer, got {load_concurrency!r}")
-        self.load_concurrency = load_concurrency
+        p = parse(FSL2Params, {"base_path": base_path, "relative_tmp_dir": relative_tmp_dir,
+                               "read_ahead_size": read_ahead_size, "use_odirect": use_odirect,
+                               "load_concurrency": load_concurrency}, "FS L2 plugin adapter_params")
+        super().__init__(p.base_path, p.relative_tmp_dir, p.read_ahead_size, p.use_odirect)
+        self.load_concurrency = p.load_concurrency
 
     @classmethod
     def from_dict(cls, d: dict) -> ConcurrentFSL2AdapterConfig:
-        base = FSL2AdapterConfig.from_dict(d)
-        return cls(base.base_path, base.relative_tmp_dir, base.read_ahead_size, base.use_odirect,
-                   d.get("load_concurrency"))
+        p = parse(FSL2Params, d, "FS L2 plugin adapter_params")
+        return cls(**p.model_dump())
 
     @classmethod
     def help(cls) -> str:
@@ -76,9 +92,7 @@ class ConcurrentFSL2AdapterConfig(FSL2AdapterConfig):
 
 
 def _env_load_concurrency() -> int:
-    cfg = BSRLMCacheConfig.from_env()
-    cfg.validate()
-    return cfg.fs_load_concurrency
+    return checked_values()["fs_load_concurrency"]
 
 
 INLINE_LOOKUP_KEYS = 64  # ~6 us of stat per key here: at most ~0.4 ms on LMCache's controller thread
@@ -102,6 +116,8 @@ class _PartedLoad:
 class ConcurrentFSL2Adapter(FSL2Adapter):
     """FSL2Adapter whose object files carry a checked header and whose loads read `load_concurrency` keys at a time."""
 
+    overwrites_objects = True  # a store replaces the key's file (LMCacheTier.overwrites relies on it)
+
     def __init__(self, config: FSL2AdapterConfig, l1_memory_desc: Any = None) -> None:
         super().__init__(config)
         if self._use_odirect:
@@ -110,13 +126,27 @@ class ConcurrentFSL2Adapter(FSL2Adapter):
         conc = getattr(config, "load_concurrency", None)
         self.load_concurrency = int(conc) if conc is not None else _env_load_concurrency()
         logger.info("ConcurrentFSL2Adapter: load_concurrency=%d", self.load_concurrency)
+        # every object is opened relative to these (the base directory the user named is resolved once)
+        self._base_fd = os.open(os.path.realpath(self._base_path), DIR_FLAGS)
+        self._tmp_fd = self._base_fd
+        if self._relative_tmp_dir is not None:
+            self._tmp_fd = os.open(self._relative_tmp_dir, DIR_FLAGS, dir_fd=self._base_fd)
         # stores, lookups and load parts run here, submitted by LMCache's controller thread: one hand-off
         # there and an eventfd back (FSL2Adapter goes through its event loop, then its thread pool)
         self._pool = ThreadPoolExecutor(max_workers=max(2, self.load_concurrency), thread_name_prefix="bsr-fs-l2")
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)  # running tasks finish before the eventfds close
-        super().close()
+        """Stop the jobs (queued ones cancelled, running ones waited for at most CLOSE_TIMEOUT_S), then
+        LMCache's event loop and event fds. A job still running then is abandoned, and with it the event fds
+        and directory descriptors it may still use (left open rather than closed under it)."""
+        if shutdown_bounded(self._pool, "ConcurrentFSL2Adapter"):
+            super().close()
+            for fd in {self._tmp_fd, self._base_fd}:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            return
+        with contextlib.suppress(Exception):
+            self._loop.call_soon_threadsafe(self._loop.stop)
 
     def report_status(self) -> dict:
         status = super().report_status()
@@ -175,33 +205,53 @@ class ConcurrentFSL2Adapter(FSL2Adapter):
             self._store_efd.notify()
 
     def _store_all(self, keys, objects) -> tuple[bool, list[tuple[Any, int]]]:
-        """(every key stored or already on disk, [(key, file size) of each file written])."""
+        """(every key stored, [(key, bytes added) of each file written]). Each key's file is replaced, present
+        or not; an overwritten file adds no bytes to LMCache's L2 usage."""
         success, stored = True, []
         for key, obj in zip(keys, objects, strict=True):
-            file_path, tmp_path = self._key_to_file_and_tmp_path(key)
+            name = _object_key_to_filename(key)
             try:
-                if os.path.exists(file_path):
-                    continue
-                buf = obj.byte_array
-                with open(tmp_path, "wb") as f:
-                    f.write(pack_header(key, obj.data_ptr, len(buf)))
-                    f.write(buf)
-                os.replace(tmp_path, file_path)
+                existed = self._write_object(name, key, obj)
             except Exception:
-                logger.exception("ConcurrentFSL2Adapter failed to store %s", file_path)
+                logger.exception("ConcurrentFSL2Adapter failed to store %s", name)
                 success = False
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp_path)
                 continue
-            stored.append((key, HEADER_SIZE + len(buf)))  # the file's size, as delete() reports it
+            stored.append((key, 0 if existed else HEADER_SIZE + len(obj.byte_array)))
         return success, stored
 
+    def _write_object(self, name: str, key, obj) -> bool:
+        """Header + payload into a temp file of this writer's own, renamed over `name`; whether a file was there."""
+        buf = obj.byte_array
+        tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, TMP_FLAGS, 0o644, dir_fd=self._tmp_fd)
+        try:
+            try:
+                for part in (pack_header(key, obj.data_ptr, len(buf)), memoryview(buf).cast("B")):
+                    while part:
+                        part = part[os.write(fd, part):]
+            finally:
+                os.close(fd)
+            existed = self._present(name)
+            os.replace(tmp, name, src_dir_fd=self._tmp_fd, dst_dir_fd=self._base_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self._tmp_fd)
+            raise
+        return existed
+
+    def _present(self, name: str) -> bool:
+        """A regular file under `name` (a symlink is not followed, so it never counts)."""
+        try:
+            return stat.S_ISREG(os.stat(name, dir_fd=self._base_fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return False
+
     def _run_lookup(self, keys, task_id) -> None:
-        """FSL2Adapter's lookup: a key is present iff its file exists."""
+        """FSL2Adapter's lookup: a key is present iff a regular file holds its name."""
         bitmap = Bitmap(len(keys))
         try:
             for i, key in enumerate(keys):
-                if os.path.exists(self._key_to_path(key)):
+                if self._present(_object_key_to_filename(key)):
                     bitmap.set(i)
         except Exception:
             logger.exception("ConcurrentFSL2Adapter lookup task %d failed", task_id)
@@ -237,26 +287,29 @@ class ConcurrentFSL2Adapter(FSL2Adapter):
     def _load_one(self, key, obj) -> bool:
         """One key, checked: open, header into a small buffer, payload straight into the preallocated
         object, checksum in place. True iff the file is the key's own intact object of the object's size."""
-        file_path = self._key_to_path(key)
+        name = _object_key_to_filename(key)
         try:
-            why = self._read_checked(key, file_path, obj)
+            why = self._read_checked(key, name, obj)
         except FileNotFoundError:
             return False
+        except OSError as e:  # a symlink (ELOOP), a FIFO or device (NotRegularFileError), ...
+            why = f"not opened: {e.strerror or e}"
         except Exception:
-            logger.exception("ConcurrentFSL2Adapter failed to load %s", file_path)
+            logger.exception("ConcurrentFSL2Adapter failed to load %s", name)
             return False
         if why is not None:
-            logger.warning("ConcurrentFSL2Adapter refused %s: %s", file_path.name, why)
+            logger.warning("ConcurrentFSL2Adapter refused %s: %s", name, why)
             return False
         return True
 
-    def _read_checked(self, key, file_path, obj) -> str | None:
+    def _read_checked(self, key, name: str, obj) -> str | None:
         """Why the file must not be used (None: it is key's intact object, now in obj). Off the event loop."""
         dst_buf = obj.byte_array
         expected = len(dst_buf)
         header = bytearray(HEADER_SIZE)
-        with open(file_path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
+        fd = open_regular(name, os.O_RDONLY, dir_fd=self._base_fd)  # no symlink, no FIFO, never blocks
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            size = os.fstat(fd).st_size
             got = _readinto_full(f, header)
             why = header_problem(key, header[:got], expected)
             if why is not None:

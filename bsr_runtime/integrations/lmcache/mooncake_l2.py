@@ -55,9 +55,13 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
+from bsr_runtime.config_schema import parse
+from bsr_runtime.tiers._common import shutdown_bounded
 from bsr_runtime.tiers.base import TierError
 from bsr_runtime.tiers.mooncake import MooncakeTier
 from bsr_runtime.tiers.mooncake_object import HEADER_SIZE, ObjectCodec
+
+from .specs import MooncakeL2Params
 
 logger = init_logger(__name__)
 
@@ -65,47 +69,15 @@ _SEP = "@"
 
 
 class BSRMooncakeL2AdapterConfig(L2AdapterConfigBase):
-    """Connection settings of the Mooncake L2 plugin (see MooncakeTier for their meaning)."""
-
-    _FIELDS: dict[str, tuple[type, Any]] = {
-        "protocol": (str, "tcp"),
-        "local_hostname": (str, "127.0.0.1"),
-        "global_segment_size": (int, 512 << 20),
-        "local_buffer_size": (int, 16 << 20),
-        "device_name": (str, ""),
-        "connect_timeout_s": (float, 10.0),
-        "rpc_timeout_s": (float, 5.0),
-        "tenant_id": (str, "default"),
-        "num_workers": (int, 2),
-        "key_prefix": (str, "lmcache"),
-        "register_l1": (bool, True),
-        "max_capacity_bytes": (int, 0),
-        "fingerprint": (str, "lmcache-l2"),
-        "verify_batch_bytes": (int, 8 << 20),
-        "put_batch_bytes": (int, 64 << 20),
-    }
+    """Connection settings of the Mooncake L2 plugin (see MooncakeTier for their meaning), checked by one
+    schema (specs.MooncakeL2Params: strict types, unknown keys refused, one error naming every bad key)."""
 
     def __init__(self, master_address: str, metadata_server: str, **kw: Any) -> None:
-        if not isinstance(master_address, str) or not master_address:
-            raise ValueError("master_address must be a non-empty string (HOST:PORT)")
-        if not isinstance(metadata_server, str) or not metadata_server:
-            raise ValueError("metadata_server must be a non-empty string")
-        self.master_address = master_address
-        self.metadata_server = metadata_server
-        unknown = set(kw) - set(self._FIELDS)
-        if unknown:
-            raise ValueError(f"unknown Mooncake L2 settings: {sorted(unknown)}")
-        for name, (typ, default) in self._FIELDS.items():
-            value = kw.get(name, default)
-            if typ is bool:
-                value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
-            else:
-                value = typ(value)
-            setattr(self, name, value)
-        if self.num_workers < 1:
-            raise ValueError("num_workers must be >= 1")
-        if _SEP in self.key_prefix:
-            raise ValueError(f"key_prefix must not contain {_SEP!r}")
+        p = parse(MooncakeL2Params, {"master_address": master_address, "metadata_server": metadata_server, **kw},
+                  "Mooncake L2 plugin adapter_params")
+        for name in MooncakeL2Params.model_fields:
+            if name != "eviction":
+                setattr(self, name, getattr(p, name))
 
     @classmethod
     def from_dict(cls, d: dict) -> BSRMooncakeL2AdapterConfig:
@@ -113,14 +85,15 @@ class BSRMooncakeL2AdapterConfig(L2AdapterConfigBase):
         d.pop("type", None)
         eviction = cls._parse_eviction_config(d)
         d.pop("eviction", None)
-        cfg = cls(d.pop("master_address", ""), d.pop("metadata_server", ""), **d)
+        cfg = cls(**d)
         cfg.eviction_config = eviction
         return cfg
 
     @classmethod
     def help(cls) -> str:
-        fields = ", ".join(f"{k} ({t.__name__}, default {v!r})" for k, (t, v) in cls._FIELDS.items())
-        return ("BSR Mooncake L2 plugin: master_address (HOST:PORT), metadata_server (URL), " + fields)
+        fields = ", ".join(f"{k} (default {f.default!r})" for k, f in MooncakeL2Params.model_fields.items()
+                           if not f.is_required())
+        return "BSR Mooncake L2 plugin: master_address (HOST:PORT), metadata_server (URL), " + fields
 
 
 def padding_rooms(ptrs: Sequence[int], sizes: Sequence[int], physical: Sequence[int]) -> list[int]:
@@ -369,7 +342,8 @@ class BSRMooncakeL2Adapter(L2AdapterInterface):
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if not shutdown_bounded(self._pool, "BSRMooncakeL2Adapter"):
+            return  # a job still running may use the client, the L1 registration and the event fds
         if self._registered is not None:  # even while a fault makes _live_store() raise
             with contextlib.suppress(Exception):
                 self._tier._registrations.remove(self._registered)

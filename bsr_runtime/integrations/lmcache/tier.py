@@ -13,7 +13,9 @@ It drives the StorageManager of an `LMCacheAdapter` (adapter.py), configured the
   window's objects during the fetch, BSR's staging the window: both bounded by W.
 - put: `reserve_write` -> copy into the reserved L1 objects -> `finish_write`; LMCache's store
   controller writes them to the L2 adapters; the put waits until an L2 adapter holds them and
-  deletes them from L1.
+  deletes them from L1. A key it cannot reserve is an error. `overwrites` is False (an L2 lookup
+  cannot tell the new object from an old one under the key), so the store path deletes first
+  (`delete`: L1 and every L2 adapter): a damaged object is replaced, not kept.
 
 Object keys: LMCache ObjectKeys whose chunk_hash is a 128-bit hash of the BSR key (which binds the
 registration, TP geometry, tenant, model and prefix chain), model_name "bsr-<fingerprint[:16]>",
@@ -36,6 +38,7 @@ from lmcache.v1.distributed.api import GroupedObjectKeys, ObjectKey, PrefetchTas
 
 from bsr_kernels import Registration
 
+from ...config_schema import parse
 from ...tiers.base import (
     CorruptObjectError,
     FetchHandle,
@@ -45,10 +48,11 @@ from ...tiers.base import (
     TierError,
 )
 from .adapter import LMCacheAdapter
-from .config import fs_l2, load_adapter_config, mooncake_l2
+from .config import fs_l2_config, load_adapter_config, mooncake_l2_config
 from .objects import _owners
 from .probe import _probe_l1
 from .retrieve import WINDOW_TAG, evict_l2_loaded, release_result
+from .specs import LMCACHE_TIER_SPECS, LMCacheFSTierSpec
 from .store import abort_writes, flush_l1, wait_in_l2
 
 _RANK = re.compile(r"-r(\d+)of(\d+)-")
@@ -147,29 +151,54 @@ class LMCacheTier(Tier):
             evict_l2_loaded(self.sm, result, okeys)
         return len(keys) * c
 
+    @property
+    def overwrites(self) -> bool:
+        """False: a put goes to L2 through LMCache's store controller, and the put waits until an L2 lookup
+        finds each key, which an old object under the key already satisfies; so a replacing put
+        (store.store_prefix, through tiers.base.put_replacing) deletes the keys first (`delete`)."""
+        return False
+
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor], *, headroom: int = 0) -> None:
+        """reserve_write -> copy into the reserved L1 objects -> finish_write; waits until an L2 adapter holds
+        every key and flushes them from L1. A key that cannot be reserved in L1 (resident there already,
+        or no room) is a TierError, never a success without a write."""
         c = self.chunk_bytes
         okeys = self._object_keys(keys)
         reserved = self.sm.reserve_write(okeys, self.adapter.layout)
         try:
+            missing = [k for k in okeys if reserved.get(k) is None]
+            if missing:
+                raise TierError(f"LMCache put: {len(missing)}/{len(okeys)} objects could not be reserved in L1 "
+                                "(already resident, being written, or no room)")
             for k, view in zip(okeys, views, strict=True):
-                obj = reserved.get(k)
-                if obj is not None:
-                    obj.raw_tensor.view(torch.uint8).reshape(-1)[:c].copy_(view.reshape(-1)[:c])
+                reserved[k].raw_tensor.view(torch.uint8).reshape(-1)[:c].copy_(view.reshape(-1)[:c])
         except BaseException:
             abort_writes(self.sm, list(reserved))
             raise
-        if reserved:
-            self.sm.finish_write([k for k in okeys if k in reserved])
+        self.sm.finish_write(okeys)
         deadline = time.monotonic() + self.put_timeout_s
         try:
             if self.sm.l2_adapters():
                 wait_in_l2(self.adapter.l2, okeys, deadline)
                 flush_l1(self.sm, okeys, deadline)
-            elif len(reserved) < len(okeys):
-                raise TierError(f"LMCache L1 had no room for {len(okeys) - len(reserved)} objects")
         except TimeoutError as e:
             raise TierError(f"LMCache put: {e}") from e
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """The keys' objects gone from L1 (waiting out readers' locks) and from every L2 adapter."""
+        okeys = self._object_keys(keys)
+        if not okeys:
+            return
+        try:
+            flush_l1(self.sm, okeys, time.monotonic() + self.put_timeout_s)
+            for _desc, l2 in self.sm.l2_adapters():
+                l2.delete(okeys)  # LMCache's adapters log a failed delete and return
+        except TimeoutError as e:
+            raise TierError(f"LMCache delete: {e}") from e
+        found, errors = self.adapter.l2.lookup(okeys)
+        left = sum(any(row[i] for row in found.values()) for i in range(len(okeys)))
+        if left or errors:
+            raise TierError(f"LMCache delete: {left}/{len(okeys)} objects are still in L2 {'; '.join(errors)}")
 
     def close(self) -> None:
         self.adapter.close()
@@ -177,23 +206,21 @@ class LMCacheTier(Tier):
 
 @contextlib.contextmanager
 def open_lmcache_tier(reg: Registration, kind: str, options: Mapping) -> Iterator[LMCacheTier]:
-    """An LMCacheTier with LMCache's FS ("lmcache-fs": `root`, `load_concurrency`) or Mooncake
-    ("lmcache-mooncake": `master_address`, `metadata_server`, `protocol`, `global_segment_size`)
+    """An LMCacheTier with LMCache's FS ("lmcache-fs": `root`, `load_concurrency`, ...) or Mooncake
+    ("lmcache-mooncake": `master_address`, `metadata_server`, `protocol`, `global_segment_size`, ...)
     L2 adapter, an L1 of `l1_bytes`, and the adapter config loaded the LMCache way (`config_file`,
-    then LMCACHE_* variables)."""
-    opts = dict(options)
-    l1_bytes = int(opts.pop("l1_bytes", 256 << 20))
-    config = load_adapter_config(opts.pop("config_file", None))
-    if kind == "lmcache-fs":
-        root = opts.pop("root")
-        Path(root).mkdir(parents=True, exist_ok=True)
-        l2 = fs_l2(root, opts.pop("load_concurrency", None), **opts)
-    elif kind == "lmcache-mooncake":
-        opts.setdefault("global_segment_size", 0)
-        l2 = mooncake_l2(opts.pop("master_address"), opts.pop("metadata_server"), **opts)
-    else:
+    then LMCACHE_* variables). The options are checked first (specs.py: one error naming every bad key)."""
+    if kind not in LMCACHE_TIER_SPECS:
         raise ValueError(f"{kind!r} is not an LMCache tier (lmcache-fs | lmcache-mooncake)")
-    adapter = LMCacheAdapter.create(reg, l1_bytes, [l2], config)
+    spec = parse(LMCACHE_TIER_SPECS[kind], {"type": kind, **options}, f"{kind} tier spec")
+    config = load_adapter_config(spec.config_file)
+    l2_params = spec.model_dump(exclude={"type", "l1_bytes", "config_file", "root"}, exclude_defaults=True)
+    if isinstance(spec, LMCacheFSTierSpec):
+        Path(spec.root).mkdir(parents=True, exist_ok=True)
+        l2 = fs_l2_config(spec.root, **l2_params)
+    else:
+        l2 = mooncake_l2_config(**{"global_segment_size": spec.global_segment_size, **l2_params})
+    adapter = LMCacheAdapter.create(reg, spec.l1_bytes, [l2], config)
     tier = LMCacheTier(adapter)
     try:
         yield tier

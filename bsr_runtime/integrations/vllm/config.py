@@ -7,109 +7,160 @@
      "load_mode": "async", "restore_budget_bytes": null, "max_concurrent_restores": 8,
      "save": true, "save_staging_chunks": null, "report_path": null}
 
-Tier options are those of the tier factory (bsr_runtime/tiers/factory.py); a Mooncake tier
-mounts no segment unless `global_segment_size` says so (the objects live on the store hosts).
-Tiers are tried in the listed order (plan on the first tier holding the longest prefix, fallback
-to the next one holding the same prefix on a failure). Saves go to the tiers whose spec has
-`"save": true` (default: the first tier only). Unknown keys are errors, so a typo never silently
-falls back to a default.
+Tier options are those of the tier factory (bsr_runtime/tiers/specs.py) or of the LMCache tier
+(integrations/lmcache/config.py); a Mooncake tier mounts no segment unless `global_segment_size`
+says so (the objects live on the store hosts). Tiers are tried in the listed order (plan on the
+first tier holding the longest prefix, fallback to the next one holding the same prefix on a
+failure). Saves go to the tiers whose spec has `"save": true` (default: the first tier only).
+
+The whole mapping is checked by one schema (ConnectorConfig, tier specs by their type's schema:
+bsr_runtime/config_schema.py) when the connector is built, before the engine starts: wrong types
+("256" for an integer), values out of range and unknown keys are one ValueError naming every bad
+key, so a typo never silently falls back to a default or turns saves and loads off.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from bsr_kernels import Registration
+from bsr_kernels.registration import MAX_CHUNK_TOKENS
 
-from ...restore import RestoreConfig
+from ...config_schema import (
+    Backend,
+    ConfigError,
+    Count,
+    Name,
+    OutputFile,
+    Schema,
+    Seconds,
+    Text,
+    problems,
+    raise_problems,
+)
+from ...diagnostics import report_writer
+from ...restore import MAX_WINDOW_CHUNKS, RestoreConfig
 from ...tiers.base import Tier
 from ...tiers.factory import make_tier
+from ...tiers.specs import TIER_SPECS
 
 TIER_TYPES = ("filesystem", "mooncake", "lmcache-fs", "lmcache-mooncake")
+log = logging.getLogger(__name__)
 _ALIASES = {"fs": "filesystem"}
-_CONNECTOR_KEYS = {"type", "save"}  # the rest of a spec goes to the tier factory (or to LMCache)
+WHAT = "BSR connector: kv_connector_extra_config"
+
+Window = Annotated[int, Field(ge=0, le=MAX_WINDOW_CHUNKS)]  # W in chunks; 0 = the whole plan
+SaveWindow = Annotated[int, Field(ge=1, le=MAX_WINDOW_CHUNKS)]
+ChunkTokens = Annotated[int, Field(ge=1, le=MAX_CHUNK_TOKENS)]
+Depth = Annotated[int, Field(ge=1, le=2)]
 
 
-@dataclass(frozen=True)
-class TierSpec:
+def _tier_schema(kind: str) -> type[Schema]:
+    if kind.startswith("lmcache-"):
+        from ..lmcache.specs import LMCACHE_TIER_SPECS  # imports LMCache (the package): only when such a tier is listed
+
+        return LMCACHE_TIER_SPECS[kind]
+    return TIER_SPECS[kind]
+
+
+class TierSpec(Schema):
     """One tier of the connector: `type`, whether saves go to it, and the options of the tier
-    factory (bsr_runtime.tiers.factory.make_tier) or of the LMCache tier."""
+    factory (bsr_runtime.tiers.specs) or of the LMCache tier (integrations/lmcache/config.py),
+    checked by that tier type's schema."""
 
-    type: str
+    type: Literal["filesystem", "mooncake", "lmcache-fs", "lmcache-mooncake"]
     save: bool | None = None  # None: the first tier saves, the others do not
-    options: dict = field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TierSpec:
-        if not isinstance(d, dict) or "type" not in d:
-            raise ValueError(f"a tier spec is a dict with a 'type', got {d!r}")
-        kind = _ALIASES.get(d["type"], d["type"])
+    def check(cls, d: object, where: str) -> tuple[TierSpec | None, list[str]]:
+        """(the spec, []) or (None, every problem of `d`, each prefixed with `where`)."""
+        if not isinstance(d, Mapping):
+            return None, [f"{where}: a tier spec is a mapping with a 'type', got {type(d).__name__}"]
+        raw = d.get("type")
+        kind = _ALIASES.get(raw, raw) if isinstance(raw, str) else raw
         if kind not in TIER_TYPES:
-            raise ValueError(f"unknown tier type {d['type']!r}; choose one of {', '.join(TIER_TYPES)}")
-        options = {k: v for k, v in d.items() if k not in _CONNECTOR_KEYS}
+            return None, [f"{where}.type: unknown tier type {raw!r}; choose one of {', '.join(TIER_TYPES)} (or fs)"]
+        options = {k: v for k, v in d.items() if k not in ("type", "save")}
         if kind == "mooncake":
             # an engine mounts no segment by default: objects live on the store hosts and outlive the engine
             options.setdefault("global_segment_size", 0)
-        return cls(kind, d.get("save"), options)
-
-
-_KEYS = {"tiers", "load_mode", "window_chunks", "pipeline_depth", "fetch_timeout_s", "backend", "salt", "model_id",
-         "save", "save_window_chunks", "report_path", "chunk_tokens", "agree_timeout_s", "restore_budget_bytes",
-         "max_concurrent_restores", "save_staging_chunks", "shutdown_timeout_s"}
-LOAD_MODES = ("async", "sync")
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ConnectorConfig:
-    tiers: tuple[TierSpec, ...]
-    # "async": loads run on the connector's loader threads while the engine keeps stepping; the request
-    # waits (WAITING_FOR_REMOTE_KVS) and failures are reported per request (failed_recving). "sync": loads
-    # run on the step thread before the forward (every other request waits), failures by block id (one
-    # KV-cache group only); kept for comparison. "auto" (earlier default) is read as "async".
-    load_mode: str = "async"
-    window_chunks: int = 32  # W
-    pipeline_depth: int | None = None  # None: the first tier's preferred depth (Tier.preferred_pipeline_depth)
-    fetch_timeout_s: float = 30.0
-    backend: str = "auto"
-    salt: str = ""  # tenant of this engine (a request's cache_salt is added to it)
-    model_id: str | None = None  # default: a digest of the served checkpoint's weights (model_identity.py)
-    save: bool = True  # store complete prompt chunks after prefill
-    save_window_chunks: int | None = None  # staging of the store path (default W)
-    report_path: str | None = None  # append one JSON line per load and save (both roles, all ranks)
-    chunk_tokens: int = 256
-    agree_timeout_s: float = 30.0
-    restore_budget_bytes: int | None = None  # B: staging shared by concurrent restores (default W*c)
-    max_concurrent_restores: int = 8  # loader threads (restores beyond wait for one)
-    save_staging_chunks: int | None = None  # staging of saves waiting for their puts (default: two steps' chunks)
-    shutdown_timeout_s: float = 30.0  # how long shutdown waits for loads and saves in flight
-    extra: dict = field(default_factory=dict, compare=False)
+        bad = problems(_tier_schema(kind), {"type": kind, **options}, where)
+        if "save" in d and not (d["save"] is None or isinstance(d["save"], bool)):
+            bad.append(f"{where}.save: must be true, false or null (got {d['save']!r})")
+        return (None, bad) if bad else (cls(type=kind, save=d.get("save"), options=options), [])
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+    def from_dict(cls, d: dict[str, Any]) -> TierSpec:
+        """One checked tier spec (ConnectorConfig.from_extra checks them all at once)."""
+        spec, bad = cls.check(d, "tier")
+        if bad:
+            raise_problems(WHAT, bad)
+        return spec
+
+
+class ConnectorConfig(Schema):
+    """kv_connector_extra_config, checked as a whole by `from_extra`. One line per key."""
+
+    tiers: tuple[TierSpec, ...] = Field(min_length=1)
+    # "async": loads run on the connector's loader threads while the engine keeps stepping; the request
+    # waits (WAITING_FOR_REMOTE_KVS), failures are reported per request (failed_recving). "sync": loads run
+    # on the step thread before the forward (every other request waits), failures by block id (one
+    # KV-cache group only); kept for comparison. "auto", the earlier default, reads as "async".
+    load_mode: Literal["auto", "sync", "async"] = "async"
+    window_chunks: Window = 32  # W
+    pipeline_depth: Depth | None = None  # None: the first tier's preferred depth (Tier.preferred_pipeline_depth)
+    fetch_timeout_s: Seconds = 30.0
+    backend: Backend = "auto"
+    salt: Text = ""  # tenant of this engine (a request's cache_salt is added to it)
+    model_id: Name | None = None  # default: a digest of the served checkpoint's weights (model_identity.py)
+    save: bool = True  # store complete prompt chunks after prefill
+    save_window_chunks: SaveWindow | None = None  # earlier name of save_staging_chunks (read as it)
+    report_path: OutputFile | None = None  # append one JSON line per load and save (both roles, all ranks)
+    chunk_tokens: ChunkTokens = 256
+    agree_timeout_s: Seconds = 30.0
+    restore_budget_bytes: Count | None = None  # B: staging shared by concurrent restores (default W*c)
+    max_concurrent_restores: Annotated[int, Field(ge=1, le=1024)] = 8  # loader threads
+    save_staging_chunks: SaveWindow | None = None  # staging of saves whose puts run (default: two steps' chunks)
+    shutdown_timeout_s: Seconds = 30.0  # how long shutdown waits for loads and saves in flight
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """The checked config; one ConfigError (a ValueError) naming every bad key otherwise, before
+        anything opens."""
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ConfigError(f"{WHAT}: expected a mapping of keys, got {type(extra).__name__}")
         extra = dict(extra or {})
-        unknown = set(extra) - _KEYS
-        if unknown:
-            raise ValueError(f"BSR connector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
-                             f"known: {sorted(_KEYS)}")
-        tiers = extra.pop("tiers", None)
-        if not tiers:
-            raise ValueError("BSR connector: kv_connector_extra_config needs 'tiers' (a non-empty list)")
-        specs = tuple(TierSpec.from_dict(t) for t in tiers)
-        cfg = cls(tiers=specs, **extra)
+        tiers = extra.get("tiers")
+        specs, bad = [], []
+        if not isinstance(tiers, (list, tuple)) or not tiers:
+            bad.append(f"tiers: needs 'tiers', a non-empty list of tier specs (got {tiers!r:.60})")
+        else:
+            for i, t in enumerate(tiers):
+                spec, spec_bad = TierSpec.check(t, f"tiers[{i}]")
+                specs.append(spec)
+                bad += spec_bad
+        rest = {k: v for k, v in extra.items() if k != "tiers"}
+        top = problems(cls, {"tiers": tuple(specs) if specs and not bad else (_PLACEHOLDER,), **rest})
+        bad += [p for p in top if not p.startswith("tiers")]
+        if bad:
+            raise_problems(WHAT, bad)
+        cfg = cls.model_validate({"tiers": tuple(specs), **rest})
         if cfg.load_mode == "auto":
-            log.warning('BSR connector: load_mode "auto" is deprecated, read as "async" (loads off the step thread)')
-            cfg = dataclasses.replace(cfg, load_mode="async")
-        if cfg.load_mode not in LOAD_MODES:
-            raise ValueError(f"load_mode must be async or sync, got {cfg.load_mode!r}")
-        if isinstance(cfg.window_chunks, bool) or not isinstance(cfg.window_chunks, int) or cfg.window_chunks < 0:
-            raise ValueError(f"window_chunks must be an integer >= 0, got {cfg.window_chunks!r}")
+            log.warning('BSR connector: load_mode "auto" is deprecated and reads as "async" (loads in the background)')
+            cfg = cfg.model_copy(update={"load_mode": "async"})
+        if cfg.window_chunks == 0 and cfg.load_mode == "async":
+            raise_problems(WHAT, ['window_chunks: 0 (the whole plan staged at once) is for load_mode "sync" only; '
+                                  "background loads stage windows of W > 0 chunks"])
+        if cfg.save_window_chunks is not None and cfg.save_staging_chunks is None:
+            log.warning("BSR connector: save_window_chunks is deprecated and reads as save_staging_chunks")
+            cfg = cfg.model_copy(update={"save_staging_chunks": cfg.save_window_chunks})
         return cfg
 
     def restore_config(self, tiers: Sequence[Tier]) -> RestoreConfig:
@@ -121,12 +172,16 @@ class ConnectorConfig:
 
     @property
     def load_async(self) -> bool:
-        return self.load_mode == "async"
+        return self.load_mode != "sync"
 
     @property
     def save_tiers(self) -> list[int]:
         out = [i for i, t in enumerate(self.tiers) if t.save or (t.save is None and i == 0)]
         return out if self.save else []
+
+
+# stands for the tier list while the other keys are checked (the tier list's own problems are reported apart)
+_PLACEHOLDER = TierSpec(type="filesystem")
 
 
 def open_tiers(cfg: ConnectorConfig, reg: Registration, stack: contextlib.ExitStack) -> list[Tier]:
@@ -149,17 +204,6 @@ def open_tiers(cfg: ConnectorConfig, reg: Registration, stack: contextlib.ExitSt
 
 
 def write_report(path: str | None, record: dict[str, Any]) -> None:
-    """Append one JSON line to the connector's report file (no-op without one). Lines are short
-    and written with one O_APPEND write, so ranks and roles can share a file."""
-    if not path:
-        return
-    import json
-    import os
-    import time
-
-    line = (json.dumps({"t": time.time(), "pid": os.getpid(), **record}, default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    """Append one JSON line to the connector's report file (no-op without one); never raises: a
+    failure is counted and logged once (bsr_runtime.diagnostics.ReportWriter)."""
+    report_writer(path).write(record)

@@ -44,6 +44,13 @@ def shutdown(llm) -> None:
     gc.collect()
 
 
+def greedy(max_tokens: int, *, logprobs: int | None = 1):
+    """vLLM's SamplingParams of a greedy request (ignoring EOS) with the chosen tokens' logprobs."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True)
+
+
 def generate(llm, tokens: Sequence[int], *, max_tokens: int = 8, cache_salt: str | None = None):
     """(greedy tokens, their logprobs, num_cached_tokens) of one prompt of token ids."""
     from vllm import SamplingParams

@@ -1,0 +1,189 @@
+"""Every configuration a user writes is checked where it enters, by one schema each, with one error
+naming every bad key (bsr_runtime/config_schema.py): the tier factory's specs, the LMCache adapter's
+knobs (file, LMCACHE_* variables, overrides), the LMCache L2 plugins' parameters and tier specs, the
+`bsr` command's registration files and options. (The vLLM connector's: test_connector_config.py.)"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bsr_kernels import presets
+from bsr_runtime.config_schema import ConfigError, Count, Schema, parse, problems
+from bsr_runtime.tiers.factory import make_tier
+
+REG = presets.llama_like(layers=1, kv_heads=1, head_dim=16, block_size=16)
+MC = {"type": "mooncake", "master_address": "127.0.0.1:1", "metadata_server": "http://127.0.0.1:1/metadata"}
+
+
+# -- the schema helper ---------------------------------------------------------------------------
+class _Knobs(Schema):
+    workers: Count = 1
+    name: str = "x"
+
+
+def test_parse_names_every_bad_key_on_one_line():
+    with pytest.raises(ConfigError) as ei:
+        parse(_Knobs, {"workers": "2", "name": 5, "colour": "red"}, "thing")
+    msg = str(ei.value)
+    assert msg.startswith("thing: 3 bad keys: ") and "\n" not in msg
+    assert "workers: input should be a valid integer (got '2')" in msg
+    assert "name:" in msg and "colour: unknown key (known: workers, name)" in msg
+    assert problems(_Knobs, {"workers": 3}) == [] and parse(_Knobs, {"workers": 3}, "thing").workers == 3
+    assert problems(_Knobs, ["workers"]) == ["the config: expected a mapping of keys, got list"]
+
+
+# -- the tier factory --------------------------------------------------------------------------
+@pytest.mark.parametrize("spec,needle", [
+    ({"type": "filesystem", "root": ""}, "root:"),
+    ({"type": "filesystem", "root": 5}, "root:"),
+    ({"type": "filesystem", "root": "/tmp", "load_concurrency": 0}, "load_concurrency:"),
+    ({"type": "filesystem", "root": "/tmp", "load_concurrency": "2"}, "load_concurrency:"),
+    ({"type": "filesystem", "root": "/tmp", "load_concurrency": True}, "load_concurrency:"),
+    ({"type": "filesystem", "root": "/tmp", "fsync": "no"}, "fsync:"),
+    ({"type": "filesystem", "root": "/tmp", "checksum": "md5"}, "checksum:"),
+    (MC | {"master_address": "nohost"}, "master_address: expected HOST:PORT"),
+    (MC | {"master_address": "h:0"}, "master_address:"),
+    (MC | {"master_address": "h:99999"}, "master_address:"),
+    (MC | {"metadata_server": ""}, "metadata_server:"),
+    (MC | {"protocol": 5}, "protocol:"),
+    (MC | {"tenant_id": None}, "tenant_id:"),
+    (MC | {"local_buffer_size": "16M"}, "local_buffer_size:"),
+    (MC | {"in_place_batch_bytes": 0}, "in_place_batch_bytes:"),
+    (MC | {"put_batch_bytes": -1}, "put_batch_bytes:"),
+    (MC | {"verify_batch_bytes": 1.5}, "verify_batch_bytes:"),
+])
+def test_tier_spec_keys_are_checked_before_anything_opens(spec, needle):
+    with pytest.raises(ValueError, match=needle) as ei:
+        make_tier(REG, spec)  # 127.0.0.1:1 is never contacted: the spec is refused first
+    assert "\n" not in str(ei.value)
+
+
+def test_tier_spec_error_names_every_bad_key():
+    with pytest.raises(ValueError) as ei:
+        make_tier(REG, MC | {"fetch_workers": 0, "verify": "yes", "colour": 1, "rpc_timeout_s": math.inf})
+    msg = str(ei.value)
+    assert "4 bad keys" in msg and all(k in msg for k in ("fetch_workers", "verify", "colour", "rpc_timeout_s"))
+
+
+def test_restore_config_refuses_an_unknown_backend():
+    """The restore's own config: a typo used to pass and fail every window's install."""
+    from bsr_runtime.restore import RestoreConfig
+
+    with pytest.raises(ValueError, match="backend"):
+        RestoreConfig(backend="bogus")
+    assert RestoreConfig(backend="torch").backend == "torch"
+
+
+def test_mooncake_tier_options_are_one_schema():
+    from bsr_runtime.tiers.mooncake import MooncakeTier
+    from bsr_runtime.tiers.mooncake_options import MooncakeTierOptions
+    from bsr_runtime.tiers.specs import MooncakeTierSpec
+
+    assert set(MooncakeTierSpec.model_fields) == set(MooncakeTierOptions.model_fields) | {
+        "type", "master_address", "metadata_server"}
+    with pytest.raises(ValueError, match="fetch_workers"):  # built directly: pydantic's ValidationError
+        MooncakeTierOptions(fetch_workers=0)
+    with pytest.raises(ConfigError, match="^Mooncake tier options: fetch_workers: input should be greater"):
+        MooncakeTier(1, "f", "h:1", "m", fetch_workers=0)  # the tier's keyword options: one line, before connecting
+
+
+# -- the `bsr` command -------------------------------------------------------------------------
+TENSOR = {"name": "a", "dtype": "uint8", "entry_shape": [8], "block_size": 16}
+
+
+def _reg_file(tmp_path, data) -> str:
+    p = tmp_path / "reg.json"
+    p.write_text(json.dumps(data))
+    return str(p)
+
+
+def test_registration_file_top_level_typo_is_refused(tmp_path):
+    """`"chunk_token": 128` used to be ignored: the registration silently had 256-token chunks."""
+    from bsr_runtime.cli.args import CliError, load_registration
+
+    with pytest.raises(CliError, match="chunk_token: unknown key"):
+        load_registration(_reg_file(tmp_path, {"chunk_token": 128, "tensors": [TENSOR]}), 1.0)
+    assert load_registration(_reg_file(tmp_path, {"chunk_tokens": 128, "tensors": [TENSOR]}), 1.0).chunk_tokens == 128
+
+
+def test_registration_file_error_names_every_bad_field(tmp_path):
+    from bsr_runtime.cli.args import CliError, load_registration
+
+    bad = [TENSOR | {"block_size": 16.0}, TENSOR | {"name": "b", "dtype": "uint9"}, TENSOR | {"name": "c", "group": -1}]
+    with pytest.raises(CliError) as ei:
+        load_registration(_reg_file(tmp_path, {"tensors": bad, "chunk_tokens": "256"}), 1.0)
+    msg = str(ei.value)
+    for key in ("tensors.0.block_size", "tensors.1.dtype", "tensors.2.group", "chunk_tokens"):
+        assert key in msg, (key, msg)
+    assert "4 bad keys" in msg and "\n" not in msg
+
+
+def test_registration_file_that_is_a_fifo_or_a_link_to_one_never_blocks(tmp_path):
+    import os
+    import threading
+
+    from bsr_runtime.cli.args import CliError, load_registration
+
+    fifo = tmp_path / "reg.fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "reg.json"
+    link.symlink_to(fifo)
+    result = []
+
+    def load():
+        try:
+            load_registration(str(link), 1.0)
+        except CliError as e:
+            result.append(str(e))
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "reading a FIFO registration file blocked"
+    assert result and ("neither" in result[0] or "cannot parse" in result[0])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["sweep", "--json", "/nonexistent-dir/rows.json"], "does not exist"),
+    (["sweep", "--plot", "/nonexistent-dir/peak.png"], "does not exist"),
+    (["sweep", "--json", "/tmp"], "is a directory"),
+    (["demo", "--engine-tokens", "-5"], "must be >= 1"),
+    (["demo", "--engine-window", "0"], "must be >= 1"),
+    (["demo", "--engine-log", "/nonexistent-dir/e.log"], "does not exist"),
+    (["bench", "--device", "gpu"], "invalid choice"),
+    (["sweep", "--tier", "fs,tape"], "unknown tier 'tape'"),
+    (["sweep", "--window", "-1"], "must be >= 0"),  # W = -1 where it enters the command
+])
+def test_options_are_refused_where_they_enter(args, needle, capsys):
+    """Refused by the parser, before any work: `--json` into a missing directory used to fail after the run."""
+    from bsr_runtime.cli import build_parser
+
+    with pytest.raises(SystemExit) as ei:
+        build_parser().parse_args(args)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_json_output_that_is_a_fifo_is_refused_not_blocked_on(tmp_path, capsys):
+    import os
+
+    from bsr_runtime.cli import build_parser
+    from bsr_runtime.cli.output import write_json
+
+    fifo = tmp_path / "rows.json"
+    os.mkfifo(fifo)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["sweep", "--json", str(fifo)])
+    assert "not a regular file" in capsys.readouterr().err
+    with pytest.raises(OSError):  # a FIFO put there during the run: an error (one line from the CLI), no hang
+        write_json(str(fifo), [{"a": 1}])
+
+
+def test_cli_tier_names_are_the_harness_tiers():
+    from bsr_harness.tier_setup import TIER_NAMES
+    from bsr_runtime.cli.args import TIER_CHOICES
+
+    assert TIER_CHOICES == TIER_NAMES

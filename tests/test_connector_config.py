@@ -1,0 +1,118 @@
+"""The vLLM connector's kv_connector_extra_config is checked where it enters (ConnectorConfig.from_extra,
+before the engine starts): every key's type and range, unknown keys, every tier spec by its type's
+schema, and one error naming every bad key. Members of issue 27 found by hand: "chunk_tokens": "256"
+failed deep inside with a TypeError; "backend": "bogus" and "save_window_chunks": -1 / "8" were
+accepted, after which every load or save failed with only a log line."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from bsr_runtime.integrations.vllm.config import ConnectorConfig, TierSpec  # noqa: E402
+
+FS = {"type": "fs", "root": "/x"}
+
+
+def cfg(**kw) -> dict:
+    return {"tiers": [FS], **kw}
+
+
+def refused(extra: dict) -> str:
+    with pytest.raises(ValueError) as ei:
+        ConnectorConfig.from_extra(extra)
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith("BSR connector: kv_connector_extra_config:"), msg
+    return msg
+
+
+@pytest.mark.parametrize("key,value", [
+    ("chunk_tokens", "256"), ("chunk_tokens", 256.0), ("chunk_tokens", 0), ("chunk_tokens", True),
+    ("chunk_tokens", 1 << 21),
+    ("backend", "bogus"), ("backend", 1),
+    ("save_window_chunks", -1), ("save_window_chunks", "8"), ("save_window_chunks", 0), ("save_window_chunks", 2.0),
+    ("window_chunks", -1), ("window_chunks", "8"), ("window_chunks", True), ("window_chunks", 1 << 17),
+    ("pipeline_depth", 0), ("pipeline_depth", 3), ("pipeline_depth", True), ("pipeline_depth", "1"),
+    ("fetch_timeout_s", 0), ("fetch_timeout_s", -1.0), ("fetch_timeout_s", math.inf), ("fetch_timeout_s", math.nan),
+    ("fetch_timeout_s", "30"), ("fetch_timeout_s", 1e12),
+    ("agree_timeout_s", 0), ("agree_timeout_s", math.inf), ("agree_timeout_s", None),
+    ("load_mode", "lazy"), ("load_mode", None),
+    ("salt", 5), ("salt", None), ("salt", "\ud800"),
+    ("model_id", ""), ("model_id", 5),
+    ("save", "yes"), ("save", 1), ("save", None),
+    ("report_path", "/nonexistent-dir/r.jsonl"), ("report_path", ""), ("report_path", 5), ("report_path", "/tmp"),
+    ("windw_chunks", 4),
+])
+def test_every_key_is_checked(key, value):
+    msg = refused(cfg(**{key: value}))
+    assert f": {key}: " in msg or msg.endswith(f": {key}") or f"; {key}: " in msg, msg
+
+
+@pytest.mark.parametrize("tiers,needle", [
+    (None, "tiers: needs 'tiers'"), ([], "tiers: needs 'tiers'"), ("fs", "tiers: needs 'tiers'"),
+    (["fs"], "tiers[0]: a tier spec is a mapping"),
+    ([{"type": "s3"}], "tiers[0].type: unknown tier type 's3'"),
+    ([{"root": "/x"}], "tiers[0].type: unknown tier type None"),
+    ([{"type": "fs"}], "tiers[0].root: missing"),
+    ([{"type": "fs", "root": ""}], "tiers[0].root:"),
+    ([FS | {"colour": "red"}], "tiers[0].colour: unknown key"),
+    ([FS | {"save": "yes"}], "tiers[0].save:"),
+    ([FS | {"load_concurrency": 0}], "tiers[0].load_concurrency:"),
+    ([FS | {"load_concurrency": "4"}], "tiers[0].load_concurrency:"),
+    ([FS | {"fsync": "no"}], "tiers[0].fsync:"),
+    ([FS | {"checksum": "md5"}], "tiers[0].checksum:"),
+    ([FS, {"type": "mooncake", "master_address": "nohost", "metadata_server": "http://h/m"}],
+     "tiers[1].master_address: expected HOST:PORT"),
+    ([{"type": "mooncake", "master_address": "h:1"}], "tiers[0].metadata_server: missing"),
+    ([{"type": "mooncake", "master_address": "h:1", "metadata_server": "m", "fetch_workers": 0}],
+     "tiers[0].fetch_workers:"),
+    ([{"type": "mooncake", "master_address": "h:1", "metadata_server": "m", "global_segment_size": "1G"}],
+     "tiers[0].global_segment_size:"),
+])
+def test_tier_specs_are_checked_by_their_schema(tiers, needle):
+    assert needle in refused({"tiers": tiers}), needle
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ({"type": "lmcache-fs"}, "tiers[0].root: missing"),
+    ({"type": "lmcache-fs", "root": "/x", "l1_bytes": "256"}, "tiers[0].l1_bytes:"),
+    ({"type": "lmcache-fs", "root": "/x", "load_concurency": 2}, "tiers[0].load_concurency: unknown key"),
+    ({"type": "lmcache-fs", "root": "/x", "read_ahead_size": 0}, "tiers[0].read_ahead_size:"),
+    ({"type": "lmcache-mooncake", "master_address": "h:1", "metadata_server": "m", "num_workers": 0},
+     "tiers[0].num_workers:"),
+    ({"type": "lmcache-mooncake", "master_address": "h:1", "metadata_server": "m", "register_l1": "ture"},
+     "tiers[0].register_l1:"),
+    ({"type": "lmcache-mooncake", "master_address": "h:1", "metadata_server": "m", "key_prefix": "a@b"},
+     "tiers[0].key_prefix:"),
+])
+def test_lmcache_tier_specs_are_checked_by_their_schema(spec, needle):
+    pytest.importorskip("lmcache.v1.distributed.storage_manager")
+    assert needle in refused({"tiers": [spec]}), needle
+
+
+def test_one_error_names_every_bad_key():
+    msg = refused({"tiers": [FS | {"fsync": "no"}, {"type": "s3"}], "chunk_tokens": "256", "backend": "bogus",
+                   "save_window_chunks": -1, "window": 4})
+    for key in ("tiers[0].fsync", "tiers[1].type", "chunk_tokens", "backend", "save_window_chunks", "window"):
+        assert key in msg, (key, msg)
+    assert "6 bad keys" in msg
+
+
+def test_good_config_parses_with_names_and_aliases_kept(tmp_path):
+    report = str(tmp_path / "r.jsonl")
+    c = ConnectorConfig.from_extra({
+        "tiers": [{"type": "fs", "root": "/x", "load_concurrency": 2, "save": True},
+                  {"type": "mooncake", "master_address": "h:50051", "metadata_server": "http://h:8080/metadata"}],
+        "load_mode": "sync", "window_chunks": 0, "pipeline_depth": 1, "fetch_timeout_s": 5, "backend": "torch",
+        "salt": "t", "model_id": "m", "save": True, "save_window_chunks": 8, "report_path": report,
+        "chunk_tokens": 512, "agree_timeout_s": 2.5})
+    assert [t.type for t in c.tiers] == ["filesystem", "mooncake"]
+    assert c.tiers[0].options == {"root": "/x", "load_concurrency": 2}
+    assert c.tiers[1].options["global_segment_size"] == 0  # engines mount no segment by default
+    assert (c.window_chunks, c.save_window_chunks, c.chunk_tokens, c.fetch_timeout_s) == (0, 8, 512, 5.0)
+    assert c.report_path == report and c.save_tiers == [0] and not c.load_async
+    assert ConnectorConfig.from_extra({"tiers": [FS]}).window_chunks == 32  # defaults
+    assert TierSpec.from_dict({"type": "fs", "root": "/y"}).type == "filesystem"

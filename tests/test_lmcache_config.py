@@ -1,0 +1,138 @@
+"""The LMCache integration's configurations are checked where they enter, one schema each: the
+adapter's knobs from the config file, LMCACHE_* variables and overrides (LMCache's own loader logs a
+bad value and falls back, and ignores unknown keys: LMCACHE_PROBE_ONLY=ture silently meant False,
+LMCACHE_INSTALL_BACKEND=bogus and a misspelt file key were accepted), the L2 plugins' parameters
+(an unknown FS plugin key was ignored) and the LMCache tier specs."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
+
+from bsr_kernels import presets  # noqa: E402
+from bsr_runtime.integrations.lmcache import (  # noqa: E402
+    BSRLMCacheConfig,
+    fs_l2_config,
+    load_adapter_config,
+    mooncake_l2_config,
+)
+
+REG = presets.llama_like(layers=1, kv_heads=1, head_dim=16, block_size=16)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ("PREFETCH_WINDOW_CHUNKS", "PROBE_ONLY", "FS_LOAD_CONCURRENCY", "PREFETCH_TIMEOUT_S",
+                 "INSTALL_BACKEND", "EVICT_RETAINED", "BSR_CONFIG_FILE"):
+        monkeypatch.delenv(f"LMCACHE_{name}", raising=False)
+
+
+@pytest.mark.parametrize("var,value", [
+    ("PROBE_ONLY", "ture"), ("EVICT_RETAINED", "maybe"), ("INSTALL_BACKEND", "bogus"),
+    ("PREFETCH_WINDOW_CHUNKS", "8.5"), ("PREFETCH_WINDOW_CHUNKS", "-1"), ("PREFETCH_WINDOW_CHUNKS", "99999999"),
+    ("PREFETCH_TIMEOUT_S", "inf"), ("PREFETCH_TIMEOUT_S", "0"), ("FS_LOAD_CONCURRENCY", "0"),
+    ("FS_LOAD_CONCURRENCY", "two"),
+])
+def test_bad_environment_values_are_errors_naming_the_variable(monkeypatch, var, value):
+    monkeypatch.setenv(f"LMCACHE_{var}", value)
+    with pytest.raises(ValueError, match=f"{var.lower()} \\(from \\$LMCACHE_{var}\\)"):
+        load_adapter_config()
+    with pytest.raises(ValueError, match=var.lower()):
+        BSRLMCacheConfig.from_env()
+
+
+def test_good_environment_values(monkeypatch):
+    for var, value in (("PROBE_ONLY", "Yes"), ("PREFETCH_WINDOW_CHUNKS", " 7 "), ("PREFETCH_TIMEOUT_S", "2.5"),
+                       ("INSTALL_BACKEND", "torch"), ("EVICT_RETAINED", "0")):
+        monkeypatch.setenv(f"LMCACHE_{var}", value)
+    c = load_adapter_config()
+    assert (c.probe_only, c.prefetch_window_chunks, c.prefetch_timeout_s, c.install_backend, c.evict_retained) == (
+        True, 7, 2.5, "torch", False)
+    c.validate()
+
+
+def test_config_file_typo_and_bad_values_are_one_error(tmp_path, monkeypatch):
+    f = tmp_path / "bsr.yaml"
+    f.write_text("prefech_window_chunks: 4\nprobe_only: 'yes'\nprefetch_timeout_s: -3\n")
+    monkeypatch.setenv("LMCACHE_INSTALL_BACKEND", "bogus")
+    with pytest.raises(ValueError) as ei:
+        load_adapter_config(str(f))
+    msg = str(ei.value)
+    assert "4 bad keys" in msg and "\n" not in msg, msg
+    for part in ("prefech_window_chunks (from file", "probe_only (from file", "prefetch_timeout_s (from file",
+                 "install_backend (from $LMCACHE_INSTALL_BACKEND)"):
+        assert part in msg, (part, msg)
+    f.write_text("prefetch_window_chunks: 4\nprobe_only: true\n")
+    monkeypatch.setenv("LMCACHE_BSR_CONFIG_FILE", str(f))
+    monkeypatch.delenv("LMCACHE_INSTALL_BACKEND")
+    c = load_adapter_config()
+    assert (c.prefetch_window_chunks, c.probe_only) == (4, True)
+    f.write_text("- not a mapping\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        load_adapter_config()
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"prefetch_window_chunks": -1}, "prefetch_window_chunks (from overrides)"),  # W = -1 where it enters
+    ({"prefetch_window_chunks": "8"}, "prefetch_window_chunks"),
+    ({"prefetch_windows": 8}, "prefetch_windows (from overrides): unknown key"),
+    ({"probe_only": 1}, "probe_only"),
+    ({"install_backend": "gpu"}, "install_backend"),
+])
+def test_bad_overrides_are_errors(overrides, needle):
+    with pytest.raises(ValueError) as ei:
+        load_adapter_config(**overrides)
+    assert needle in str(ei.value)
+
+
+def test_a_mutated_config_is_refused_by_validate():
+    c = load_adapter_config()
+    c.prefetch_window_chunks = -1
+    with pytest.raises(ValueError, match="prefetch_window_chunks"):
+        c.validate()
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"load_concurency": 2}, "load_concurency: unknown key"),
+    ({"load_concurrency": 0}, "load_concurrency"),
+    ({"load_concurrency": "4"}, "load_concurrency"),
+    ({"read_ahead_size": -1}, "read_ahead_size"),
+    ({"use_odirect": "no"}, "use_odirect"),
+])
+def test_fs_plugin_parameters(tmp_path, kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        fs_l2_config(str(tmp_path), **kw)
+    from bsr_runtime.integrations.lmcache.fs_l2 import ConcurrentFSL2AdapterConfig
+
+    with pytest.raises(ValueError, match=needle):  # as LMCache's plugin loader builds it from a JSON config
+        ConcurrentFSL2AdapterConfig.from_dict({"base_path": str(tmp_path), **kw})
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"num_workers": "2"}, "num_workers"), ({"num_workers": 0}, "num_workers"),
+    ({"register_l1": "ture"}, "register_l1"), ({"verify_batch_bytes": -1}, "verify_batch_bytes"),
+    ({"key_prefix": "a@b"}, "key_prefix"), ({"protocoll": "tcp"}, "protocoll: unknown key"),
+    ({"connect_timeout_s": float("nan")}, "connect_timeout_s"),
+])
+def test_mooncake_plugin_parameters(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        mooncake_l2_config("127.0.0.1:1", "http://127.0.0.1:1/metadata", **kw)
+    from bsr_runtime.integrations.lmcache.mooncake_l2 import BSRMooncakeL2AdapterConfig
+
+    with pytest.raises(ValueError, match=needle):
+        BSRMooncakeL2AdapterConfig.from_dict({"master_address": "127.0.0.1:1",
+                                              "metadata_server": "http://127.0.0.1:1/metadata", **kw})
+
+
+def test_lmcache_tier_spec_is_checked_before_anything_opens(tmp_path):
+    from bsr_runtime.integrations.lmcache.tier import open_lmcache_tier
+
+    root = tmp_path / "l2"
+    with pytest.raises(ValueError) as ei:
+        with open_lmcache_tier(REG, "lmcache-fs", {"root": str(root), "load_concurency": 2, "l1_bytes": "256"}):
+            pass
+    assert "load_concurency: unknown key" in str(ei.value) and "l1_bytes" in str(ei.value)
+    assert not root.exists()  # nothing was created
+    with open_lmcache_tier(REG, "lmcache-fs", {"root": str(root), "load_concurrency": 2, "l1_bytes": 8 << 20}) as t:
+        assert t.adapter.sm.l2_adapters()[0][1].load_concurrency == 2
