@@ -52,7 +52,7 @@ def _same(a, b) -> None:
 def _lmcache_object_path(llm, tokens, chunk: int) -> str:
     """The FS L2 plugin's file of `chunk` of `tokens`, as the engine's (scheduler-side) LMCache tier names it."""
     sched = U.scheduler_connector(llm).scheduler
-    tier = sched.core.tiers[0]
+    tier = sched.tiers[0]
     key = U.prefix_keys(sched, tokens, N)[chunk]
     (okey,) = tier._object_keys([key])
     (_desc, plugin), = tier.sm.l2_adapters()
@@ -72,8 +72,9 @@ def test_lmcache_fs_damaged_object_is_repaired_by_the_recompute(model, tokens, c
     a = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, salt="repair"))
     try:
         _same(U.generate(a, tokens), cold)
-        saves = U.worker_connector().worker.saves
-        assert sum(s["stored"] for s in saves if s["ok"]) == N
+        worker = U.worker_connector().worker
+        assert worker.wait_saves(60)  # saves put in the background
+        assert sum(s["stored"] for s in worker.saves if s["ok"]) == N
     finally:
         U.shutdown(a)
 
@@ -89,6 +90,7 @@ def test_lmcache_fs_damaged_object_is_repaired_by_the_recompute(model, tokens, c
         assert not load["committed"] and load["exposed_tokens"] == 0
         assert load["invalid_blocks"] == load["total_blocks"] > 0
         _same(got, cold)
+        assert worker.wait_saves(60)
         rewrites = [s for s in worker.saves if s["overwrite"]]
         assert rewrites and all(s["ok"] for s in rewrites), rewrites
         assert sum(s["stored"] for s in rewrites) == N  # every chunk rewritten, the damaged one included
@@ -116,6 +118,7 @@ def test_engine_keeps_serving_when_the_report_directory_is_removed(model, tokens
     a = U.make_llm(model, U.kv_transfer([{"type": "fs", "root": root}], window_chunks=W, report_path=report))
     try:
         _same(U.generate(a, tokens), cold)  # saves, with their report lines
+        assert U.worker_connector().worker.wait_saves(60)
         assert [r["event"] for r in U.read_report(report)].count("save") >= 1
     finally:
         U.shutdown(a)
@@ -129,6 +132,7 @@ def test_engine_keeps_serving_when_the_report_directory_is_removed(model, tokens
         _same(got, cold)
         again = U.generate(b, tokens, cache_salt="other-tenant")  # a miss and a save: still served
         _same(again, cold)
+        assert worker.wait_saves(60)
         assert report_writer(report).failures >= 2  # counted, not raised
     finally:
         U.shutdown(b)
