@@ -31,7 +31,7 @@ from bsr_kernels import Registration, gather_window
 from bsr_kernels.staging_arena import ArenaLease, StagingArena
 
 from .keys import KeySpace, PrefixKeys
-from .tiers.base import FETCH_HEADROOM, Tier, TierError
+from .tiers.base import FETCH_HEADROOM, Tier, TierError, put_replacing
 
 log = logging.getLogger(__name__)
 
@@ -185,8 +185,8 @@ class Saver:
                     present = tier.probe(keys)
                     todo = [i for i in todo if not present[i]]
                 held[tier.name] = job.num_chunks - len(todo)
-                if todo:
-                    tier.put([keys[i] for i in todo], [views[i] for i in todo], headroom=self.arena.headroom)
+                if todo:  # replacing whatever is there (a rewrite repairs a damaged object in every tier)
+                    put_replacing(tier, [keys[i] for i in todo], [views[i] for i in todo], headroom=self.arena.headroom)
                 stored[tier.name] = len(todo)
             except (TierError, ValueError, RuntimeError, OSError) as e:
                 errors.append(f"{tier.name}: {type(e).__name__}: {e}")
