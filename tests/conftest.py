@@ -1,11 +1,37 @@
 """Shared fixtures. Mooncake: a real `mooncake_master` on 127.0.0.1 and real store clients. The CPU
-library's copies with normal or non-temporal stores (`nt_stores`)."""
+library's copies with normal or non-temporal stores (`nt_stores`). Markers from where a test lives
+(ARCHITECTURE.md, "Tests")."""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+# tests/integration/<part>/ holds the tests that start a real <part>: a mooncake_master, the LMCache
+# storage stack, a vLLM engine, a TP process group.
+INTEGRATION_PARTS = ("mooncake", "lmcache", "vllm", "tp")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`integration` and the part's marker on every test under tests/integration/<part>/, and
+    `integration` on every `mooncake` test elsewhere (a unit file's cases against a real master), so
+    `-m "not integration"` runs what needs no real Mooncake, LMCache, vLLM or process group."""
+    for item in items:
+        try:
+            where = item.path.resolve().relative_to(TESTS).parts
+        except ValueError:  # a test file outside tests/, named on the command line
+            continue
+        if where[0] == "integration" and len(where) > 2 and where[1] in INTEGRATION_PARTS:
+            item.add_marker(pytest.mark.integration)
+            item.add_marker(getattr(pytest.mark, where[1]))
+        elif where[0] != "unit":
+            raise pytest.UsageError(f"{'/'.join(where)}: a test file belongs under tests/unit/ or "
+                                    f"tests/integration/{{{','.join(INTEGRATION_PARTS)}}}/ (ARCHITECTURE.md, Tests)")
+        if item.get_closest_marker("mooncake"):
+            item.add_marker(pytest.mark.integration)
 
 HAVE_MOONCAKE = (
     importlib.util.find_spec("mooncake") is not None and importlib.util.find_spec("mooncake.store") is not None

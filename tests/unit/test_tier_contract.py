@@ -2,7 +2,8 @@
 mooncake_master on 127.0.0.1), and every FaultyTier fault against each of them.
 
 The LMCache integration is not a Tier (it plugs L2 adapters into LMCache's StorageManager and
-restores through LMCacheAdapter), so it is not in this suite; tests/test_lmcache_adapter.py covers it.
+restores through LMCacheAdapter), so it is not in this suite;
+tests/integration/lmcache/test_lmcache_adapter.py covers it.
 """
 
 from __future__ import annotations
