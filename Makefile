@@ -12,7 +12,7 @@ VLLM_STAMP := $(VENV)/.bsr-vllm-installed
 VLLM_VERSION := 0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo test lint clean-venv
+.PHONY: all setup demo test test-fast lint clean-venv
 
 all: test
 
@@ -54,6 +54,10 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The unit tests alone: no Mooncake master, LMCache stack, vLLM engine or TP group (ARCHITECTURE.md, Tests).
+test-fast: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not integration" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -39,9 +39,10 @@ def RoomyViews(reader) -> GuardedViews:  # noqa: N802 - reads as the class it ma
     return GuardedViews(reader, SLOTS, C, room=ROOM)
 
 
-@pytest.fixture
-def holder(mooncake_tier_factory):
-    return mooncake_tier_factory(C, FP, global_segment_size=64 << 20)
+@pytest.fixture(scope="module")
+def holder(mooncake_module_tier_factory):
+    """The module's only long-lived client with a segment (objects are put under tags of each test's own)."""
+    return mooncake_module_tier_factory(C, FP, global_segment_size=64 << 20)
 
 
 @pytest.fixture

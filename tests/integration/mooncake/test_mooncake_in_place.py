@@ -36,9 +36,10 @@ def Views(reader) -> GuardedViews:  # noqa: N802 - reads as the class it makes
     return GuardedViews(reader, SLOTS, C)
 
 
-@pytest.fixture
-def holder(mooncake_tier_factory):
-    return mooncake_tier_factory(C, FP, global_segment_size=64 << 20)
+@pytest.fixture(scope="module")
+def holder(mooncake_module_tier_factory):
+    """The module's only client with a segment (objects are put under tags of each test's own)."""
+    return mooncake_module_tier_factory(C, FP, global_segment_size=64 << 20)
 
 
 @pytest.fixture
