@@ -62,21 +62,9 @@ def nt_stores(request):
         cpu_backend.stream_bytes(nbytes, into=into)
 
 
-@pytest.fixture(scope="session")
-def mooncake_closer():
-    """Where the Mooncake fixtures hand their clients to be closed (mooncake_util.BackgroundCloser)."""
-    from mooncake_util import BackgroundCloser
-
-    closer = BackgroundCloser()
-    yield closer
-    closer.wait()
-
-
 @pytest.fixture(scope="module")
-def mooncake_master(mooncake_closer):
-    """One mooncake_master per test module, stopped (and reaped) after the module, once every
-    client the module's fixtures made is closed; in the background, so the next module starts
-    meanwhile (with a master of its own); the test run ends when every master has stopped."""
+def mooncake_master():
+    """One mooncake_master per test module, stopped (and reaped) at teardown."""
     _require_mooncake()
     from bsr_harness.mooncake_launcher import MooncakeMaster
 
@@ -85,42 +73,40 @@ def mooncake_master(mooncake_closer):
     try:
         yield master
     finally:
-        mooncake_closer.stop_later(master)
+        master.stop()
 
 
 def _tier_maker(default_master, made: list):
-    """make(chunk_bytes, fingerprint, *, master=None, **kw): a MooncakeTier, appended to `made`
-    with its master."""
+    """make(chunk_bytes, fingerprint, *, master=None, **kw): a MooncakeTier, appended to `made`."""
     from bsr_runtime.tiers.mooncake import MooncakeTier
 
     def make(chunk_bytes: int, fingerprint: str, *, master=None, **kw) -> MooncakeTier:
         m = master or default_master
         kw.setdefault("global_segment_size", 128 << 20)
         tier = MooncakeTier(chunk_bytes, fingerprint, m.master_address, m.metadata_server, **kw)
-        made.append((tier, m))
+        made.append(tier)
         return tier
 
     return make
 
 
 @pytest.fixture
-def mooncake_tier_factory(mooncake_master, mooncake_closer):
+def mooncake_tier_factory(mooncake_master):
     """make(chunk_bytes, fingerprint, **kw) -> MooncakeTier against the module's master
-    (or `master=` another MooncakeMaster); every tier made is closed after the test. A client
-    with a segment on the module's master is closed before the next test starts (the master
-    places an object in any mounted segment: the next test's objects must not land in it); the
-    others close in the background (before the module's master stops)."""
+    (or `master=` another MooncakeMaster); every tier made is closed at teardown."""
     made: list = []
     yield _tier_maker(mooncake_master, made)
-    hosts = [t for t, m in made if m is mooncake_master and t.options.global_segment_size > 0]
-    mooncake_closer.close_later([t for t, _ in made if not any(t is h for h in hosts)])
-    mooncake_closer.close_now(hosts)
+    for tier in made:
+        tier.close()
 
 
 @pytest.fixture(scope="module")
-def mooncake_module_tier_factory(mooncake_master, mooncake_closer):
-    """mooncake_tier_factory for clients the module's tests share (e.g. a holder that only puts:
-    its segment hosts every test's objects, so each test keeps to keys of its own)."""
+def mooncake_module_tier_factory(mooncake_master):
+    """mooncake_tier_factory for clients a module's tests share, closed after the module (before
+    its master stops). A close takes 1-2 s and holds the GIL throughout, so sharing is what saves
+    the time: e.g. one holder whose segment hosts every test's objects (each test under keys of
+    its own), or a reader reset for each test (mooncake_util.as_new)."""
     made: list = []
     yield _tier_maker(mooncake_master, made)
-    mooncake_closer.close_later([t for t, _ in made])
+    for tier in made:
+        tier.close()

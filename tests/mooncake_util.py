@@ -1,12 +1,11 @@
-"""Helpers of the Mooncake tests: clients closed off the tests' path, payloads, where an object lies
-in a holder's segment, a byte flipped in that segment memory for the length of a block, and
+"""Helpers of the Mooncake tests: a shared client reset for the next test, payloads, where an object
+lies in a holder's segment, a byte flipped in that segment memory for the length of a block, and
 poisoned views between guard bytes (adjacent, or each after some header room)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import threading
 import time
 
 import torch
@@ -15,57 +14,14 @@ from bsr_harness.testdata import POISON
 from bsr_kernels.staging_pool import StagingPool
 
 
-class BackgroundCloser:
-    """Closes Mooncake clients, and stops masters, on threads of their own: a client's close joins
-    native threads that wake once a second (1-2 s, mostly asleep; a master unmounts one segment at
-    a time), so the next test or module need not wait for it. `wait()` joins everything handed
-    over so far and raises the first error one of them raised."""
-
-    def __init__(self) -> None:
-        self._threads: list[threading.Thread] = []
-        self._errors: list[BaseException] = []
-
-    def close_later(self, closables) -> list[threading.Thread]:
-        started = [self._start(c.close) for c in closables]
-        self._threads += started
-        return started
-
-    def close_now(self, closables) -> None:
-        """Closes them all at once and returns when every one is closed."""
-        self._join(self.close_later(closables))
-
-    def stop_later(self, master) -> None:
-        """Stops `master` once every close handed over so far has ended (its clients close first)."""
-        pending, self._threads = self._threads, []
-
-        def after_closes() -> None:
-            for t in pending:
-                t.join()
-            master.stop()
-
-        self._threads.append(self._start(after_closes))
-
-    def wait(self) -> None:
-        threads, self._threads = self._threads, []
-        self._join(threads)
-
-    def _start(self, work) -> threading.Thread:
-        t = threading.Thread(target=self._run, args=(work,), name="test-mooncake-close", daemon=True)
-        t.start()
-        return t
-
-    def _run(self, work) -> None:
-        try:
-            work()
-        except BaseException as e:  # re-raised by _join, on the test's thread
-            self._errors.append(e)
-
-    def _join(self, threads: list[threading.Thread]) -> None:
-        for t in threads:
-            t.join()
-        if self._errors:
-            first, self._errors = self._errors[0], []
-            raise first
+def as_new(tier) -> None:
+    """A client shared by a module's tests, put back in a new client's state for the next test: no
+    header, landing or put-staging buffers (each read registers its own again), counters at zero."""
+    tier._reads.headers.close()
+    tier._reads.landing.close()
+    tier._staging.close()
+    for name in tier.stats:
+        tier.stats[name] = 0
 
 
 def payloads(n: int, seed: int, size: int) -> list[torch.Tensor]:

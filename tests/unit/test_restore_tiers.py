@@ -70,7 +70,7 @@ def test_filesystem_registration_mismatch_probes_as_miss(fs_stored):
 
 
 @pytest.fixture(scope="module")
-def mooncake_stored(mooncake_master, mooncake_closer):
+def mooncake_stored(mooncake_master):
     from bsr_runtime.tiers.mooncake import MooncakeTier
 
     made = []
@@ -82,7 +82,8 @@ def mooncake_stored(mooncake_master, mooncake_closer):
         made.append(tier)
         out[name] = (tier, store_random_prefix(reg, tier, N_STORED, seed=31))
     yield out
-    mooncake_closer.close_later(made)
+    for tier in made:
+        tier.close()
 
 
 @pytest.mark.mooncake

@@ -64,11 +64,11 @@ def raw_swap(store, a: str, b: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tier(mooncake_master, mooncake_closer):
+def tier(mooncake_master):
     t = MooncakeTier(C, FP, mooncake_master.master_address, mooncake_master.metadata_server,
                      global_segment_size=64 << 20)
     yield t
-    mooncake_closer.close_later([t])
+    t.close()
 
 
 def fetch_into(tier: MooncakeTier, keys: list[str]) -> list[torch.Tensor]:
@@ -171,7 +171,7 @@ def _wait(poll, timeout: float = 20.0):
 
 
 @pytest.fixture(scope="module")
-def plugin(mooncake_master, mooncake_closer):
+def plugin(mooncake_master):
     pytest.importorskip("lmcache.v1.distributed.l2_adapters.base", reason="lmcache 0.5.6 is not installed")
     from bsr_runtime.integrations.lmcache.mooncake_l2 import BSRMooncakeL2Adapter, BSRMooncakeL2AdapterConfig
 
@@ -179,7 +179,7 @@ def plugin(mooncake_master, mooncake_closer):
                                      global_segment_size=64 << 20, connect_timeout_s=5.0)
     p = BSRMooncakeL2Adapter(cfg)
     yield p
-    mooncake_closer.close_later([p])
+    p.close()
 
 
 def lmcache_keys(n: int, salt: str = "", seed: int = 0):

@@ -61,11 +61,11 @@ def pool():
 
 
 @pytest.fixture(scope="module")
-def shared_tier(mooncake_master, mooncake_closer):
+def shared_tier(mooncake_master):
     # One client for the module: closing a Mooncake client takes 1-2 s.
     t = MooncakeTier(C, FP, mooncake_master.master_address, mooncake_master.metadata_server)
     yield t
-    mooncake_closer.close_later([t])
+    t.close()
 
 
 @pytest.fixture
