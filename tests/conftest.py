@@ -17,8 +17,9 @@ INTEGRATION_PARTS = ("mooncake", "lmcache", "vllm", "tp")
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`integration` and the part's marker on every test under tests/integration/<part>/, and
-    `integration` on every `mooncake` test elsewhere (a unit file's cases against a real master), so
-    `-m "not integration"` runs what needs no real Mooncake, LMCache, vLLM or process group."""
+    `integration` on every test marked with a part elsewhere (a unit file's cases against a real
+    master, say), so `-m "not integration"` runs what needs no real Mooncake, LMCache, vLLM or
+    process group."""
     for item in items:
         try:
             where = item.path.resolve().relative_to(TESTS).parts
@@ -30,7 +31,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif where[0] != "unit":
             raise pytest.UsageError(f"{'/'.join(where)}: a test file belongs under tests/unit/ or "
                                     f"tests/integration/{{{','.join(INTEGRATION_PARTS)}}}/ (ARCHITECTURE.md, Tests)")
-        if item.get_closest_marker("mooncake"):
+        if any(item.get_closest_marker(part) for part in INTEGRATION_PARTS):
             item.add_marker(pytest.mark.integration)
 
 HAVE_MOONCAKE = (
