@@ -15,24 +15,37 @@ TESTS = Path(__file__).resolve().parent
 INTEGRATION_PARTS = ("mooncake", "lmcache", "vllm", "tp")
 
 
+def _layout_problems() -> list[str]:
+    """Test files outside tests/unit/ and tests/integration/<part>/ (`make test` would not collect them)."""
+    out = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        where = path.relative_to(TESTS).parts
+        if not (where[0] == "unit" or (where[0] == "integration" and len(where) > 2
+                                        and where[1] in INTEGRATION_PARTS)):
+            out.append("/".join(where))
+    return out
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`integration` and the part's marker on every test under tests/integration/<part>/, and
     `integration` on every test marked with a part elsewhere (a unit file's cases against a real
     master, say), so `-m "not integration"` runs what needs no real Mooncake, LMCache, vLLM or
-    process group."""
+    process group. A test file elsewhere under tests/ is an error."""
+    stray = _layout_problems()
+    if stray:
+        raise pytest.UsageError(f"tests/{', tests/'.join(stray)}: a test file belongs under tests/unit/ or "
+                                f"tests/integration/{{{','.join(INTEGRATION_PARTS)}}}/ (ARCHITECTURE.md, Tests)")
     for item in items:
         try:
             where = item.path.resolve().relative_to(TESTS).parts
         except ValueError:  # a test file outside tests/, named on the command line
             continue
-        if where[0] == "integration" and len(where) > 2 and where[1] in INTEGRATION_PARTS:
+        if where[0] == "integration":
             item.add_marker(pytest.mark.integration)
             item.add_marker(getattr(pytest.mark, where[1]))
-        elif where[0] != "unit":
-            raise pytest.UsageError(f"{'/'.join(where)}: a test file belongs under tests/unit/ or "
-                                    f"tests/integration/{{{','.join(INTEGRATION_PARTS)}}}/ (ARCHITECTURE.md, Tests)")
         if any(item.get_closest_marker(part) for part in INTEGRATION_PARTS):
             item.add_marker(pytest.mark.integration)
+
 
 HAVE_MOONCAKE = (
     importlib.util.find_spec("mooncake") is not None and importlib.util.find_spec("mooncake.store") is not None
