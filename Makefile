@@ -13,8 +13,12 @@ VLLM_STAMP := $(VENV)/.bsr-vllm-installed
 VLLM_VERSION := 0.32.0
 VLLM_DIST := packaging/vllm-cpu-dist
 PYTEST_ARGS ?=
+# pytest-xdist workers, whole files each (module fixtures: one Mooncake master, one engine per file):
+# a worker waiting on a Mooncake close, a master or an engine start leaves the core to the other.
+TEST_WORKERS ?= 2
+PYTEST := TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: all setup vllm-dist demo test lint clean-venv
+.PHONY: all setup vllm-dist demo test test-fast lint clean-venv
 
 all: test
 
@@ -65,7 +69,11 @@ demo: setup
 # TRITON_INTERPRET=1 runs the Triton kernels on CPU tensors, so the Triton backend is tested here.
 test: setup
 	$(VENV)/bin/ruff check .
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
+
+# The unit tests alone: no Mooncake master, LMCache stack, vLLM engine or TP group (ARCHITECTURE.md, Tests).
+test-fast: setup
+	$(PYTEST) -m "not integration" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,6 @@
 """Throughput of concurrent restores under a global byte budget: B = W*c vs B = 4*W*c.
 
-The workload of tests/test_concurrent_budget.py, healthy requests only: `--requests` requests
+The workload of tests/unit/test_concurrent_budget.py, healthy requests only: `--requests` requests
 (threads) of random length (1..`--max-chunks` chunks, seeded), each with its own BoundedRestorer
 at W chunks and pipeline depth `--depth`, all sharing ONE ByteBudget B, restoring from a
 filesystem tier (page cache warm). B = W*c admits one full window at a time, which is what the

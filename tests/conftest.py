@@ -1,11 +1,51 @@
 """Shared fixtures. Mooncake: a real `mooncake_master` on 127.0.0.1 and real store clients. The CPU
-library's copies with normal or non-temporal stores (`nt_stores`)."""
+library's copies with normal or non-temporal stores (`nt_stores`). Markers from where a test lives
+(ARCHITECTURE.md, "Tests")."""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+# tests/integration/<part>/ holds the tests that start a real <part>: a mooncake_master, the LMCache
+# storage stack, a vLLM engine, a TP process group.
+INTEGRATION_PARTS = ("mooncake", "lmcache", "vllm", "tp")
+
+
+def _layout_problems() -> list[str]:
+    """Test files outside tests/unit/ and tests/integration/<part>/ (`make test` would not collect them)."""
+    out = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        where = path.relative_to(TESTS).parts
+        if not (where[0] == "unit" or (where[0] == "integration" and len(where) > 2
+                                        and where[1] in INTEGRATION_PARTS)):
+            out.append("/".join(where))
+    return out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`integration` and the part's marker on every test under tests/integration/<part>/, and
+    `integration` on every test marked with a part elsewhere (a unit file's cases against a real
+    master, say), so `-m "not integration"` runs what needs no real Mooncake, LMCache, vLLM or
+    process group. A test file elsewhere under tests/ is an error."""
+    stray = _layout_problems()
+    if stray:
+        raise pytest.UsageError(f"tests/{', tests/'.join(stray)}: a test file belongs under tests/unit/ or "
+                                f"tests/integration/{{{','.join(INTEGRATION_PARTS)}}}/ (ARCHITECTURE.md, Tests)")
+    for item in items:
+        try:
+            where = item.path.resolve().relative_to(TESTS).parts
+        except ValueError:  # a test file outside tests/, named on the command line
+            continue
+        if where[0] == "integration":
+            item.add_marker(pytest.mark.integration)
+            item.add_marker(getattr(pytest.mark, where[1]))
+        if any(item.get_closest_marker(part) for part in INTEGRATION_PARTS):
+            item.add_marker(pytest.mark.integration)
+
 
 HAVE_MOONCAKE = (
     importlib.util.find_spec("mooncake") is not None and importlib.util.find_spec("mooncake.store") is not None
@@ -50,21 +90,37 @@ def mooncake_master():
         master.stop()
 
 
-@pytest.fixture
-def mooncake_tier_factory(mooncake_master):
-    """make(chunk_bytes, fingerprint, **kw) -> MooncakeTier against the module's master
-    (or `master=` another MooncakeMaster); every tier made is closed at teardown."""
+def _tier_maker(default_master, made: list):
+    """make(chunk_bytes, fingerprint, *, master=None, **kw): a MooncakeTier, appended to `made`."""
     from bsr_runtime.tiers.mooncake import MooncakeTier
 
-    made: list[MooncakeTier] = []
-
     def make(chunk_bytes: int, fingerprint: str, *, master=None, **kw) -> MooncakeTier:
-        m = master or mooncake_master
+        m = master or default_master
         kw.setdefault("global_segment_size", 128 << 20)
         tier = MooncakeTier(chunk_bytes, fingerprint, m.master_address, m.metadata_server, **kw)
         made.append(tier)
         return tier
 
-    yield make
+    return make
+
+
+@pytest.fixture
+def mooncake_tier_factory(mooncake_master):
+    """make(chunk_bytes, fingerprint, **kw) -> MooncakeTier against the module's master
+    (or `master=` another MooncakeMaster); every tier made is closed at teardown."""
+    made: list = []
+    yield _tier_maker(mooncake_master, made)
+    for tier in made:
+        tier.close()
+
+
+@pytest.fixture(scope="module")
+def mooncake_module_tier_factory(mooncake_master):
+    """mooncake_tier_factory for clients a module's tests share, closed after the module (before
+    its master stops). A close takes 1-2 s and holds the GIL throughout, so sharing is what saves
+    the time: e.g. one holder whose segment hosts every test's objects (each test under keys of
+    its own), or a reader reset for each test (mooncake_util.as_new)."""
+    made: list = []
+    yield _tier_maker(mooncake_master, made)
     for tier in made:
         tier.close()

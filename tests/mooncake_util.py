@@ -1,6 +1,6 @@
-"""Helpers of the Mooncake read-path tests: payloads, where an object lies in a holder's segment,
-a byte flipped in that segment memory for the length of a block, and poisoned views between
-guard bytes (adjacent, or each after some header room)."""
+"""Helpers of the Mooncake tests: a shared client reset for the next test, payloads, where an object
+lies in a holder's segment, a byte flipped in that segment memory for the length of a block, and
+poisoned views between guard bytes (adjacent, or each after some header room)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,16 @@ import torch
 
 from bsr_harness.testdata import POISON
 from bsr_kernels.staging_pool import StagingPool
+
+
+def as_new(tier) -> None:
+    """A client shared by a module's tests, put back in a new client's state for the next test: no
+    header, landing or put-staging buffers (each read registers its own again), counters at zero."""
+    tier._reads.headers.close()
+    tier._reads.landing.close()
+    tier._staging.close()
+    for name in tier.stats:
+        tier.stats[name] = 0
 
 
 def payloads(n: int, seed: int, size: int) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""One TP rank of tests/test_tp_ranks.py: a real process in a gloo group on 127.0.0.1.
+"""One TP rank of tests/integration/tp/test_tp_ranks.py: a real process in a gloo group on 127.0.0.1.
 
 Spawned with torch.multiprocessing (spawn); writes its results to <outdir>/rank<r>.json.
 """

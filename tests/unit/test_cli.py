@@ -171,7 +171,8 @@ def test_faults_unknown_scenario(capsys):
     assert rc == 2 and "unknown scenarios" in err
 
 
-@pytest.mark.parametrize("tier", ["lmcache-fs", "lmcache-mooncake"])
+@pytest.mark.parametrize("tier", [pytest.param("lmcache-fs", marks=pytest.mark.lmcache),
+                                  pytest.param("lmcache-mooncake", marks=[pytest.mark.lmcache, pytest.mark.mooncake])])
 def test_sweep_through_lmcache(tier, tmp_path, capsys):
     if tier == "lmcache-mooncake":
         pytest.importorskip("mooncake.store")

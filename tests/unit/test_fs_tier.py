@@ -1,5 +1,5 @@
 """FilesystemTier: real files under tmp_path, fetched into real StagingPool slots. The Tier contract
-and every FaultyTier fault run against it in tests/test_tier_contract.py."""
+and every FaultyTier fault run against it in tests/unit/test_tier_contract.py."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ import vllm_util as U  # noqa: E402
 
 from bsr_harness.mooncake_launcher import fill_free_ports, port_answers  # noqa: E402
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 CHUNKS = 6
 pytestmark = pytest.mark.mooncake
 

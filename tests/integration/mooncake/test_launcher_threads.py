@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.mooncake
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
 def _require():

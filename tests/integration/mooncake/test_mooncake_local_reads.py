@@ -40,9 +40,15 @@ def pool():
     return StagingPool(C, capacity_chunks=32, num_slots=1)
 
 
+@pytest.fixture(scope="module")
+def holder(mooncake_module_tier_factory):
+    """The module's long-lived client with a segment (objects are put under keys of each test's own)."""
+    return mooncake_module_tier_factory(C, FP, global_segment_size=64 << 20)
+
+
 @pytest.fixture
-def tier(mooncake_tier_factory, pool):
-    t = mooncake_tier_factory(C, FP, global_segment_size=64 << 20)
+def tier(holder, pool):
+    t = holder
     t.register_staging(pool.buffer)
     yield t
     t.unregister_staging(pool.buffer)

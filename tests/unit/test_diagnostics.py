@@ -105,6 +105,6 @@ def test_native_log_that_cannot_be_opened_does_not_stop_the_command(tmp_path):
     )
     missing = tmp_path / "no-such-dir" / "native.log"
     r = subprocess.run([sys.executable, "-c", code, str(missing)], capture_output=True, text=True, timeout=60,
-                       cwd=os.path.dirname(os.path.dirname(__file__)))
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert r.returncode == 0 and r.stdout.strip() == "carried on", r.stderr
     assert "cannot be written" in r.stderr and "native line" not in r.stderr

@@ -3,7 +3,7 @@
 Random registrations, prefix lengths N, windows W, pipeline depths, TP world sizes, an optional
 lower tier (holding the complete prefix, a partial one, or nothing) and a random fault point
 (window, phase fetch | install, rank). Ranks are simulated in one process (MemoryTier, the
-commit rule over the list of per-rank validity vectors); tests/test_tp_ranks.py covers real
+commit rule over the list of per-rank validity vectors); tests/integration/tp/test_tp_ranks.py covers real
 processes. The outcome is either the full prefix committed on every rank with each rank's
 state hash equal to what it stored, or zero tokens exposed on every rank with every block of
 the request in every group invalid — never anything in between.

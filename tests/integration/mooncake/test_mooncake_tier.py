@@ -1,7 +1,7 @@
 """MooncakeTier against a real mooncake_master and real Mooncake clients over tcp on 127.0.0.1.
 
 No mocks. Skipped only when `mooncake.store` cannot be imported. The Tier contract and every
-FaultyTier fault run against it in tests/test_tier_contract.py.
+FaultyTier fault run against it in tests/unit/test_tier_contract.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One BoundedRestorer is one restore at a time: a concurrent restore() on the same restorer is
 refused at once with a clear RuntimeError (it used to compete for the first restore's staging
 slots and fail with slot timeouts). Concurrent restores use one restorer per thread, sharing a
-ByteBudget (tests/test_concurrent_budget.py)."""
+ByteBudget (tests/unit/test_concurrent_budget.py)."""
 
 from __future__ import annotations
 

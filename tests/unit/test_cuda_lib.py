@@ -39,7 +39,7 @@ from bsr_kernels.install_torch import gather_torch, install_torch
 from bsr_kernels.registration import Registration, TensorSpec
 from bsr_kernels.validate import WindowArgs, check_window
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 # Same flags as setup.py (checked below).
 NVCC_FLAGS = ["-O3", "-Xcompiler", "-fPIC", "-shared",

@@ -16,7 +16,7 @@ vllm = pytest.importorskip("vllm")
 
 import vllm_util as U  # noqa: E402
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 
 
 def readme_kv_transfer_config() -> dict:

@@ -115,6 +115,17 @@ def runner(request) -> Runner:
     return Runner(request.param, request)
 
 
+# Triton takes dsv4 at one stride (headroom and a tail gap), the small presets at every stride: the
+# interpreter runs one Python program per tensor (167 for dsv4), and the stride only moves where each
+# chunk starts (the kernel's copy unit comes from the destinations; strides are multiples of 16).
+TRITON_DSV4_STRIDE = "h128-tail48"
+
+
+def backend_preset_stride(preset_names: list[str]) -> list[tuple[str, str, str]]:
+    return [(b, p, s) for b in ALL_BACKENDS for p in preset_names for s in STRIDE_IDS
+            if not (b == "triton" and p == "dsv4" and s != TRITON_DSV4_STRIDE)]
+
+
 def _oracle(case: Case) -> list[torch.Tensor]:
     kv = poisoned(case.reg, case.num_blocks)
     naive_install(case, kv)
@@ -129,8 +140,7 @@ def _staging(case: Case, stride_id: str, seed: int, **kw):
 
 
 # -- install ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("stride", STRIDE_IDS)
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("runner, preset, stride", backend_preset_stride(sorted(PRESETS)), indirect=["runner"])
 def test_install_matches_oracle(runner, preset, stride):
     case = make_case(PRESETS[preset](), first_chunk=2, num_chunks=2, seed=len(stride) + len(preset))
     st_ = _staging(case, stride, seed=3, chunks=case.staging)
@@ -169,8 +179,7 @@ def test_install_as_strided_view(runner, as_strided):
 
 
 # -- gather ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("stride", STRIDE_IDS)
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("runner, preset, stride", backend_preset_stride(sorted(PRESETS)), indirect=["runner"])
 def test_gather_matches_oracle(runner, preset, stride):
     case = make_case(PRESETS[preset](), first_chunk=1, num_chunks=2, seed=7 + len(stride))
     src = random_kv(case.reg, case.num_blocks, seed=len(preset))
@@ -228,8 +237,7 @@ def _round_trip(runner: Runner, reg: Registration, first: int, num: int, seed: i
     untouched_outside_window(case, dst)
 
 
-@pytest.mark.parametrize("stride", STRIDE_IDS)
-@pytest.mark.parametrize("preset", ["dsv4", "padded"])
+@pytest.mark.parametrize("runner, preset, stride", backend_preset_stride(["dsv4", "padded"]), indirect=["runner"])
 def test_round_trip_presets(runner, preset, stride):
     _round_trip(runner, PRESETS[preset](), 2, 2, seed=31, stride=stride)
 

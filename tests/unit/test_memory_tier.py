@@ -1,5 +1,5 @@
 """MemoryTier: what only the unit-test tier does. The Tier contract and every FaultyTier fault
-run against it (and every other tier) in tests/test_tier_contract.py."""
+run against it (and every other tier) in tests/unit/test_tier_contract.py."""
 
 from __future__ import annotations
 

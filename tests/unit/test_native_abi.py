@@ -15,7 +15,7 @@ import pytest
 from bsr_kernels import cpu_backend, cuda_backend
 from bsr_kernels.native_abi import AbiError, parse, read_abi
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 _VERSIONS = "#define BSR_CPU_ABI_VERSION 7\n#define BSR_CUDA_ABI_VERSION 9\n"
 _VERSION_FNS = "BSR_CPU_API int bsr_cpu_abi_version(void);\nBSR_CUDA_API int bsr_abi_version(void);\n"

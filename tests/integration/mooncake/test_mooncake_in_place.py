@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from mooncake_util import GuardedViews, assert_same, flipped, segment_address
+from mooncake_util import GuardedViews, as_new, assert_same, flipped, segment_address
 from mooncake_util import stored as put_payloads
 
 from bsr_harness.testdata import POISON
@@ -36,15 +36,23 @@ def Views(reader) -> GuardedViews:  # noqa: N802 - reads as the class it makes
     return GuardedViews(reader, SLOTS, C)
 
 
-@pytest.fixture
-def holder(mooncake_tier_factory):
-    return mooncake_tier_factory(C, FP, global_segment_size=64 << 20)
+@pytest.fixture(scope="module")
+def holder(mooncake_module_tier_factory):
+    """The module's only client with a segment (objects are put under tags of each test's own)."""
+    return mooncake_module_tier_factory(C, FP, global_segment_size=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def shared_reader(mooncake_module_tier_factory):
+    return mooncake_module_tier_factory(C, FP, global_segment_size=0, land_whole=False)
 
 
 @pytest.fixture
-def reader(mooncake_tier_factory):
-    """A pure client (no segment): every object crosses tcp, in place (land_whole=False)."""
-    return mooncake_tier_factory(C, FP, global_segment_size=0, land_whole=False)
+def reader(shared_reader):
+    """A pure client (no segment): every object crosses tcp, in place (land_whole=False). Shared by
+    the module, as new for each test."""
+    as_new(shared_reader)
+    return shared_reader
 
 
 @pytest.fixture

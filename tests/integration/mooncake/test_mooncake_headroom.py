@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from mooncake_util import GuardedViews, assert_same, fetch, flipped, payloads, segment_address
+from mooncake_util import GuardedViews, as_new, assert_same, fetch, flipped, payloads, segment_address
 from mooncake_util import stored as put_payloads
 
 from bsr_harness.testdata import POISON
@@ -39,15 +39,23 @@ def RoomyViews(reader) -> GuardedViews:  # noqa: N802 - reads as the class it ma
     return GuardedViews(reader, SLOTS, C, room=ROOM)
 
 
-@pytest.fixture
-def holder(mooncake_tier_factory):
-    return mooncake_tier_factory(C, FP, global_segment_size=64 << 20)
+@pytest.fixture(scope="module")
+def holder(mooncake_module_tier_factory):
+    """The module's only long-lived client with a segment (objects are put under tags of each test's own)."""
+    return mooncake_module_tier_factory(C, FP, global_segment_size=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def shared_reader(mooncake_module_tier_factory):
+    return mooncake_module_tier_factory(C, FP, global_segment_size=0)
 
 
 @pytest.fixture
-def reader(mooncake_tier_factory):
-    """A pure client (no segment) with the tcp default (land_whole None): every object crosses tcp."""
-    return mooncake_tier_factory(C, FP, global_segment_size=0)
+def reader(shared_reader):
+    """A pure client (no segment) with the tcp default (land_whole None): every object crosses tcp.
+    Shared by the module, as new for each test."""
+    as_new(shared_reader)
+    return shared_reader
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from bsr_harness import records, report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 

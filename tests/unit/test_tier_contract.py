@@ -2,7 +2,8 @@
 mooncake_master on 127.0.0.1), and every FaultyTier fault against each of them.
 
 The LMCache integration is not a Tier (it plugs L2 adapters into LMCache's StorageManager and
-restores through LMCacheAdapter), so it is not in this suite; tests/test_lmcache_adapter.py covers it.
+restores through LMCacheAdapter), so it is not in this suite;
+tests/integration/lmcache/test_lmcache_adapter.py covers it.
 """
 
 from __future__ import annotations
@@ -60,22 +61,19 @@ def deadline(s: float = 20.0) -> float:
 @pytest.fixture(scope="module")
 def mooncake_clients(request):
     """Mooncake clients shared by the module, one per (chunk_bytes, fingerprint): a client
-    takes 1-2 s to close. Tests keep apart by their keys (see Store.keys)."""
+    takes 1-2 s to close. Tests keep apart by their keys (see Store.keys). The master and the
+    clients' factory are asked for at the first Mooncake case (the others start no master), so
+    they are torn down before this fixture: the clients close while their master still runs."""
     made: dict[tuple[int, str, str], Tier] = {}
 
     def get(chunk_bytes: int, fingerprint: str, kind: str) -> Tier:
         if (chunk_bytes, fingerprint, kind) not in made:
-            from bsr_runtime.tiers.mooncake import MooncakeTier
-
-            m = request.getfixturevalue("mooncake_master")
-            made[chunk_bytes, fingerprint, kind] = MooncakeTier(
-                chunk_bytes, fingerprint, m.master_address, m.metadata_server, global_segment_size=128 << 20,
-                **MOONCAKE_PATHS[kind])
+            make = request.getfixturevalue("mooncake_module_tier_factory")
+            made[chunk_bytes, fingerprint, kind] = make(chunk_bytes, fingerprint, global_segment_size=128 << 20,
+                                                        **MOONCAKE_PATHS[kind])
         return made[chunk_bytes, fingerprint, kind]
 
     yield get
-    for t in made.values():
-        t.close()
 
 
 class Store:

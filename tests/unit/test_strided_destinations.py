@@ -5,7 +5,7 @@ CPU, FlashAttention, FlashInfer HND, MLA rows and sliced MLA rows, random stride
 buffers are poisoned first; after an install they must equal, byte for byte, buffers the oracle
 (kernel_util.naive_install: torch logical indexing, one entry at a time) wrote, so bytes outside
 the views and blocks outside the window stay poisoned. The CUDA library's host emulation runs the
-same cases in tests/test_cuda_lib.py.
+same cases in tests/unit/test_cuda_lib.py.
 """
 
 from __future__ import annotations
