@@ -1,11 +1,12 @@
 """The store path through LMCache's L1, on BSR's one window loop (bsr_runtime/window_loop.py).
 
-Each batch is an `L1StoreStage`: `reserve_write` of its keys -> `gather` (of the store's one
-`WindowInstaller`) into the reserved L1 objects -> `finish_write`; LMCache's store controller
-writes them to every L2 adapter; the path waits until the L2 adapters hold them and (flush_l1)
-deletes them from L1, batch by batch, so any length fits a small L1. A batch is at most W (or
-32) chunks that also fit the free L1 and the admission's byte budget, planned lazily from the
-L1 left free by the previous batch.
+Each batch is an `L1StoreStage`: with an L2, its keys deleted from L1 and every L2 first (a store
+replaces: an L2 lookup cannot tell an old or damaged object from the new one), then `reserve_write`
+of its keys -> `gather` (of the store's one `WindowInstaller`) into the reserved L1 objects ->
+`finish_write`; LMCache's store controller writes them to every L2 adapter; the path waits until
+the L2 adapters hold them and (flush_l1) deletes them from L1, batch by batch, so any length fits a
+small L1. A batch is at most W (or 32) chunks that also fit the free L1 and the admission's byte
+budget, planned lazily from the L1 left free by the previous batch.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class L1StoreStage:
         self.first, self.chunk_bytes = win.first_chunk, job.ad.reg.chunk_bytes
         self.object_bytes = job.ad.l1_object_bytes
         self.batch = job.keys.window(win.first_chunk, win.num_chunks)
+        if job.has_l2:  # an L2 lookup cannot tell an old (maybe damaged) object from this write's
+            delete_everywhere(self.sm, self.batch, time.monotonic() + job.timeout_s)
         self.reserved = self.sm.reserve_write(self.batch, job.ad.layout)
         self.objs = [self.reserved.get(k) for k in self.batch]  # None: already resident, or no room
         self._written = False
@@ -184,6 +187,13 @@ def wait_in_l2(l2: L2Lookups, keys: list[ObjectKey], deadline: float) -> None:
             raise TimeoutError(f"{len(pending)} objects did not reach any L2 adapter in time")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
+
+
+def delete_everywhere(sm: StorageManager, keys: list[ObjectKey], deadline: float) -> None:
+    """The keys' objects gone from L1 (waiting out readers' locks) and from every L2 adapter."""
+    flush_l1(sm, keys, deadline)
+    for _desc, l2 in sm.l2_adapters():
+        l2.delete(keys)  # LMCache's adapters log a failed delete and return
 
 
 def flush_l1(sm: StorageManager, keys: list[ObjectKey], deadline: float) -> None:

@@ -53,7 +53,7 @@ from .objects import _owners
 from .probe import _probe_l1
 from .retrieve import WINDOW_TAG, evict_l2_loaded, release_result
 from .specs import LMCACHE_TIER_SPECS, LMCacheFSTierSpec
-from .store import abort_writes, flush_l1, wait_in_l2
+from .store import abort_writes, delete_everywhere, flush_l1, wait_in_l2
 
 _RANK = re.compile(r"-r(\d+)of(\d+)-")
 
@@ -190,9 +190,7 @@ class LMCacheTier(Tier):
         if not okeys:
             return
         try:
-            flush_l1(self.sm, okeys, time.monotonic() + self.put_timeout_s)
-            for _desc, l2 in self.sm.l2_adapters():
-                l2.delete(okeys)  # LMCache's adapters log a failed delete and return
+            delete_everywhere(self.sm, okeys, time.monotonic() + self.put_timeout_s)
         except TimeoutError as e:
             raise TierError(f"LMCache delete: {e}") from e
         found, errors = self.adapter.l2.lookup(okeys)
