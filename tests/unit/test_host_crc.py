@@ -38,21 +38,27 @@ def test_uses_the_fastest_implementation_the_cpu_has():
     assert host_crc.hardware() and host_crc.implementation() == want
 
 
-@pytest.mark.parametrize("n", [1024, 1025, 4096 + 13, 200_003])
-def test_the_three_stream_loop_matches_too(rng, n, tmp_path):
-    """BSR_CRC_NO_FOLD=1 keeps a process on the crc32 loop: checked in a child process."""
+def test_the_three_stream_loop_matches_too(rng, tmp_path):
+    """BSR_CRC_NO_FOLD=1 keeps a process on the crc32 loop: checked in one child process (an import
+    of bsr_kernels costs seconds) on several lengths."""
     import subprocess
     import sys
 
-    a = rng.integers(0, 256, n, dtype=np.uint8)
-    f = tmp_path / "a.bin"
-    f.write_bytes(a.tobytes())
-    code = ("import sys, numpy as np; from bsr_kernels import host_crc; "
-            "a = np.fromfile(sys.argv[1], dtype=np.uint8); "
-            "print(host_crc.implementation(), host_crc.crc32c(a.ctypes.data, a.size))")
-    out = subprocess.run([sys.executable, "-c", code, str(f)], capture_output=True, text=True, check=True,
-                         env={**__import__("os").environ, "BSR_CRC_NO_FOLD": "1"}).stdout.split()
-    assert out[0] in ("crc32", "table") and int(out[1]) == ref(a)
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1024, 1025, 4096 + 13, 200_003)]
+    files = []
+    for i, a in enumerate(arrays):
+        files.append(tmp_path / f"a{i}.bin")
+        files[-1].write_bytes(a.tobytes())
+    code = ("import sys, numpy as np; from bsr_kernels import host_crc\n"
+            "for f in sys.argv[1:]:\n"
+            "    a = np.fromfile(f, dtype=np.uint8)\n"
+            "    print(host_crc.implementation(), host_crc.crc32c(a.ctypes.data, a.size))")
+    out = subprocess.run([sys.executable, "-c", code, *map(str, files)], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "BSR_CRC_NO_FOLD": "1"}).stdout.split("\n")
+    for line, a in zip(out, arrays, strict=False):
+        impl, crc = line.split()
+        assert impl in ("crc32", "table") and int(crc) == ref(a), f"{a.size} bytes"
+    assert len([line for line in out if line.strip()]) == len(arrays)
 
 
 @pytest.mark.parametrize("n", LENGTHS)

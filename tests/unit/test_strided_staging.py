@@ -13,6 +13,7 @@ view made with as_strided.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 
 import pytest
@@ -132,6 +133,22 @@ def _oracle(case: Case) -> list[torch.Tensor]:
     return kv
 
 
+@functools.cache
+def _install_case(preset: str, stride: str) -> tuple[Case, list[torch.Tensor]]:
+    """The case and its oracle, once per preset and stride (the oracle is Python, seconds for dsv4);
+    every backend installs the same case against it. Read-only for the tests."""
+    case = make_case(PRESETS[preset](), first_chunk=2, num_chunks=2, seed=len(stride) + len(preset))
+    return case, _oracle(case)
+
+
+@functools.cache
+def _gather_case(preset: str, stride: str) -> tuple[Case, list[torch.Tensor], torch.Tensor]:
+    """The case, its source blocks and the oracle's gather, once per preset and stride."""
+    case = make_case(PRESETS[preset](), first_chunk=1, num_chunks=2, seed=7 + len(stride))
+    src = random_kv(case.reg, case.num_blocks, seed=len(preset))
+    return case, src, naive_gather(case, src).view(case.num_chunks, case.reg.chunk_bytes)
+
+
 def _staging(case: Case, stride_id: str, seed: int, **kw):
     headroom, tail = STRIDES[stride_id]
     gen = torch.Generator().manual_seed(seed)
@@ -142,12 +159,12 @@ def _staging(case: Case, stride_id: str, seed: int, **kw):
 # -- install ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("runner, preset, stride", backend_preset_stride(sorted(PRESETS)), indirect=["runner"])
 def test_install_matches_oracle(runner, preset, stride):
-    case = make_case(PRESETS[preset](), first_chunk=2, num_chunks=2, seed=len(stride) + len(preset))
+    case, want = _install_case(preset, stride)
     st_ = _staging(case, stride, seed=3, chunks=case.staging)
     before = st_.buf.clone()
     kv = poisoned(case.reg, case.num_blocks)
     runner.install(st_.view, case.reg, kv, case.tables, case.first_chunk, case.num_chunks)
-    assert_same(kv, _oracle(case), case.reg, f"{preset} {runner.backend} {stride} vs oracle")
+    assert_same(kv, want, case.reg, f"{preset} {runner.backend} {stride} vs oracle")
     untouched_outside_window(case, kv)
     assert st_.gaps_unchanged(), "install wrote a gap between chunks"
     assert torch.equal(st_.buf, before), "install wrote the staging"
@@ -181,13 +198,11 @@ def test_install_as_strided_view(runner, as_strided):
 # -- gather ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("runner, preset, stride", backend_preset_stride(sorted(PRESETS)), indirect=["runner"])
 def test_gather_matches_oracle(runner, preset, stride):
-    case = make_case(PRESETS[preset](), first_chunk=1, num_chunks=2, seed=7 + len(stride))
-    src = random_kv(case.reg, case.num_blocks, seed=len(preset))
+    case, src, expect = _gather_case(preset, stride)
     src_before = snapshot(src)
     out = _staging(case, stride, seed=6, fill=POISON)
     runner.gather(out.view, case.reg, src, case.tables, case.first_chunk, case.num_chunks)
-    n, cb = case.num_chunks, case.reg.chunk_bytes
-    expect = naive_gather(case, src).view(n, cb)
+    n = case.num_chunks
     got = out.view[:n]
     if not torch.equal(got, expect):
         idx = (got != expect).nonzero()[0].tolist()
@@ -219,27 +234,41 @@ def test_gather_holes_and_padding_are_zero_inside_rows_only(runner):
 
 
 # -- gather -> install round trip through strided staging --------------------------------------
-def _round_trip(runner: Runner, reg: Registration, first: int, num: int, seed: int, stride: str) -> None:
+def _round_trip_oracle(reg: Registration, first: int, num: int, seed: int):
+    """The case, its source blocks, the oracle's gather of them and the oracle's install of that."""
     case = make_case(reg, first, num, seed)
     src = random_kv(reg, case.num_blocks, seed + 1)
-    out = _staging(case, stride, seed=seed + 2, fill=POISON)
+    gathered = naive_gather(case, src)
+    expect = poisoned(reg, case.num_blocks)
+    naive_install(Case(reg, case.num_blocks, case.tables, first, num, gathered), expect)
+    return case, src, gathered, expect
+
+
+@functools.cache
+def _preset_round_trip_oracle(preset: str):
+    """Once per preset (the oracle is Python, seconds for dsv4); read-only for the tests."""
+    return _round_trip_oracle(PRESETS[preset](), 2, 2, seed=31)
+
+
+def _round_trip(runner: Runner, stride: str, oracle) -> None:
+    case, src, want_gathered, expect = oracle
+    reg, first, num = case.reg, case.first_chunk, case.num_chunks
+    out = _staging(case, stride, seed=33, fill=POISON)
     runner.gather(out.view, reg, src, case.tables, first, num)
     gathered = out.view[:num].reshape(-1).clone()
-    assert torch.equal(gathered, naive_gather(case, src)), f"{runner.backend} {stride}: gather vs oracle"
+    assert torch.equal(gathered, want_gathered), f"{runner.backend} {stride}: gather vs oracle"
     assert out.gaps_unchanged(), "gather wrote a gap"
     dst = poisoned(reg, case.num_blocks)
     runner.install(out.view, reg, dst, case.tables, first, num)
     assert out.gaps_unchanged(), "install wrote a gap"
     assert torch.equal(out.view[:num].reshape(-1), gathered), "install wrote the staging"
-    expect = poisoned(reg, case.num_blocks)
-    naive_install(Case(reg, case.num_blocks, case.tables, first, num, gathered), expect)
     assert_same(dst, expect, reg, f"{runner.backend} {stride} round trip")
     untouched_outside_window(case, dst)
 
 
 @pytest.mark.parametrize("runner, preset, stride", backend_preset_stride(["dsv4", "padded"]), indirect=["runner"])
 def test_round_trip_presets(runner, preset, stride):
-    _round_trip(runner, PRESETS[preset](), 2, 2, seed=31, stride=stride)
+    _round_trip(runner, stride, _preset_round_trip_oracle(preset))
 
 
 @settings(max_examples=12, deadline=None,
@@ -247,7 +276,7 @@ def test_round_trip_presets(runner, preset, stride):
 @given(reg=registrations(max_tensors=4), first=st.integers(0, 3), num=st.integers(1, 3), seed=st.integers(0, 2**16),
        stride=st.sampled_from(STRIDE_IDS))
 def test_round_trip_random_registrations(runner, reg, first, num, seed, stride):
-    _round_trip(runner, reg, first, num, seed, stride)
+    _round_trip(runner, stride, _round_trip_oracle(reg, first, num, seed))
 
 
 # -- strided destinations too -----------------------------------------------------------------
