@@ -16,6 +16,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .validation import check_int, check_timeout
@@ -42,7 +43,14 @@ class WindowReservation:
 
 
 class Admission:
-    """What the window loop needs of an admission: reservations per window."""
+    """What the window loop needs of an admission: reservations per window, and `admitted(...)`
+    around a whole restore or store."""
+
+    @contextmanager
+    def admitted(self, timeout: float | None = None) -> Iterator[Admission]:
+        """Held for a whole restore (or store); SerialAdmission admits one at a time here, the
+        budgets admit per window only."""
+        yield self
 
     def reserve(self, nbytes: int, timeout: float | None = None) -> None:
         raise NotImplementedError
@@ -73,7 +81,7 @@ class SerialAdmission(Admission):
         self.max_wait_s = 0.0
 
     @contextmanager
-    def restore(self, timeout: float | None = None):
+    def admitted(self, timeout: float | None = None) -> Iterator[Admission]:
         timeout = check_timeout("admission timeout", timeout, allow_none=True)
         t0 = time.monotonic()
         if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
@@ -117,10 +125,6 @@ class ByteBudget(Admission):
     @property
     def peak_bytes(self) -> int:
         return self._peak
-
-    @contextmanager
-    def restore(self, timeout: float | None = None):
-        yield self
 
     def _take(self, nbytes: int) -> None:
         self._used += nbytes
@@ -176,10 +180,6 @@ class ArenaAdmission(Admission):
     def __init__(self, arena) -> None:
         self.arena = arena
         self.budget_bytes = arena.capacity_bytes
-
-    @contextmanager
-    def restore(self, timeout: float | None = None):
-        yield self
 
     def _chunks(self, nbytes: int) -> int:
         nbytes = _check_nbytes(nbytes)

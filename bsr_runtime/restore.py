@@ -29,7 +29,7 @@ from bsr_kernels.staging_arena import StagingArena
 from .admission import ArenaAdmission, ByteBudget, SerialAdmission, WindowReservation
 from .keys import KeySpace, PrefixKeys
 from .plan import Window, count_windows, plan_windows, slot_sizes
-from .tiers.base import FETCH_HEADROOM, Tier
+from .tiers.base import FETCH_HEADROOM, FetchHandle, Tier
 from .validation import check_int, check_optional_int, check_timeout
 from .window_loop import LoopStats, WindowFailed, WindowLoop
 
@@ -107,32 +107,43 @@ class RestoreReport:
         return asdict(self)
 
 
-class TierStage:
-    """A restore window fetched from a tier into a StagingPool slot (the loop's RestoreStage)."""
+class TierSource:
+    """A restore's bytes from a tier, fetched window by window into staging (the loop's WindowSource).
+    Making one starts nothing; `fetch` starts one window's fetch."""
 
-    def __init__(self, pool: StagingPool | StagingArena, tier: Tier, keys: PrefixKeys, win: Window, timeout_s: float,
-                 on_unsettled: Callable[[], None] | None = None, reservation: WindowReservation | None = None) -> None:
-        given = reservation.lease if reservation is not None else None
-        self.lease = given if given is not None else pool.acquire(win.num_chunks, timeout=timeout_s)
+    def __init__(self, tier: Tier, keys: PrefixKeys, staging: StagingPool | StagingArena, timeout_s: float,
+                 on_unsettled: Callable[[], None] | None = None) -> None:
+        self.tier, self.keys, self.staging = tier, keys, staging
         self.timeout_s = timeout_s
-        self.on_unsettled = on_unsettled
-        self._released = False
-        try:
-            window_keys = keys.window(win.first_chunk, win.num_chunks)
-            self.handle = tier.fetch(window_keys, self.lease.chunks(), time.monotonic() + timeout_s,
-                                     headroom=pool.headroom)
-        except BaseException:
-            self.release()
-            raise
+        self.on_unsettled = on_unsettled  # a fetch that never settled: the owner retires its pool
 
-    def wait(self) -> list[tuple[int, int, torch.Tensor]]:
+    def fetch(self, window: Window, reservation: WindowReservation) -> TierWindow:
+        """Lease the window's staging (or take the reservation's) and submit the tier's fetch into it."""
+        lease = reservation.lease
+        if lease is None:
+            lease = self.staging.acquire(window.num_chunks, timeout=self.timeout_s)
+        try:
+            handle = self.tier.fetch(self.keys.window(window.first_chunk, window.num_chunks), lease.chunks(),
+                                     time.monotonic() + self.timeout_s, headroom=self.staging.headroom)
+        except BaseException:
+            lease.release()
+            raise
+        return TierWindow(self, lease, handle)
+
+
+class TierWindow:
+    """One window being fetched from a tier into its staging lease (the loop's FetchedWindow)."""
+
+    def __init__(self, source: TierSource, lease, handle: FetchHandle) -> None:
+        self.source, self.lease, self.handle = source, lease, handle
+        self._released = False
+
+    def require_complete(self) -> list[tuple[int, int, torch.Tensor]]:
         self.handle.wait()
         return [(0, self.lease.num_chunks, self.lease.view)]
 
-    def record(self, stream) -> None:
+    def synchronize(self, stream) -> None:
         self.lease.record(stream)
-
-    def synchronize(self) -> None:
         self.lease.synchronize()
 
     def release(self) -> None:
@@ -141,21 +152,19 @@ class TierStage:
             self.lease.release()
 
     def abandon(self, stream) -> None:
-        """Release the slot once nothing can still write into it. A fetch that does not settle
+        """Release the staging once nothing can still write into it. A fetch that does not settle
         within another timeout keeps writing: the owner retires the pool (`on_unsettled`)."""
         if self._released:
             return
-        if not self.handle.quiesce(self.timeout_s):
+        if not self.handle.quiesce(self.source.timeout_s):
             if isinstance(self.lease.pool, StagingArena):  # shared: retire just this run
-                self.lease.record(stream)
-                self.lease.synchronize()
+                self.synchronize(stream)
                 self._released = True
                 self.lease.quarantine()
                 return
-            if self.on_unsettled is not None:
-                self.on_unsettled()
-        self.lease.record(stream)  # an install may have been launched on the slot
-        self.lease.synchronize()
+            if self.source.on_unsettled is not None:
+                self.source.on_unsettled()
+        self.synchronize(stream)  # an install may have been launched on the staging
         self.release()
 
 
@@ -315,13 +324,11 @@ class BoundedRestorer:
         loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=len(pool.slots),
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:
-            with self.admission.restore(cfg.admission_timeout_s):
+            with self.admission.admitted(cfg.admission_timeout_s):
                 try:
                     self._register(tier, pool)
-                    loop.restore(plan_windows(num_chunks, w, cfg.pipeline_depth),
-                                 lambda win, res: TierStage(pool, tier, keys, win, cfg.fetch_timeout_s,
-                                                            on_unsettled=lambda: self._retire(pool), reservation=res),
-                                 installer.install)
+                    source = TierSource(tier, keys, pool, cfg.fetch_timeout_s, on_unsettled=lambda: self._retire(pool))
+                    loop.restore(plan_windows(num_chunks, w, cfg.pipeline_depth), source, installer.install)
                     report.ok = True
                     report.committed_tokens = num_chunks * reg.chunk_tokens
                 except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
@@ -350,8 +357,7 @@ class BoundedRestorer:
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:
             loop.restore(plan_windows(num_chunks, cfg.prefetch_window_chunks, cfg.pipeline_depth),
-                         lambda win, res: TierStage(arena, tier, keys, win, cfg.fetch_timeout_s, reservation=res),
-                         installer.install)
+                         TierSource(tier, keys, arena, cfg.fetch_timeout_s), installer.install)
             report.ok = True
             report.committed_tokens = num_chunks * reg.chunk_tokens
         except Exception as e:  # noqa: BLE001 - any failure fails the restore closed

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from bsr_kernels import Registration, StagingPool, gather_window
+from bsr_kernels import Registration, SlotLease, StagingPool, gather_window
 from bsr_kernels.validate import check_destinations
 
-from .admission import Admission, SerialAdmission
+from .admission import Admission, SerialAdmission, WindowReservation
 from .keys import KeySpace, PrefixKeys
 from .plan import Window, plan_windows
 from .state_hash import ChunkHasher
@@ -32,27 +32,35 @@ class StoreReport:
     state_hash: str
 
 
-class TierStoreStage:
-    """A store window: a StagingPool slot the window is gathered into, then put to a tier."""
+class TierSink:
+    """A store's bytes to a tier, window by window through a StagingPool (the loop's WindowSink).
+    Making one starts nothing; `stage` leases one window's staging."""
 
-    def __init__(self, pool: StagingPool, tier: Tier, keys: PrefixKeys, win: Window, hasher: ChunkHasher) -> None:
-        self.lease = pool.acquire(win.num_chunks)
-        self.tier, self.hasher = tier, hasher
-        self.keys = keys.window(win.first_chunk, win.num_chunks)
+    def __init__(self, tier: Tier, keys: PrefixKeys, pool: StagingPool, hasher: ChunkHasher) -> None:
+        self.tier, self.keys, self.pool, self.hasher = tier, keys, pool, hasher
+
+    def stage(self, window: Window, reservation: WindowReservation) -> TierStoreWindow:
+        return TierStoreWindow(self, self.pool.acquire(window.num_chunks), window)
+
+
+class TierStoreWindow:
+    """A store window: its staging lease, gathered into, then put to the tier (the loop's StoreWindow)."""
+
+    def __init__(self, sink: TierSink, lease: SlotLease, window: Window) -> None:
+        self.sink, self.lease = sink, lease
+        self.keys = sink.keys.window(window.first_chunk, window.num_chunks)
         self._released = False
 
     def runs(self) -> list[tuple[int, int, torch.Tensor]]:
         return [(0, self.lease.num_chunks, self.lease.view)]
 
-    def record(self, stream) -> None:
+    def synchronize(self, stream) -> None:
         self.lease.record(stream)
-
-    def synchronize(self) -> None:
         self.lease.synchronize()
 
-    def commit(self) -> None:
-        self.hasher.update(self.lease.view)
-        put_replacing(self.tier, self.keys, self.lease.chunks(), headroom=self.lease.pool.headroom)
+    def put(self) -> None:
+        self.sink.hasher.update(self.lease.view)
+        put_replacing(self.sink.tier, self.keys, self.lease.chunks(), headroom=self.lease.pool.headroom)
 
     def release(self) -> None:
         if not self._released:
@@ -61,8 +69,7 @@ class TierStoreStage:
 
     def abandon(self, stream) -> None:
         if not self._released:
-            self.lease.record(stream)
-            self.lease.synchronize()
+            self.synchronize(stream)
             self.release()
 
 
@@ -100,8 +107,7 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
     try:
         windows = (dataclasses.replace(w, first_chunk=first_chunk + w.first_chunk)
                    for w in plan_windows(n_total - first_chunk, pool.capacity_chunks))
-        loop.store(windows,
-                   lambda win, _reservation: TierStoreStage(pool, tier, keys, win, hasher), gather)
+        loop.store(windows, TierSink(tier, keys, pool, hasher), gather)
     except WindowFailed as e:
         raise e.cause from e  # a store raises what failed it (the loop's clean-up already ran)
     finally:

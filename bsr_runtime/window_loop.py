@@ -1,24 +1,31 @@
-"""The one window loop of the design (ARCHITECTURE.md, "The window loop"), for both directions.
+"""The one window loop of the design (ARCHITECTURE.md, "The window loop"), in the paper's verbs:
 
-    restore, per window G_j:  reserve bytes -> stage (lease staging, submit the fetch)
-                              -> wait for complete presence -> install -> record -> synchronize
-                              -> release staging and bytes
-    store, per window G_j:    reserve bytes -> stage (lease staging) -> gather -> record
-                              -> synchronize -> commit (put) -> release staging and bytes
+    "each window is fetched, required to be complete, mapped onto the corresponding destination
+     block slice, transferred, synchronized, and then released"
 
-What varies is where a window is staged, plugged in as a `RestoreStage` / `StoreStage` made
-by a factory: a tier fetching into a StagingPool slot (restore.py, store.py) or LMCache's L1
-(integrations/lmcache). The loop owns the order of the steps and the clean-up: on every path
-out (an exception of any type included) each staged window is abandoned (writers stopped,
-recorded work synchronized, staging released) and each reservation returned. A failure
-becomes `WindowFailed` with the window's index; a BaseException that is not an Exception
-(KeyboardInterrupt, SystemExit) is re-raised as itself after the clean-up.
+    restore, per window G_j:  admit (reserve its bytes) -> fetch -> require complete
+                              -> map onto the destination block slice -> transfer (install)
+                              -> synchronize -> release -> advance
+    store, per window G_j:    admit -> stage -> map onto the destination block slice
+                              -> transfer (gather) -> synchronize -> put -> release -> advance
 
-A stage factory is called with the window and its reservation (`reservation.lease` is the window's
-staging when the admission hands staging out: a StagingArena shared by concurrent restores).
-`should_stop` (a cancelled request, an engine shutting down) is asked before each new window: the
-loop then stops at that window boundary, after the windows already staged were installed or
-abandoned, and raises `RestoreCancelled` (a failure like any other: nothing is exposed).
+Where the bytes come from is plugged in as an object the loop calls: a `WindowSource` whose
+`fetch(window, reservation)` starts one window's fetch (a tier into staging: restore.TierSource;
+LMCache's L1: integrations/lmcache), or, for a store, a `WindowSink` whose `stage(...)` leases where
+the window is gathered to. Making a source or a sink starts nothing.
+
+The loop owns the order of the steps and the clean-up: on every path out (an exception of any type
+included) each fetched window is abandoned (writers stopped, launched work synchronized, staging
+released) and each reservation returned. A failure becomes `WindowFailed` with the window's index;
+a BaseException that is not an Exception (KeyboardInterrupt, SystemExit) is re-raised as itself
+after the clean-up. `should_stop` (a cancelled request, an engine shutting down) is asked before
+each new window: the loop then stops at that window boundary, after the windows already fetched
+were transferred or abandoned, and raises `RestoreCancelled` (a failure like any other).
+
+The time of each phase is added to `LoopStats` by `with stats.time(phase):`; the phase names are
+the report fields and metric labels (`<phase>_s`): admit (waiting for the admission), submit
+(issuing the fetch: keys, staging, the tier call), fetch (until the fetch is complete), install
+(the transfers), sync (synchronize + put + release).
 """
 
 from __future__ import annotations
@@ -26,9 +33,9 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -37,23 +44,29 @@ from .plan import Window
 
 # (offset of the run's first chunk inside the window, chunks in the run, their staged bytes)
 StagedRun = tuple[int, int, torch.Tensor]
-# install / gather: (staged bytes, request chunk of the first staged chunk, chunks) -> backend name
-MoveFn = Callable[[torch.Tensor, int, int], "str | None"]
-# (window, its reservation) -> the window staged (a RestoreStage or StoreStage)
-StageFactory = Callable[[Window, WindowReservation], "RestoreStage | StoreStage"]
 
 
-class RestoreStage(Protocol):
-    """One window staged for a restore."""
+class BlockSlice(NamedTuple):
+    """Staged bytes mapped onto their slice of the destination: `num_chunks` chunks from request
+    chunk `first_chunk` (the kernel resolves them to destination blocks through the block tables)."""
 
-    def wait(self) -> Sequence[StagedRun]:
+    staged: torch.Tensor
+    first_chunk: int
+    num_chunks: int
+
+
+# install / gather one block slice: (staged bytes, first request chunk, chunks) -> backend name
+TransferFn = Callable[[torch.Tensor, int, int], "str | None"]
+
+
+class FetchedWindow(Protocol):
+    """One restore window whose fetch was started."""
+
+    def require_complete(self) -> Sequence[StagedRun]:
         """Block until every object of the window is present in staging; raise otherwise."""
 
-    def record(self, stream) -> None:
-        """Record the completion of the install just launched on the staged bytes."""
-
-    def synchronize(self) -> None:
-        """Wait until the recorded install completed."""
+    def synchronize(self, stream) -> None:
+        """Record the transfers just launched on `stream` from the staged bytes and wait for them."""
 
     def release(self) -> None:
         """Give staging (and any locks) back; only after synchronize()."""
@@ -62,22 +75,34 @@ class RestoreStage(Protocol):
         """Failure path: stop writers, synchronize anything launched, release everything."""
 
 
-class StoreStage(Protocol):
-    """One window staged for a store."""
+class WindowSource(Protocol):
+    """Where a restore's bytes come from."""
+
+    def fetch(self, window: Window, reservation: WindowReservation) -> FetchedWindow:
+        """Start fetching the window's objects (into `reservation.lease` when the admission hands
+        staging out); on failure nothing of the window is held."""
+
+
+class StoreWindow(Protocol):
+    """One store window staged: where its chunks are gathered to before the put."""
 
     def runs(self) -> Sequence[StagedRun]:
         """Where the window's chunks are gathered to."""
 
-    def record(self, stream) -> None: ...
+    def synchronize(self, stream) -> None: ...
 
-    def synchronize(self) -> None: ...
-
-    def commit(self) -> None:
+    def put(self) -> None:
         """Hand the gathered (synchronized) bytes to the tier."""
 
     def release(self) -> None: ...
 
     def abandon(self, stream) -> None: ...
+
+
+class WindowSink(Protocol):
+    """Where a store's bytes go."""
+
+    def stage(self, window: Window, reservation: WindowReservation) -> StoreWindow: ...
 
 
 class RestoreCancelled(Exception):
@@ -98,10 +123,10 @@ class LoopStats:
     """What the loop measured; restore and store reports copy these fields."""
 
     admit_s: float = 0.0  # waiting for the admission (the byte budget B)
-    submit_s: float = 0.0  # staging a window: its keys, submitting its fetch
-    fetch_s: float = 0.0  # waiting for complete presence
-    install_s: float = 0.0  # install / gather launches
-    sync_s: float = 0.0  # synchronize + release (+ commit for a store)
+    submit_s: float = 0.0  # issuing a window's fetch: its keys, its staging, the tier call
+    fetch_s: float = 0.0  # until the fetch is complete
+    install_s: float = 0.0  # install / gather launches (the transfers)
+    sync_s: float = 0.0  # synchronize + release (+ put for a store)
     windows_done: int = 0
     chunks_done: int = 0
     backend: str | None = None
@@ -111,156 +136,169 @@ class LoopStats:
     peak_bytes: int = 0  # the most this loop held at once
 
     @contextlib.contextmanager
-    def phase(self, name: str):
-        """Add the time spent in the block to `<name>_s`."""
+    def time(self, phase: str) -> Iterator[None]:
+        """Add the time spent in the block to `<phase>_s`."""
         t = time.perf_counter()
         try:
             yield
         finally:
-            setattr(self, f"{name}_s", getattr(self, f"{name}_s") + time.perf_counter() - t)
+            setattr(self, f"{phase}_s", getattr(self, f"{phase}_s") + time.perf_counter() - t)
 
     def hold(self, nbytes: int) -> None:
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
+    def drop(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+
+def map_onto_destination(window: Window, runs: Sequence[StagedRun]) -> Iterator[BlockSlice]:
+    """Each staged run of `window`, mapped onto the destination block slice it belongs to."""
+    for offset, count, staged in runs:
+        yield BlockSlice(staged, window.first_chunk + offset, count)
+
 
 @dataclass
 class WindowLoop:
-    """The loop's fixed parts: admission, the stream installs run on, the pipeline depth."""
+    """The loop's fixed parts: admission, the stream transfers run on, the pipeline depth."""
 
     admission: Admission
     chunk_bytes: int
     stream: object = None
-    depth: int = 1  # 2: window j+1 is staged while window j installs
+    depth: int = 1  # 2: window j+1 is fetched while window j is transferred
     admission_timeout_s: float | None = None
     stats: LoopStats = field(default_factory=LoopStats)
     should_stop: Callable[[], bool] | None = None
 
     # -- restore ----------------------------------------------------------------------------
-    def restore(self, windows: Iterable[Window], stage: StageFactory, install: MoveFn) -> None:
-        """Run every window through stage -> wait -> install -> record -> synchronize -> release."""
-        in_flight: deque[_Flight] = deque()
+    def restore(self, windows: Iterable[Window], source: WindowSource, install: TransferFn) -> None:
+        """Every window fetched from `source`, completed, installed, synchronized and released."""
+        in_flight: deque[_Held] = deque()
         try:
-            for win in windows:
-                self._check_stop(win, in_flight, install)
-                reservation = self._admit(win, in_flight, install)
-                in_flight.append(self._stage(win, stage, reservation))
+            for window in windows:
+                self._stop_at_boundary(window, in_flight, install)
+                reservation = self._admit(window, in_flight, install)
+                in_flight.append(self._fetch(window, source, reservation))
                 while len(in_flight) >= self.depth:
-                    self._install(in_flight.popleft(), install)
+                    self._restore_window(in_flight.popleft(), install)
             while in_flight:
-                self._install(in_flight.popleft(), install)
+                self._restore_window(in_flight.popleft(), install)
         except BaseException:
-            for f in in_flight:
-                f.abandon(self.stream)
+            for held in in_flight:
+                held.abandon(self.stream)
             raise
 
-    def _check_stop(self, win: Window, in_flight: deque[_Flight], install: MoveFn) -> None:
-        """At a window boundary: a stop request installs what is staged, then ends the loop."""
+    def _fetch(self, window: Window, source: WindowSource, reservation: WindowReservation) -> _Held:
+        with self._failing(window, reservation), self.stats.time("submit"):
+            fetched = source.fetch(window, reservation)
+        return _Held(window, fetched, reservation, self.stats)
+
+    def _restore_window(self, held: _Held, install: TransferFn) -> None:
+        """The paper's sentence for one fetched window."""
+        window, fetched = held.window, held.staged
+        with self._failing(window, held):
+            with self.stats.time("fetch"):
+                runs = fetched.require_complete()
+            with self.stats.time("install"):
+                for block_slice in map_onto_destination(window, runs):
+                    self._transfer(install, block_slice)
+            with self.stats.time("sync"):
+                fetched.synchronize(self.stream)
+                held.release()
+        self._advance(window)
+
+    def _stop_at_boundary(self, window: Window, in_flight: deque[_Held], install: TransferFn) -> None:
+        """A stop request installs what was fetched, then ends the loop before `window`."""
         if self.should_stop is None or not self.should_stop():
             return
         while in_flight:
-            self._install(in_flight.popleft(), install)
-        self._fail(win, RestoreCancelled(f"stopped before window {win.index}"))
+            self._restore_window(in_flight.popleft(), install)
+        self._fail(window, RestoreCancelled(f"stopped before window {window.index}"))
 
-    def _admit(self, win: Window, in_flight: deque[_Flight], install: MoveFn) -> WindowReservation:
-        """The window's bytes. Never block on the admission while holding a staged window
-        (a shared budget would deadlock): install the held windows first."""
-        nbytes = win.num_chunks * self.chunk_bytes
+    # -- store ------------------------------------------------------------------------------
+    def store(self, windows: Iterable[Window], sink: WindowSink, gather: TransferFn) -> None:
+        """Every window staged in `sink`, gathered, synchronized, put and released."""
+        for window in windows:
+            reservation = self._admit(window, deque(), gather)
+            with self._failing(window, reservation), self.stats.time("submit"):
+                staged = sink.stage(window, reservation)
+            held = _Held(window, staged, reservation, self.stats)
+            with self._failing(window, held):
+                with self.stats.time("install"):
+                    for block_slice in map_onto_destination(window, staged.runs()):
+                        self._transfer(gather, block_slice)
+                with self.stats.time("sync"):
+                    staged.synchronize(self.stream)  # an asynchronous gather lands before the put reads
+                    staged.put()
+                    held.release()
+            self._advance(window)
+
+    # -- shared -----------------------------------------------------------------------------
+    def _admit(self, window: Window, in_flight: deque[_Held], transfer: TransferFn) -> WindowReservation:
+        """The window's bytes. Never block on the admission while holding a fetched window
+        (a shared budget would deadlock): finish the held windows first."""
+        nbytes = window.num_chunks * self.chunk_bytes
         while in_flight:
             reservation = self.admission.try_window(nbytes)
             if reservation is not None:
                 return reservation
-            self._install(in_flight.popleft(), install)
-        with self.stats.phase("admit"):
-            return self._guard(win, lambda: self.admission.window(nbytes, self.admission_timeout_s))
+            self._restore_window(in_flight.popleft(), transfer)
+        with self._failing(window), self.stats.time("admit"):
+            return self.admission.window(nbytes, self.admission_timeout_s)
 
-    def _stage(self, win: Window, stage: StageFactory, reservation: WindowReservation) -> _Flight:
-        try:
-            with self.stats.phase("submit"):
-                staged = self._guard(win, lambda: stage(win, reservation))
-        except BaseException:
-            reservation.release()
-            raise
-        self.stats.hold(reservation.nbytes)
-        return _Flight(win, staged, reservation, self.stats)
+    def _transfer(self, transfer: TransferFn, block_slice: BlockSlice) -> None:
+        self.stats.backend = transfer(*block_slice) or self.stats.backend
+        self.stats.launches += 1
 
-    def _install(self, f: _Flight, install: MoveFn) -> None:
-        win, st = f.window, f.stage
-        try:
-            with self.stats.phase("fetch"):
-                runs = st.wait()
-            with self.stats.phase("install"):
-                self._move(win, runs, install)
-                st.record(self.stream)
-            with self.stats.phase("sync"):
-                st.synchronize()
-                st.release()
-                f.release()
-        except BaseException as e:
-            f.abandon(self.stream)
-            self._fail(win, e)
-        self._done(win)
-
-    # -- store ------------------------------------------------------------------------------
-    def store(self, windows: Iterable[Window], stage: StageFactory, gather: MoveFn) -> None:
-        """Run every window through stage -> gather -> record -> synchronize -> commit -> release."""
-        for win in windows:
-            reservation = self._admit(win, deque(), gather)
-            f = self._stage(win, stage, reservation)
-            st = f.stage
-            try:
-                with self.stats.phase("install"):
-                    self._move(win, st.runs(), gather)
-                    st.record(self.stream)
-                with self.stats.phase("sync"):
-                    st.synchronize()  # an asynchronous gather must land before the bytes are read
-                    st.commit()
-                    st.release()
-                    f.release()
-            except BaseException as e:
-                f.abandon(self.stream)
-                self._fail(win, e)
-            self._done(win)
-
-    # -- shared -----------------------------------------------------------------------------
-    def _move(self, win: Window, runs: Sequence[StagedRun], move: MoveFn) -> None:
-        for offset, count, view in runs:
-            self.stats.backend = move(view, win.first_chunk + offset, count) or self.stats.backend
-            self.stats.launches += 1
-
-    def _done(self, win: Window) -> None:
+    def _advance(self, window: Window) -> None:
         self.stats.windows_done += 1
-        self.stats.chunks_done += win.num_chunks
+        self.stats.chunks_done += window.num_chunks
 
-    def _guard(self, win: Window, fn: Callable):
+    @contextlib.contextmanager
+    def _failing(self, window: Window, held: _Held | WindowReservation | None = None) -> Iterator[None]:
+        """Any exception in the block abandons what the window holds and fails the window."""
         try:
-            return fn()
+            yield
         except BaseException as e:
-            self._fail(win, e)
+            if isinstance(held, _Held):
+                held.abandon(self.stream)
+            elif held is not None:
+                held.release()
+            self._fail(window, e)
 
-    def _fail(self, win: Window, e: BaseException):
-        self.stats.failed_window = win.index
+    def _fail(self, window: Window, e: BaseException):
+        self.stats.failed_window = window.index
         if isinstance(e, WindowFailed) or not isinstance(e, Exception):
             raise e
-        raise WindowFailed(win.index, e) from e
+        raise WindowFailed(window.index, e) from e
 
 
 @dataclass
-class _Flight:
+class _Held:
+    """A window between its fetch (or staging) and its release: the staged bytes and the reservation."""
+
     window: Window
-    stage: RestoreStage | StoreStage
+    staged: FetchedWindow | StoreWindow
     reservation: WindowReservation
     stats: LoopStats
-    _held: bool = True
+    _counted: bool = False
+
+    def __post_init__(self) -> None:
+        self.stats.hold(self.reservation.nbytes)
+        self._counted = True
 
     def release(self) -> None:
-        self.reservation.release()
-        if self._held:
-            self._held = False
-            self.stats.live_bytes -= self.reservation.nbytes
+        self.staged.release()
+        self._return_bytes()
 
     def abandon(self, stream) -> None:
         try:
-            self.stage.abandon(stream)
+            self.staged.abandon(stream)
         finally:
-            self.release()
+            self._return_bytes()
+
+    def _return_bytes(self) -> None:
+        self.reservation.release()
+        if self._counted:
+            self._counted = False
+            self.stats.drop(self.reservation.nbytes)

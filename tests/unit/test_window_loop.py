@@ -138,27 +138,35 @@ def test_keyboard_interrupt_is_reraised_after_cleanup():
     assert ok.restore(fresh_request(stored, seed=7), tier, stored.num_chunks).ok
 
 
-class _Stage:
+class _Fetched:
     def __init__(self, log, win, fail_at=None):
         self.log, self.win, self.fail_at = log, win, fail_at
 
-    def wait(self):
-        self.log.append(("wait", self.win.index))
-        if self.fail_at == "wait":
+    def require_complete(self):
+        self.log.append(("require_complete", self.win.index))
+        if self.fail_at == "require_complete":
             raise ValueError("missing")
         return [(0, self.win.num_chunks, torch.empty(0))]
 
-    def record(self, stream):
-        self.log.append(("record", self.win.index))
-
-    def synchronize(self):
-        self.log.append(("sync", self.win.index))
+    def synchronize(self, stream):
+        self.log.append(("synchronize", self.win.index))
 
     def release(self):
         self.log.append(("release", self.win.index))
 
     def abandon(self, stream):
         self.log.append(("abandon", self.win.index))
+
+
+class _Source:
+    """Fetches a logging window; `fail_at` names the step window 1 fails in."""
+
+    def __init__(self, log, fail_at=None):
+        self.log, self.fail_at = log, fail_at
+
+    def fetch(self, win, reservation):
+        self.log.append(("fetch", win.index))
+        return _Fetched(self.log, win, self.fail_at if win.index == 1 else None)
 
 
 def _windows(n):
@@ -169,16 +177,18 @@ def test_loop_order_at_depth_two_and_abandon_on_failure():
     log: list = []
     budget = ByteBudget(4)
     loop = WindowLoop(budget, chunk_bytes=1, depth=2)
-    loop.restore(_windows(3), lambda w, _r: _Stage(log, w), lambda v, first, n: log.append(("install", first)) or "x")
-    assert [e for e in log if e[1] == 0] == [("wait", 0), ("install", 0), ("record", 0), ("sync", 0),
-                                             ("release", 0)]
+    loop.restore(_windows(3), _Source(log), lambda v, first, n: log.append(("install", first)) or "x")
+    assert [e for e in log if e[1] == 0] == [("fetch", 0), ("require_complete", 0), ("install", 0),
+                                             ("synchronize", 0), ("release", 0)]
+    # depth 2: window 1 is fetched before window 0 is required complete; installs at each window's first chunk
+    assert log.index(("fetch", 1)) < log.index(("require_complete", 0))
+    assert [e for e in log if e[0] == "install"] == [("install", 0), ("install", 2), ("install", 4)]
     assert loop.stats.windows_done == 3 and loop.stats.chunks_done == 6 and budget.used_bytes == 0
 
     log.clear()
     loop = WindowLoop(budget, chunk_bytes=1, depth=2, stats=LoopStats())
     with pytest.raises(WindowFailed) as ei:
-        loop.restore(_windows(3), lambda w, _r: _Stage(log, w, "wait" if w.index == 1 else None),
-                     lambda v, first, n: "x")
+        loop.restore(_windows(3), _Source(log, "require_complete"), lambda v, first, n: "x")
     assert ei.value.window == 1 and loop.stats.failed_window == 1
     assert ("abandon", 1) in log and ("release", 1) not in log and budget.used_bytes == 0
 

@@ -1,6 +1,6 @@
 """The windowed retrieve through LMCache's L1, on BSR's one window loop (bsr_runtime/window_loop.py).
 
-Each window of at most W chunks is an `L1RestoreStage`: `submit_prefetch_task` of the window's keys
+Each window of at most W chunks is fetched by `L1Source.fetch`: `submit_prefetch_task` of the window's keys
 (L2 -> L1 loads by LMCache's prefetch controller), `wait_prefetch_status` + `query_prefetch_status`
 (every key must be a hit, or the retrieve fails), `read_prefetched_results` (the staged L1
 objects), the install straight from L1 memory (zero copy: each run of objects that are contiguous
@@ -155,28 +155,41 @@ class LatePrefetches:
 _PREFETCHING, _LOCKED, _READING, _DONE = range(4)
 
 
+class L1Source:
+    """A retrieve's bytes from LMCache's L1, prefetched window by window (the loop's WindowSource).
+    Making one starts nothing; `fetch` submits one window's prefetch."""
+
+    def __init__(self, ad: LMCacheAdapter, keys: LMCacheKeys, request_id: str, *, evict_retained: bool,
+                 synchronize: Callable[[], None], on_hits: Callable[[int], None]) -> None:
+        self.ad, self.keys, self.request_id = ad, keys, request_id
+        self.evict_retained, self.synchronize, self.on_hits = evict_retained, synchronize, on_hits
+
+    def fetch(self, win: Window, reservation) -> L1RestoreStage:
+        keys = self.keys.window(win.first_chunk, win.num_chunks)
+        spec = PrefetchTaskSpec([GroupedObjectKeys(keys, 0, self.ad.layout)], num_kv_readers=1,
+                                fetching_policy="prefix")
+        handle = self.ad.sm.submit_prefetch_task(spec, external_request_id=f"{self.request_id}/{WINDOW_TAG}{win.index}")
+        return L1RestoreStage(self, win, keys, handle)
+
+
 class L1RestoreStage:
-    """A restore window prefetched by LMCache into its L1 (the window loop's RestoreStage).
+    """A restore window prefetched by LMCache into its L1 (the window loop's FetchedWindow).
 
     States: prefetching (the task is LMCache's) -> locked (its result taken: every hit read-locked)
     -> reading (inside `read_prefetched_results`: the L1 objects are installed from) -> done."""
 
-    def __init__(self, ad: LMCacheAdapter, keys: LMCacheKeys, win: Window, request_id: str, *,
-                 evict_retained: bool, synchronize: Callable[[], None], on_hits: Callable[[int], None]) -> None:
+    def __init__(self, source: L1Source, win: Window, keys: list[ObjectKey], handle: PrefetchHandle) -> None:
+        ad = source.ad
         self.sm, self.late, self.tracker = ad.sm, ad.late, ad.tracker
         self.chunk_bytes, self.object_bytes = ad.reg.chunk_bytes, ad.l1_object_bytes
         self.timeout_s = ad.config.prefetch_timeout_s
         self.index, self.label = win.index, _label(win.index, win.first_chunk, win.num_chunks)
-        self.first = win.first_chunk
-        self.keys = keys.window(win.first_chunk, win.num_chunks)
-        self.evict_retained, self._sync, self.on_hits = evict_retained, synchronize, on_hits
+        self.first, self.keys, self.handle = win.first_chunk, keys, handle
+        self.evict_retained, self._sync, self.on_hits = source.evict_retained, source.synchronize, source.on_hits
         self.result = self.owners = self._read = None
-        spec = PrefetchTaskSpec([GroupedObjectKeys(self.keys, 0, ad.layout)], num_kv_readers=1,
-                                fetching_policy="prefix")
-        self.handle = self.sm.submit_prefetch_task(spec, external_request_id=f"{request_id}/{WINDOW_TAG}{win.index}")
         self._state = _PREFETCHING
 
-    def wait(self) -> list[tuple[int, int, torch.Tensor]]:
+    def require_complete(self) -> list[tuple[int, int, torch.Tensor]]:
         n = len(self.keys)
         ok = self.sm.wait_prefetch_status(self.handle, self.timeout_s)
         result = self.sm.query_prefetch_status(self.handle) if ok else None
@@ -203,11 +216,8 @@ class L1RestoreStage:
         except Exception as e:
             raise L1WindowError(f"{self.label}: install failed: {type(e).__name__}: {e}") from e
 
-    def record(self, stream) -> None:
-        pass  # installs from L1 are synchronized device-wide (or on the adapter's stream)
-
-    def synchronize(self) -> None:
-        self._sync()
+    def synchronize(self, stream) -> None:
+        self._sync()  # installs from L1 are synchronized device-wide (or on the adapter's stream)
 
     def release(self) -> None:
         """The window is installed: leave the read context normally (the read locks are then ours to
@@ -263,9 +273,8 @@ def retrieve(ad: LMCacheAdapter, req: RestoreRequest, num_chunks: int, window_ch
 
     evict_retained = cfg.evict_retained and w > 0 and not ad.l2_loads_are_temporary
 
-    def stage(win: Window, _reservation) -> L1RestoreStage:
-        return L1RestoreStage(ad, keys, win, req.request_id, evict_retained=evict_retained,
-                              synchronize=lambda: ad.synchronize(kv), on_hits=on_hits)
+    source = L1Source(ad, keys, req.request_id, evict_retained=evict_retained,
+                      synchronize=lambda: ad.synchronize(kv), on_hits=on_hits)
 
     def install(view: torch.Tensor, first: int, count: int) -> str | None:
         try:
@@ -279,8 +288,8 @@ def retrieve(ad: LMCacheAdapter, req: RestoreRequest, num_chunks: int, window_ch
     measure = ad.tracker.start()
     rep.l1_baseline_bytes = measure.baseline
     try:
-        with ad.admission.restore(admission_timeout_s):
-            loop.restore(plan_windows(num_chunks, w), stage, install)
+        with ad.admission.admitted(admission_timeout_s):
+            loop.restore(plan_windows(num_chunks, w), source, install)
         rep.ok = True
         rep.committed_tokens = num_chunks * reg.chunk_tokens
     except Exception as e:  # noqa: BLE001 - any failure fails the request closed

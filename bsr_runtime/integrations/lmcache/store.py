@@ -48,8 +48,18 @@ class StoreJob:
     timeout_s: float
 
 
+class L1Sink:
+    """A store's bytes to LMCache's L1, batch by batch (the loop's WindowSink)."""
+
+    def __init__(self, job: StoreJob) -> None:
+        self.job = job
+
+    def stage(self, win: Window, reservation) -> L1StoreStage:
+        return L1StoreStage(self.job, win)
+
+
 class L1StoreStage:
-    """A store batch staged in reserved L1 objects (the window loop's StoreStage)."""
+    """A store batch staged in reserved L1 objects (the window loop's StoreWindow)."""
 
     def __init__(self, job: StoreJob, win: Window) -> None:
         self.job, self.sm = job, job.ad.sm
@@ -65,13 +75,10 @@ class L1StoreStage:
     def runs(self) -> list[tuple[int, int, torch.Tensor]]:
         return list(_runs(self.objs, self.chunk_bytes, self.object_bytes))
 
-    def record(self, stream) -> None:
-        pass  # gathers into L1 are synchronized device-wide (or on the adapter's stream)
+    def synchronize(self, stream) -> None:
+        self.job.ad.synchronize(self.job.kv)  # gathers into L1: device-wide, or on the adapter's stream
 
-    def synchronize(self) -> None:
-        self.job.ad.synchronize(self.job.kv)
-
-    def commit(self) -> None:
+    def put(self) -> None:
         """Hash the batch (canonical, chunk order), finish the writes, wait until the batch is in
         L2 and (flush_l1) delete it from L1."""
         job, n = self.job, len(self.batch)
@@ -93,7 +100,7 @@ class L1StoreStage:
     def abandon(self, stream) -> None:
         if not self._written:
             try:
-                self.synchronize()  # a gather may have been launched into the reserved objects
+                self.synchronize(stream)  # a gather may have been launched into the reserved objects
             finally:
                 abort_writes(self.sm, list(self.reserved))
 
@@ -135,9 +142,8 @@ def store(ad: LMCacheAdapter, keyspace: KeySpace, tokens: Sequence[int], kv: Seq
     measure = ad.tracker.start()
     failed = None
     try:
-        with ad.admission.restore(timeout_s):  # the store stages in L1 too: same admission
-            loop.store(batches(ad.sm, ad.l1_object_bytes, want, n_total),
-                       lambda win, _reservation: L1StoreStage(job, win), gather)
+        with ad.admission.admitted(timeout_s):  # the store stages in L1 too: same admission
+            loop.store(batches(ad.sm, ad.l1_object_bytes, want, n_total), L1Sink(job), gather)
     except WindowFailed as e:
         failed = e
     finally:
