@@ -46,7 +46,7 @@ def build(reg, tier, args):
 
 
 def run_round(reg, tier, jobs, admission, args) -> tuple[float, int]:
-    restorers = [BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=args.window, pipeline_depth=args.depth),
+    restorers = [BoundedRestorer(reg, RestoreConfig(window_chunks=args.window, pipeline_depth=args.depth),
                                  admission=admission) for _ in jobs]
     for j in jobs:
         j["dst"].poison()

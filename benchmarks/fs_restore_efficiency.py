@@ -77,7 +77,7 @@ def main() -> None:
         flat = torch.zeros(n * c, dtype=torch.uint8)
         files = torch.zeros(n * (HEADER_SIZE + c), dtype=torch.uint8)
         floor_seconds(paths, c, files, flat)  # warm the page cache
-        cfg = RestoreConfig(prefetch_window_chunks=a.window, pipeline_depth=2, backend=a.backend)
+        cfg = RestoreConfig(window_chunks=a.window, pipeline_depth=2, backend=a.backend)
         restore_s, floor_s, backend = [], [], None
         with BoundedRestorer(reg, cfg) as restorer:
             for _ in range(a.rounds):

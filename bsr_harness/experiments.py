@@ -108,7 +108,7 @@ class TierTarget:
         self.tier = tier
         self.name = tier.name
         depth = tier.preferred_pipeline_depth if depth is None else depth
-        self.restorers = {w: BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
+        self.restorers = {w: BoundedRestorer(reg, RestoreConfig(window_chunks=w, pipeline_depth=depth,
                                                                 fetch_timeout_s=fetch_timeout_s, backend=backend))
                           for w in windows}
 
@@ -210,7 +210,7 @@ def ladder(src: SourceState, tier: Tier, tokens: int, window: int, *, first_rung
 
     def attempt(w: int, capacity: int):
         dst.poison()
-        cfg = RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth, max_staging_bytes=capacity)
+        cfg = RestoreConfig(window_chunks=w, pipeline_depth=depth, max_staging_bytes=capacity)
         with BoundedRestorer(reg, cfg) as restorer:
             req = RestoreRequest(f"ladder-{tokens}-{w}-{capacity}", src.tokens, src.keyspace, dst.kv, dst.tables)
             rep = restorer.restore(req, tier, n)

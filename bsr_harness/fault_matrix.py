@@ -1,6 +1,6 @@
 """The fault matrix: fail-closed scenarios against real tiers (a Mooncake master, real files).
 
-Each scenario stores a prefix, drives one request through the BSRConnector lifecycle with a
+Each scenario stores a prefix, drives one request through the StandaloneConnector lifecycle with a
 fault armed at a chosen point (probe, fetch of window k, install of window k, the store
 itself), then checks what the engine would see, re-admits the request (which must not look
 the prefix up again while its force-local marker is set), admits it RUNNING (which clears
@@ -50,7 +50,7 @@ from bsr_harness.faulty_installer import InjectedInstallError
 from bsr_harness.faulty_tier import FaultyTier
 from bsr_harness.testdata import block_tables, poison, prefix_block_ids
 from bsr_kernels import Registration, presets
-from bsr_runtime.connector import BSRConnector, ConnectorRequest
+from bsr_runtime.connector import ConnectorRequest, StandaloneConnector
 from bsr_runtime.restore import RestoreConfig
 from bsr_runtime.retrieve import LOCAL, RetrieveOutcome
 from bsr_runtime.state_hash import state_hash
@@ -200,7 +200,7 @@ class FaultMatrix:
                             master.metadata_server, **kw)
 
     def _config(self, **kw) -> RestoreConfig:
-        kw.setdefault("prefetch_window_chunks", self.window_chunks)
+        kw.setdefault("window_chunks", self.window_chunks)
         kw.setdefault("pipeline_depth", self.depth)
         kw.setdefault("fetch_timeout_s", 10.0)
         return RestoreConfig(backend=self.backend, **kw)
@@ -231,7 +231,7 @@ class FaultMatrix:
             store(healthy_src, remote)
             blocks, (tables, healthy_tables) = block_tables(reg, [n, self.num_chunks], seed + 7)
             kv = poison(reg.allocate(blocks))
-            conn = stack.enter_context(BSRConnector(reg, [remote, fs], kv, config=config, salt=salt))
+            conn = stack.enter_context(StandaloneConnector(reg, [remote, fs], kv, config=config, salt=salt))
             scene = Scene(conn, remote, fs, master, src, self.workdir / f"outside-{self._runs}.bsr")
             return self._drive(scenario, scene, healthy_src, tables, healthy_tables, kv, t0)
 
@@ -292,7 +292,7 @@ class FaultMatrix:
         """last_window_fault: the early windows really were installed before the fault."""
         if scenario != "last_window_fault":
             return None
-        windows = SCENARIO_CONFIG[scenario]["prefetch_window_chunks"]
+        windows = SCENARIO_CONFIG[scenario]["window_chunks"]
         done = outcome.attempts[0].windows_installed * windows
         return done > 0 and state_hash(self.reg, kv, tables, done) == src.hash_of(done)
 
@@ -312,7 +312,7 @@ class FaultMatrix:
         conn.request_finished(req, [t.tolist() for t in tables])
         return counter.count, cleared and not conn.markers.is_set(req.request_id)
 
-    def _healthy_request(self, scenario: str, conn: BSRConnector, src: Source, tables, kv):
+    def _healthy_request(self, scenario: str, conn: StandaloneConnector, src: Source, tables, kv):
         """A healthy request through the same connector -> (outcome, its state matched)."""
         req = ConnectorRequest(f"{scenario}-healthy", src.tokens)
         tokens, _ = conn.get_num_new_matched_tokens(req, 0)
@@ -330,7 +330,7 @@ def _nothing(scene: Scene) -> None:
     return None
 
 
-def _live_staging(conn: BSRConnector) -> int:
+def _live_staging(conn: StandaloneConnector) -> int:
     pool = conn.retriever.restorer.pool
     return pool.live_bytes if pool is not None else 0
 

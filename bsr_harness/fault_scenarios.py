@@ -25,7 +25,7 @@ from bsr_harness.faulty_installer import InstallFault
 from bsr_harness.faulty_tier import FaultyTier
 from bsr_harness.testdata import block_tables
 from bsr_kernels import Registration, WindowInstaller, presets
-from bsr_runtime.connector import BSRConnector
+from bsr_runtime.connector import StandaloneConnector
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.retrieve import Retriever
 from bsr_runtime.state_hash import state_hash
@@ -214,7 +214,7 @@ EXPECTED = {s: "failed_closed" for s in SCENARIOS} | {"healthy": "committed", "r
 class Scene:
     """What a scenario's fault acts on."""
 
-    conn: BSRConnector
+    conn: StandaloneConnector
     remote: FaultyTier
     fs: FilesystemTier
     master: object
@@ -226,7 +226,7 @@ class Scene:
 
 
 def _last_window_fault(s: Scene) -> None:
-    windows = s.conn.retriever.config.prefetch_window_chunks
+    windows = s.conn.retriever.config.window_chunks
     s.remote.plan.fail_fetch = FetchCallHook(-(-s.src.num_chunks // windows) - 1, raise_injected)
 
 
@@ -253,7 +253,7 @@ SCENARIO_CONFIG: dict[str, dict] = {
     "remote_unavailable_mid": {"pipeline_depth": 1},
     "remote_fails_ssd_serves": {"pipeline_depth": 1},
     "fetch_timeout": {"fetch_timeout_s": 0.5},
-    "last_window_fault": {"prefetch_window_chunks": 2, "pipeline_depth": 1},
+    "last_window_fault": {"window_chunks": 2, "pipeline_depth": 1},
 }
 # scenarios that stop their master get one of their own
 DEDICATED_MASTER = ("remote_unavailable_before", "remote_unavailable_mid")

@@ -1,6 +1,6 @@
 """A scheduler-facing KV connector with vLLM's method names and semantics, without vLLM.
 
-One `BSRConnector` per TP rank (scheduler and worker roles in one object; the optional
+One `StandaloneConnector` per TP rank (scheduler and worker roles in one object; the optional
 `bsr_runtime.integrations.vllm` package splits them for vLLM). The request lifecycle:
 
     get_num_new_matched_tokens(request, num_computed_tokens) -> (tokens, load_async)
@@ -45,7 +45,7 @@ from .restore import RestoreConfig, RestoreRequest
 from .retrieve import AgreeFn, RetrieveOutcome, Retriever
 from .tiers.base import Tier
 
-__all__ = ["BSRConnector", "ConnectorRequest", "ConnectorStats", "FinishedIds", "LoadSpec", "request_salt"]
+__all__ = ["StandaloneConnector", "ConnectorRequest", "ConnectorStats", "FinishedIds", "LoadSpec", "request_salt"]
 
 
 @dataclass
@@ -87,7 +87,7 @@ class ConnectorStats:
     served_by: dict[str, int] = field(default_factory=dict)
 
 
-class BSRConnector:
+class StandaloneConnector:
     """See the module docstring. `kv_caches`: the registered destination tensors of this rank
     (in registration order); may also be given later with register_kv_caches()."""
 
@@ -138,7 +138,7 @@ class BSRConnector:
 
     shutdown = close
 
-    def __enter__(self) -> BSRConnector:
+    def __enter__(self) -> StandaloneConnector:
         return self
 
     def __exit__(self, *exc) -> None:

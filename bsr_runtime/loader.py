@@ -73,7 +73,7 @@ class _Job:
 def default_budget_bytes(reg: Registration, config: RestoreConfig) -> int:
     """B when none is configured: the staging of one restore (W chunks), the paper's bound, so
     concurrent restores interleave within what a single restore uses."""
-    return max(1, config.prefetch_window_chunks) * reg.chunk_bytes
+    return max(1, config.window_chunks) * reg.chunk_bytes
 
 
 class Loader:
@@ -82,7 +82,7 @@ class Loader:
                  tp_rank: int = 0, tp_world: int = 1, salt: str = "", model: str = "",
                  agree: AgreeFn | None = None, agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S,
                  unavailable_cooldown_s: float = 30.0, make_installer=None) -> None:
-        if config.prefetch_window_chunks <= 0:
+        if config.window_chunks <= 0:
             raise ValueError("background loads need W > 0 (the whole-plan path W = 0 has no window to bound)")
         self.reg = reg
         self.config = config
@@ -92,10 +92,10 @@ class Loader:
             budget_bytes = default_budget_bytes(reg, config)
         budget = check_int("budget_bytes", budget_bytes, lo=1)
         budget_chunks = budget // reg.chunk_bytes
-        window = max(slot_sizes(config.prefetch_window_chunks, config.pipeline_depth))
+        window = max(slot_sizes(config.window_chunks, config.pipeline_depth))
         if budget_chunks < window:
             raise ValueError(f"the restore budget B = {budget:,} B holds {budget_chunks} chunks of "
-                             f"{reg.chunk_bytes:,} B; one window needs {window} (W = {config.prefetch_window_chunks}, "
+                             f"{reg.chunk_bytes:,} B; one window needs {window} (W = {config.window_chunks}, "
                              f"pipeline depth {config.pipeline_depth}): raise B to at least "
                              f"{window * reg.chunk_bytes:,} B")
         self.max_restores = check_int("max_restores", max_restores, lo=1)

@@ -32,7 +32,7 @@ def plan_windows(num_chunks: int, window_chunks: int, depth: int = 1) -> Iterato
     if num_chunks < 0:
         raise ValueError(f"num_chunks must be >= 0, got {num_chunks}")
     if window_chunks < 0:
-        raise ValueError(f"prefetch_window_chunks (W) must be >= 0, got {window_chunks}")
+        raise ValueError(f"window_chunks (W) must be >= 0, got {window_chunks}")
     if num_chunks == 0:
         return
     if window_chunks == 0:

@@ -35,7 +35,7 @@ from bsr_kernels import Registration
 from . import commit
 from .keys import KeySpace
 from .markers import ForceLocalMarkers
-from .retrieve import Plan, TierSet
+from .retrieve import ProbeDecision, TierSet
 from .tiers.base import Tier
 from .validation import check_int
 
@@ -105,7 +105,7 @@ class Planner:
         self.agree_timeout_s = agree_timeout_s
         self.stats = PlannerStats()
         self._lock = threading.Lock()
-        self._plans: dict[str, tuple[Plan, int, float]] = {}  # request -> (plan, num_computed_tokens, probe s)
+        self._plans: dict[str, tuple[ProbeDecision, int, float]] = {}  # request -> (plan, num_computed_tokens, probe s)
         self._pending: dict[str, LoadSpec] = {}
         self._probing: dict[str, Future] = {}  # request -> its lookup on the probe thread
         self._probe_thread: ThreadPoolExecutor | None = None
@@ -156,28 +156,28 @@ class Planner:
         plan, probe_s = running.result()
         return self._decide(request, plan, num_computed_tokens, probe_s)
 
-    def _timed_lookup(self, request) -> tuple[Plan, float]:
+    def _timed_lookup(self, request) -> tuple[ProbeDecision, float]:
         t0 = time.perf_counter()
         try:
             plan = self._lookup(request)
         except Exception:  # noqa: BLE001 - a lookup that fails is a miss (TierSet.plan already is)
-            plan = Plan(0, None, "none")
+            plan = ProbeDecision(0, None, "none")
         return plan, time.perf_counter() - t0
 
-    def _quick_plan(self, request, num_computed_tokens: int) -> Plan | None:
+    def _quick_plan(self, request, num_computed_tokens: int) -> ProbeDecision | None:
         """The decisions that need no lookup: a force-local marker, or nothing the engine lacks."""
         ct = self.reg.chunk_tokens
         if self.markers.is_set(request_id_of(request)):
             self.stats.skipped_by_marker += 1
-            return Plan(0, None, "marker")
+            return ProbeDecision(0, None, "marker")
         num_tokens = getattr(request, "num_prompt_tokens", None)
         if num_tokens is None:
             num_tokens = len(tokens_of(request))
         if max(0, (num_tokens - 1) // ct) * ct <= num_computed_tokens:  # the engine's own cache holds it all
-            return Plan(0, None, "local")
+            return ProbeDecision(0, None, "local")
         return None
 
-    def _lookup(self, request) -> Plan:
+    def _lookup(self, request) -> ProbeDecision:
         tokens = tokens_of(request)
         max_chunks = max(0, (len(tokens) - 1) // self.reg.chunk_tokens)  # at least one token left to compute
         keyspace = dataclasses.replace(self.keyspace, salt=request_salt(self.keyspace.salt, request))
@@ -186,7 +186,7 @@ class Planner:
             return self._plan_all_ranks(tokens, max_chunks, keyspace)
         return self.tier_set.plan(tokens, keyspace, max_chunks)
 
-    def _decide(self, request, plan: Plan, num_computed_tokens: int, probe_s: float) -> int:
+    def _decide(self, request, plan: ProbeDecision, num_computed_tokens: int, probe_s: float) -> int:
         """Record the plan the load will follow; the external tokens beyond what the engine holds."""
         rid = request_id_of(request)
         ct = self.reg.chunk_tokens
@@ -195,7 +195,7 @@ class Planner:
                                  tag=commit.make_tag(rid, "plan"))
             n = 0 if out is None else out[0]
             if n < plan.num_chunks:
-                plan = Plan(n, plan.tier_index if n else None, plan.tier if n else "none", plan.probes)
+                plan = ProbeDecision(n, plan.tier_index if n else None, plan.tier if n else "none", plan.probes)
         self.stats.probe_s += probe_s
         with self._lock:
             if plan.num_chunks * ct <= num_computed_tokens:
@@ -204,8 +204,8 @@ class Planner:
             self._plans[rid] = (plan, num_computed_tokens, probe_s)
         return plan.num_chunks * ct - num_computed_tokens
 
-    def _plan_all_ranks(self, tokens: list[int], max_chunks: int, keyspace: KeySpace) -> Plan:
-        best: Plan | None = None
+    def _plan_all_ranks(self, tokens: list[int], max_chunks: int, keyspace: KeySpace) -> ProbeDecision:
+        best: ProbeDecision | None = None
         for r in range(self.tp_world):
             p = self.tier_set.plan(tokens, dataclasses.replace(keyspace, tp_rank=r), max_chunks)
             if best is None or p.num_chunks < best.num_chunks:

@@ -38,7 +38,7 @@ MAX_WINDOW_CHUNKS = 1 << 16  # an absurd W is a configuration error, not a huge 
 
 @dataclass(frozen=True)
 class RestoreConfig:
-    prefetch_window_chunks: int = 32  # W; 0 = legacy whole-plan path
+    window_chunks: int = 32  # W; 0 = legacy whole-plan path
     pipeline_depth: int = 1  # 2: fetch window j+1 while window j installs
     fetch_timeout_s: float = 30.0  # per window
     backend: str = "auto"
@@ -48,11 +48,11 @@ class RestoreConfig:
     max_staging_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        w = self.prefetch_window_chunks
+        w = self.window_chunks
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-            raise ValueError(f"prefetch_window_chunks (W) must be an integer >= 0, got {w!r}")
+            raise ValueError(f"window_chunks (W) must be an integer >= 0, got {w!r}")
         if w > MAX_WINDOW_CHUNKS:
-            raise ValueError(f"prefetch_window_chunks (W) = {w} is absurd (max {MAX_WINDOW_CHUNKS})")
+            raise ValueError(f"window_chunks (W) = {w} is absurd (max {MAX_WINDOW_CHUNKS})")
         check_int("pipeline_depth", self.pipeline_depth, lo=1, hi=2)
         slot_sizes(max(w, 1), self.pipeline_depth)  # validates depth
         # every timeout ends up in Event.wait / Lock.acquire: finite and <= threading.TIMEOUT_MAX
@@ -203,7 +203,7 @@ class BoundedRestorer:
         self.admission = admission or SerialAdmission()
         self.stream = stream
         self.staging_device = staging_device
-        w = self.config.prefetch_window_chunks
+        w = self.config.window_chunks
         cap = self.config.max_staging_bytes
         if cap is not None and w * reg.chunk_bytes > cap:
             raise ValueError(f"W = {w} chunks of {reg.chunk_bytes:,} B exceeds the staging capacity {cap:,} B")
@@ -276,7 +276,7 @@ class BoundedRestorer:
                                         stream=self.stream, fingerprint=reg.fingerprint,
                                         cpu_threads=1 if cfg.pipeline_depth == 2 else 0)
         prepare_s = time.perf_counter() - t0
-        w = cfg.prefetch_window_chunks
+        w = cfg.window_chunks
         report = RestoreReport(
             request_id=req.request_id, tier=tier.name, ok=False, num_chunks=num_chunks, committed_tokens=0,
             window_chunks=w, pipeline_depth=cfg.pipeline_depth,
@@ -316,7 +316,7 @@ class BoundedRestorer:
         if self.arena is not None:
             return self._run_shared(req, tier, num_chunks, installer, report)
         reg, cfg = self.reg, self.config
-        w = cfg.prefetch_window_chunks
+        w = cfg.window_chunks
         t0 = time.perf_counter()
         keys = PrefixKeys(req.keyspace, req.tokens, reg.chunk_tokens)
         pool = self.pool or self._new_pool(num_chunks)
@@ -356,7 +356,7 @@ class BoundedRestorer:
         loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=cfg.pipeline_depth,
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:
-            loop.restore(plan_windows(num_chunks, cfg.prefetch_window_chunks, cfg.pipeline_depth),
+            loop.restore(plan_windows(num_chunks, cfg.window_chunks, cfg.pipeline_depth),
                          TierSource(tier, keys, arena, cfg.fetch_timeout_s), installer.install)
             report.ok = True
             report.committed_tokens = num_chunks * reg.chunk_tokens

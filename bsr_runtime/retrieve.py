@@ -56,7 +56,7 @@ def request_block_ids(reg: Registration, block_tables: Sequence[torch.Tensor | S
 
 
 @dataclass
-class Plan:
+class ProbeDecision:
     """The probe decision: N chunks on tier `tier_index` (None: no tier holds chunk 0)."""
 
     num_chunks: int
@@ -177,7 +177,7 @@ class TierSet:
     def reset_health(self) -> None:
         self._down_until.clear()
 
-    def plan(self, tokens: Sequence[int], keyspace: KeySpace, max_chunks: int | None = None) -> Plan:
+    def plan(self, tokens: Sequence[int], keyspace: KeySpace, max_chunks: int | None = None) -> ProbeDecision:
         """Probe the tiers in order; the plan is the longest complete prefix, on the first tier
         holding it. Stops at the first tier with every candidate chunk. Never raises on a tier
         failure: a tier that fails its probe counts as a miss."""
@@ -185,7 +185,7 @@ class TierSet:
         if max_chunks is not None:
             check_int("max_chunks", max_chunks)
         cand = keys.num_chunks if max_chunks is None else max(0, min(max_chunks, keys.num_chunks))
-        best = Plan(0, None, NO_TIER)
+        best = ProbeDecision(0, None, NO_TIER)
         if cand == 0:
             return best
         for i, tier in enumerate(self.tiers):
@@ -250,7 +250,7 @@ class Retriever:
     def reset_tier_health(self) -> None:
         self.tier_set.reset_health()
 
-    def plan(self, tokens: Sequence[int], keyspace: KeySpace, max_chunks: int | None = None) -> Plan:
+    def plan(self, tokens: Sequence[int], keyspace: KeySpace, max_chunks: int | None = None) -> ProbeDecision:
         return self.tier_set.plan(tokens, keyspace, max_chunks)
 
     # -- restore on this rank ----------------------------------------------------------------

@@ -81,7 +81,7 @@ def _run(rank, world, mode, master_address, metadata_server, outdir, agree_timeo
     from bsr_harness.testdata import block_tables
     from bsr_kernels import presets
     from bsr_runtime import commit
-    from bsr_runtime.connector import BSRConnector, ConnectorRequest
+    from bsr_runtime.connector import ConnectorRequest, StandaloneConnector
     from bsr_runtime.restore import RestoreConfig
     from bsr_runtime.tiers import FilesystemTier
     from bsr_runtime.tiers.mooncake import MooncakeTier
@@ -105,7 +105,7 @@ def _run(rank, world, mode, master_address, metadata_server, outdir, agree_timeo
         store(src, remote)
     blocks, tables = block_tables(reg, [REQ_CHUNKS] * len(sources), 77 + rank)
     kv = reg.allocate(blocks)
-    conn = BSRConnector(reg, [remote, fs], kv, config=RestoreConfig(prefetch_window_chunks=2, pipeline_depth=1,
+    conn = StandaloneConnector(reg, [remote, fs], kv, config=RestoreConfig(window_chunks=2, pipeline_depth=1,
                                                                      backend="torch"),
                         tp_rank=rank, tp_world=world, salt=salt, agree_timeout_s=agree_timeout_s)
     try:

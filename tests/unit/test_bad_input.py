@@ -92,7 +92,7 @@ def test_bad_destinations_rejected_before_any_byte_moves(stored, mutate, match):
     mutate(req)
     calls = _no_fetch(tier)
     try:
-        with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=2)) as r, pytest.raises(ValueError, match=match):
+        with BoundedRestorer(REG, RestoreConfig(window_chunks=2)) as r, pytest.raises(ValueError, match=match):
             r.restore(req, tier, N)
     finally:
         tier.clear()
@@ -104,7 +104,7 @@ def test_registration_mismatch_between_store_and_engine(stored, tmp_path):
     tier, sp = stored
     calls = _no_fetch(tier)
     try:
-        with BoundedRestorer(MTP, RestoreConfig(prefetch_window_chunks=2)) as r:
+        with BoundedRestorer(MTP, RestoreConfig(window_chunks=2)) as r:
             req = fresh_request(sp, seed=2)
             with pytest.raises(ValueError, match="another registration"):
                 r.restore(req, tier, N)  # the request's keys are the 167-tensor ones
@@ -122,7 +122,7 @@ def test_registration_mismatch_between_store_and_engine(stored, tmp_path):
 def test_chunk_size_other_than_the_registrations(stored, tmp_path):
     _, sp = stored
     with FilesystemTier(tmp_path, REG.chunk_bytes + 16, REG.fingerprint) as odd:
-        with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=2)) as r:
+        with BoundedRestorer(REG, RestoreConfig(window_chunks=2)) as r:
             req = fresh_request(sp, seed=3)
             with pytest.raises(ValueError, match="holds objects of"):
                 r.restore(req, odd, N)
@@ -131,7 +131,7 @@ def test_chunk_size_other_than_the_registrations(stored, tmp_path):
 
 def test_staging_smaller_than_one_window():
     with pytest.raises(ValueError, match="exceeds the staging capacity"):
-        BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=4, max_staging_bytes=3 * REG.chunk_bytes))
+        BoundedRestorer(REG, RestoreConfig(window_chunks=4, max_staging_bytes=3 * REG.chunk_bytes))
 
 
 # -- damaged data: fail closed, nothing outside the root ---------------------------------------
@@ -181,7 +181,7 @@ def test_damaged_object_fails_closed(tmp_path, damage, depth):
         victim = PrefixKeys(sp.keyspace, sp.tokens, REG.chunk_tokens).window(3, 1)[0]
         damage(tier.path_of(victim), str(outside))
         before = os.stat(outside).st_atime_ns if outside.exists() else None
-        with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=2, pipeline_depth=depth)) as r:
+        with BoundedRestorer(REG, RestoreConfig(window_chunks=2, pipeline_depth=depth)) as r:
             req = fresh_request(sp, seed=4)
             rep = r.restore(req, tier, N)
             assert not rep.ok and rep.committed_tokens == 0
@@ -191,7 +191,7 @@ def test_damaged_object_fails_closed(tmp_path, damage, depth):
             assert os.stat(outside).st_atime_ns == before
         # the undamaged tier still restores a healthy prefix
         sp2 = store_random_prefix(REG, tier, 3, seed=44, salt="healthy")
-        with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=2, pipeline_depth=depth)) as r:
+        with BoundedRestorer(REG, RestoreConfig(window_chunks=2, pipeline_depth=depth)) as r:
             req2 = fresh_request(sp2, seed=5)
             rep2 = r.restore(req2, tier, 3)
         assert rep2.ok and state_hash(REG, req2.kv, req2.block_tables, 3) == sp2.state_hash

@@ -89,7 +89,7 @@ def run_concurrent(inner, seed: int):
         dst = Destinations(reg, n, seed=seed * 100 + i + 50)
         dst.poison()
         req = RestoreRequest(f"req-{i}", src.tokens, src.keyspace, dst.kv, dst.tables)
-        restorer = BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
+        restorer = BoundedRestorer(reg, RestoreConfig(window_chunks=w, pipeline_depth=depth,
                                                       fetch_timeout_s=60.0), admission=budget)
         jobs.append(dict(i=i, n=n, w=w, depth=depth, fault=fault, expected=expected, dst=dst, req=req,
                          restorer=restorer, report=None, error=None))

@@ -34,7 +34,7 @@ from bsr_harness.faulty_tier import FaultyTier
 from bsr_harness.testdata import block_tables, prefix_block_ids
 from bsr_kernels import WindowInstaller, presets
 from bsr_runtime import commit
-from bsr_runtime.connector import BSRConnector, ConnectorRequest, FinishedIds
+from bsr_runtime.connector import ConnectorRequest, FinishedIds, StandaloneConnector
 from bsr_runtime.markers import ForceLocalMarkers
 from bsr_runtime.plan import plan_windows
 from bsr_runtime.restore import RestoreConfig
@@ -105,7 +105,7 @@ def matrix(mooncake_master, tmp_path_factory):
 
 
 def _installed_chunks(cfg: RestoreConfig, n: int, windows: int) -> int:
-    wins = list(plan_windows(n, cfg.prefetch_window_chunks, cfg.pipeline_depth))
+    wins = list(plan_windows(n, cfg.window_chunks, cfg.pipeline_depth))
     return sum(w.num_chunks for w in wins[:windows])
 
 
@@ -250,7 +250,7 @@ def fs_setup(tmp_path):
     store(src, tier)
     blocks, (tables,) = block_tables(reg, [3], 9)
     kv = reg.allocate(blocks)
-    conn = BSRConnector(reg, [tier], kv, config=RestoreConfig(prefetch_window_chunks=1, backend="torch"), salt="fs")
+    conn = StandaloneConnector(reg, [tier], kv, config=RestoreConfig(window_chunks=1, backend="torch"), salt="fs")
     yield reg, tier, src, tables, kv, conn
     conn.close()
     tier.close()

@@ -62,7 +62,7 @@ def test_outcome_is_all_or_nothing(case):
                 if lower == "partial":  # the lower tier lacks the last chunk: it cannot serve
                     low.delete(src.keys(n - 1, 1))
                 tiers.append(low)
-            ret = Retriever(reg, tiers, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
+            ret = Retriever(reg, tiers, RestoreConfig(window_chunks=w, pipeline_depth=depth,
                                                       backend="torch"))
             if fault is not None:
                 fault.arm(ret, top, r)

@@ -163,7 +163,7 @@ class Scene:
         return True
 
     def loader(self, w: int, budget_windows: int, depth: int = 1, **kw) -> Loader:
-        cfg = RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth, fetch_timeout_s=kw.pop("timeout", 30.0),
+        cfg = RestoreConfig(window_chunks=w, pipeline_depth=depth, fetch_timeout_s=kw.pop("timeout", 30.0),
                             backend="cpu")
         return Loader(self.reg, [self.tier], self.kv, cfg, budget_bytes=budget_windows * w * self.reg.chunk_bytes,
                       **kw)
@@ -285,7 +285,7 @@ def test_tp_agreements_run_in_submission_order_on_every_rank(tmp_path):
 
     for i in range(2):
         tags[commit.make_tag(f"req-{i}", "commit")] = f"req-{i}"
-    cfg = RestoreConfig(prefetch_window_chunks=2, pipeline_depth=1, backend="cpu")
+    cfg = RestoreConfig(window_chunks=2, pipeline_depth=1, backend="cpu")
     loader = Loader(scene.reg, [scene.tier], scene.kv, cfg, budget_bytes=4 * scene.reg.chunk_bytes,
                     tp_world=2, agree=agree)
     try:
@@ -303,10 +303,10 @@ def test_tp_agreements_run_in_submission_order_on_every_rank(tmp_path):
 def test_a_budget_smaller_than_one_window_is_refused_before_anything_moves(tmp_path):
     reg = _reg()
     with FilesystemTier(tmp_path, reg.chunk_bytes, reg.fingerprint) as tier:
-        cfg = RestoreConfig(prefetch_window_chunks=4, pipeline_depth=1)
+        cfg = RestoreConfig(window_chunks=4, pipeline_depth=1)
         with pytest.raises(ValueError, match="raise B to at least"):
             Loader(reg, [tier], None, cfg, budget_bytes=3 * reg.chunk_bytes)
         with pytest.raises(ValueError, match="W > 0"):
-            Loader(reg, [tier], None, RestoreConfig(prefetch_window_chunks=0))
-        depth2 = RestoreConfig(prefetch_window_chunks=4, pipeline_depth=2)  # windows of 2: fits 3 chunks
+            Loader(reg, [tier], None, RestoreConfig(window_chunks=0))
+        depth2 = RestoreConfig(window_chunks=4, pipeline_depth=2)  # windows of 2: fits 3 chunks
         Loader(reg, [tier], None, depth2, budget_bytes=3 * reg.chunk_bytes).close(5)

@@ -36,7 +36,7 @@ def test_restore_bound_and_state(stored, w, depth, n):
     tier, sp = stored
     reg = sp.reg
     req = fresh_request(sp, seed=w * 10 + depth)
-    restorer = BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth))
+    restorer = BoundedRestorer(reg, RestoreConfig(window_chunks=w, pipeline_depth=depth))
     rep = restorer.restore(req, tier, n)
     assert rep.ok, rep.error
     assert rep.committed_tokens == n * reg.chunk_tokens
@@ -67,8 +67,8 @@ def test_plan_windows_cover_the_prefix_once():
                 assert all(w == 0 or win.num_chunks <= sizes[win.slot] for win in wins)
 
 
-@pytest.mark.parametrize("bad", [dict(prefetch_window_chunks=-1), dict(prefetch_window_chunks=1 << 20),
-                                 dict(prefetch_window_chunks=2.5), dict(pipeline_depth=3),
+@pytest.mark.parametrize("bad", [dict(window_chunks=-1), dict(window_chunks=1 << 20),
+                                 dict(window_chunks=2.5), dict(pipeline_depth=3),
                                  dict(fetch_timeout_s=0)])
 def test_bad_config(bad):
     with pytest.raises(ValueError):
@@ -77,7 +77,7 @@ def test_bad_config(bad):
 
 def test_probe_holds_no_staging_and_counts_the_prefix(stored):
     tier, sp = stored
-    restorer = BoundedRestorer(sp.reg, RestoreConfig(prefetch_window_chunks=4))
+    restorer = BoundedRestorer(sp.reg, RestoreConfig(window_chunks=4))
     keys = PrefixKeys(sp.keyspace, sp.tokens + [1] * sp.reg.chunk_tokens, sp.reg.chunk_tokens)
     restorer.pool.reset_peak()
     res = probe_prefix(tier, keys)
@@ -115,7 +115,7 @@ def test_missing_key_fails_and_releases_everything(stored, depth):
     victim = keys.window(5, 1)[0]
     saved = tier._store.pop(victim)
     try:
-        restorer = BoundedRestorer(sp.reg, RestoreConfig(prefetch_window_chunks=2, pipeline_depth=depth))
+        restorer = BoundedRestorer(sp.reg, RestoreConfig(window_chunks=2, pipeline_depth=depth))
         rep = restorer.restore(fresh_request(sp, seed=1), tier, sp.num_chunks)
         assert not rep.ok and rep.committed_tokens == 0
         assert "MissingObjectError" in rep.error
@@ -129,7 +129,7 @@ def test_bad_destinations_rejected_before_any_fetch(stored):
     tier, sp = stored
     req = fresh_request(sp, seed=2)
     req.block_tables[0] = req.block_tables[0][:1]
-    restorer = BoundedRestorer(sp.reg, RestoreConfig(prefetch_window_chunks=2))
+    restorer = BoundedRestorer(sp.reg, RestoreConfig(window_chunks=2))
     calls = []
     tier.plan.fail_fetch = calls.append
     try:
@@ -143,13 +143,13 @@ def test_bad_destinations_rejected_before_any_fetch(stored):
 def test_budget_must_hold_one_window():
     reg = REGS["llama"]()
     with pytest.raises(ValueError, match="exceeds the byte budget"):
-        BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=4), admission=ByteBudget(3 * reg.chunk_bytes))
+        BoundedRestorer(reg, RestoreConfig(window_chunks=4), admission=ByteBudget(3 * reg.chunk_bytes))
 
 
 def test_byte_budget_restore_respects_b(stored):
     tier, sp = stored
     budget = ByteBudget(3 * sp.reg.chunk_bytes)
-    restorer = BoundedRestorer(sp.reg, RestoreConfig(prefetch_window_chunks=3, pipeline_depth=2), admission=budget)
+    restorer = BoundedRestorer(sp.reg, RestoreConfig(window_chunks=3, pipeline_depth=2), admission=budget)
     req = fresh_request(sp, seed=4)
     rep = restorer.restore(req, tier, sp.num_chunks)
     assert rep.ok, rep.error
@@ -160,7 +160,7 @@ def test_byte_budget_restore_respects_b(stored):
 def test_staging_bytes_never_above_capacity_in_flight(stored):
     """Sample the pool meter from inside the fetch of every window."""
     tier, sp = stored
-    restorer = BoundedRestorer(sp.reg, RestoreConfig(prefetch_window_chunks=3, pipeline_depth=2))
+    restorer = BoundedRestorer(sp.reg, RestoreConfig(window_chunks=3, pipeline_depth=2))
     seen = []
     tier.plan.fail_fetch = lambda keys: seen.append(restorer.pool.live_bytes)
     try:

@@ -30,7 +30,7 @@ def _restore_and_check(tier, sp, w, depth, n, seed):
     probe = probe_prefix(tier, keys)
     assert probe.prefix_chunks == sp.num_chunks and probe.tier == tier.name
     req = fresh_request(sp, seed)
-    with BoundedRestorer(sp.reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth)) as restorer:
+    with BoundedRestorer(sp.reg, RestoreConfig(window_chunks=w, pipeline_depth=depth)) as restorer:
         rep = restorer.restore(req, tier, n)
         if restorer.pool is not None:
             assert restorer.pool.live_bytes == 0

@@ -39,7 +39,7 @@ def test_second_concurrent_restore_is_refused(stored):
 
     budget = ByteBudget(8 * REG.chunk_bytes)
     result = {}
-    with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=2, pipeline_depth=2), admission=budget) as r:
+    with BoundedRestorer(REG, RestoreConfig(window_chunks=2, pipeline_depth=2), admission=budget) as r:
         first_req = fresh_request(sp, seed=62, request_id="first")
         tier.plan.fail_fetch = hold
         t = threading.Thread(target=lambda: result.setdefault("rep", r.restore(first_req, tier, N)))
@@ -72,7 +72,7 @@ def test_four_threads_on_one_restorer_never_time_out(stored):
     results: list[list] = [[] for _ in range(4)]
     start = threading.Barrier(4)
     tier.plan.fail_fetch = lambda keys: time.sleep(0.01)  # slow fetches: the restores overlap
-    with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=2, pipeline_depth=2, fetch_timeout_s=2),
+    with BoundedRestorer(REG, RestoreConfig(window_chunks=2, pipeline_depth=2, fetch_timeout_s=2),
                          admission=budget) as r:
         def work(i: int) -> None:
             start.wait(30)

@@ -55,7 +55,7 @@ def _tables(src) -> list[list[int]]:
 def _restored_hash(reg, tier, src, n: int) -> str:
     kv = poison(reg.allocate([t.numel() + 1 for t in src.block_tables]))
     tables = [torch.arange(t.numel(), dtype=torch.int64) for t in src.block_tables]
-    with BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=2, backend="torch")) as r:
+    with BoundedRestorer(reg, RestoreConfig(window_chunks=2, backend="torch")) as r:
         rep = r.restore(RequestOf(src, kv, tables), tier, n)
     assert rep.ok, rep.error
     return state_hash(reg, kv, tables, n)

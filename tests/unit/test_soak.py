@@ -105,7 +105,7 @@ def test_soak_restore_fail_cycles(tmp_path):
                 dst.poison()
                 req = RestoreRequest(f"soak-{cycle}", src.tokens, src.keyspace, dst.kv, dst.tables)
                 timeout = TIMEOUT_S if fault == "timeout" else 30.0
-                with BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
+                with BoundedRestorer(reg, RestoreConfig(window_chunks=w, pipeline_depth=depth,
                                                         fetch_timeout_s=timeout),
                                      make_installer=make_installer) as restorer:
                     rep = restorer.restore(req, tier, n)

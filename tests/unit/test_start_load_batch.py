@@ -14,7 +14,7 @@ import pytest
 from bsr_harness.experiments import Destinations, make_source, store_source
 from bsr_harness.testdata import prefix_block_ids
 from bsr_kernels import presets
-from bsr_runtime.connector import BSRConnector, ConnectorRequest, LoadSpec
+from bsr_runtime.connector import ConnectorRequest, LoadSpec, StandaloneConnector
 from bsr_runtime.restore import RestoreConfig
 from bsr_runtime.state_hash import state_hash
 from bsr_runtime.tiers import MemoryTier
@@ -55,7 +55,7 @@ def setup():
         dsts.append(Destinations(REG, N, seed=400 + i))
     # one engine: every request's blocks live in one set of kv caches (per-request block ranges)
     kv = REG.allocate([sum(d.blocks[g] for d in dsts) for g in range(REG.num_groups)])
-    conn = BSRConnector(REG, [tier], kv, config=RestoreConfig(prefetch_window_chunks=2, backend="torch"))
+    conn = StandaloneConnector(REG, [tier], kv, config=RestoreConfig(window_chunks=2, backend="torch"))
     yield conn, srcs, dsts, hashes, kv
     conn.close()
 
@@ -113,7 +113,7 @@ def test_start_load_before_register_keeps_pending_loads():
     src = make_source(REG, N, seed=9)
     store_source(src, tier, window_chunks=2)
     dst = Destinations(REG, N, seed=10)
-    with BSRConnector(REG, [tier], config=RestoreConfig(prefetch_window_chunks=2)) as conn:
+    with StandaloneConnector(REG, [tier], config=RestoreConfig(window_chunks=2)) as conn:
         req = ConnectorRequest("late", src.tokens + [1])
         tokens, _ = conn.get_num_new_matched_tokens(req, 0)
         conn.update_state_after_alloc(req, [t.tolist() for t in dst.tables], tokens)

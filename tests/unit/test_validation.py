@@ -24,7 +24,7 @@ from restore_util import fresh_request, store_random_prefix
 from bsr_kernels import presets
 from bsr_runtime import commit
 from bsr_runtime.admission import ByteBudget, SerialAdmission
-from bsr_runtime.connector import BSRConnector, ConnectorRequest
+from bsr_runtime.connector import ConnectorRequest, StandaloneConnector
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig
 from bsr_runtime.retrieve import Retriever
@@ -45,7 +45,7 @@ def _tier():
     lambda v: RestoreConfig(admission_timeout_s=v) if v is not None else RestoreConfig(admission_timeout_s="x"),
     lambda v: Retriever(REG, [_tier()], agree_timeout_s=v),
     lambda v: Retriever(REG, [_tier()], unavailable_cooldown_s=v if v not in (0, None) else math.nan),
-    lambda v: BSRConnector(REG, [_tier()], agree_timeout_s=v),
+    lambda v: StandaloneConnector(REG, [_tier()], agree_timeout_s=v),
     lambda v: commit.agree([True], timeout_s=v),
     lambda v: commit.all_min([1], timeout_s=v),
 ], ids=["fetch_timeout_s", "admission_timeout_s", "retriever_agree", "cooldown", "connector_agree", "agree",
@@ -69,7 +69,7 @@ def test_largest_timeout_accepted_and_used():
     """threading.TIMEOUT_MAX itself is a valid timeout: a restore with it works (no overflow)."""
     tier = _tier()
     sp = store_random_prefix(REG, tier, 3, seed=3)
-    cfg = RestoreConfig(prefetch_window_chunks=1, fetch_timeout_s=threading.TIMEOUT_MAX,
+    cfg = RestoreConfig(window_chunks=1, fetch_timeout_s=threading.TIMEOUT_MAX,
                         admission_timeout_s=threading.TIMEOUT_MAX)
     with BoundedRestorer(REG, cfg, admission=SerialAdmission(threading.Lock())) as r:
         assert r.restore(fresh_request(sp, seed=4), tier, 3).ok
@@ -95,11 +95,11 @@ def test_byte_budget_reservations_are_integers(value):
 @pytest.mark.parametrize("value", [v for v in BAD_BYTES if v is not None])
 def test_max_staging_bytes_refuses_nan_and_friends(value):
     with pytest.raises(ValueError, match="max_staging_bytes"):
-        RestoreConfig(prefetch_window_chunks=0, max_staging_bytes=value)
+        RestoreConfig(window_chunks=0, max_staging_bytes=value)
 
 
 @pytest.mark.parametrize("kw", [dict(pipeline_depth=2.0), dict(pipeline_depth=True), dict(pipeline_depth=math.nan),
-                                dict(prefetch_window_chunks=2.0), dict(prefetch_window_chunks=math.nan),
+                                dict(window_chunks=2.0), dict(window_chunks=math.nan),
                                 dict(backend=None)])
 def test_other_config_knobs(kw):
     with pytest.raises(ValueError):
@@ -110,7 +110,7 @@ def test_whole_plan_cap_still_binds():
     """The whole-plan staging cap: an int cap that is too small refuses the plan (fail closed)."""
     tier = _tier()
     sp = store_random_prefix(REG, tier, 3, seed=5)
-    with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=0, max_staging_bytes=REG.chunk_bytes)) as r:
+    with BoundedRestorer(REG, RestoreConfig(window_chunks=0, max_staging_bytes=REG.chunk_bytes)) as r:
         rep = r.restore(fresh_request(sp, seed=6), tier, 3)
     assert not rep.ok and "StagingCapacityError" in rep.error
 
@@ -121,7 +121,7 @@ def test_whole_plan_cap_still_binds():
 def conn_setup():
     tier = _tier()
     sp = store_random_prefix(REG, tier, 4, seed=11)
-    conn = BSRConnector(REG, [tier], config=RestoreConfig(prefetch_window_chunks=2))
+    conn = StandaloneConnector(REG, [tier], config=RestoreConfig(window_chunks=2))
     yield conn, sp
     conn.close()
 
@@ -165,11 +165,11 @@ def test_integer_token_containers_accepted(conn_setup):
 def test_num_chunks_validated(n):
     tier = _tier()
     sp = store_random_prefix(REG, tier, 3, seed=21)
-    with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=2)) as r:
+    with BoundedRestorer(REG, RestoreConfig(window_chunks=2)) as r:
         with pytest.raises(ValueError, match="num_chunks"):
             r.restore(fresh_request(sp, seed=22), tier, n)
         assert r.pool.live_bytes == 0
-    with Retriever(REG, [tier], RestoreConfig(prefetch_window_chunks=2)) as ret:
+    with Retriever(REG, [tier], RestoreConfig(window_chunks=2)) as ret:
         with pytest.raises(ValueError, match="num_chunks"):
             ret.retrieve(fresh_request(sp, seed=23), n)
     with pytest.raises(ValueError, match="num_chunks|outside"):
@@ -181,7 +181,7 @@ def test_salt_must_be_text(salt):
     with pytest.raises(ValueError, match="salt"):
         KeySpace(REG.fingerprint, salt=salt)
     with pytest.raises(ValueError, match="salt"):
-        BSRConnector(REG, [_tier()], salt=salt)
+        StandaloneConnector(REG, [_tier()], salt=salt)
 
 
 @pytest.mark.parametrize("kw", [dict(tp_rank=0.0), dict(tp_world=1.5), dict(tp_rank=True, tp_world=2),

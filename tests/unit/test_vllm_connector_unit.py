@@ -66,7 +66,7 @@ def test_pipeline_depth_is_the_first_tiers_unless_configured(tmp_path):
         assert cfg.restore_config([fs, one]).pipeline_depth == 2
         assert cfg.restore_config([one, fs]).pipeline_depth == 1
         rc = cfg.restore_config([fs])
-        assert (rc.prefetch_window_chunks, rc.fetch_timeout_s, rc.backend) == (8, cfg.fetch_timeout_s, cfg.backend)
+        assert (rc.window_chunks, rc.fetch_timeout_s, rc.backend) == (8, cfg.fetch_timeout_s, cfg.backend)
         set_one = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "pipeline_depth": 1})
         assert set_one.restore_config([fs]).pipeline_depth == 1
         with pytest.raises(ValueError, match="pipeline_depth"):  # refused where it enters, not at the first load

@@ -106,7 +106,7 @@ def test_any_exception_fails_closed_and_leaks_nothing(exc, where):
         make = WindowInstaller
     else:
         make = make_installer
-    cfg = RestoreConfig(prefetch_window_chunks=4, pipeline_depth=2)
+    cfg = RestoreConfig(window_chunks=4, pipeline_depth=2)
     for _ in range(5):  # a leak would exhaust the budget and block (the timeout turns that into a failure)
         restorer = BoundedRestorer(REG, cfg, admission=budget, make_installer=make)
         rep = restorer.restore(fresh_request(stored, seed=5), tier, stored.num_chunks)
@@ -128,13 +128,13 @@ def test_keyboard_interrupt_is_reraised_after_cleanup():
         def install(self, staging, first, n):
             raise KeyboardInterrupt
 
-    restorer = BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=4, pipeline_depth=2), admission=budget,
+    restorer = BoundedRestorer(REG, RestoreConfig(window_chunks=4, pipeline_depth=2), admission=budget,
                                make_installer=Interrupting)
     with pytest.raises(KeyboardInterrupt):
         restorer.restore(fresh_request(stored, seed=6), tier, stored.num_chunks)
     assert budget.used_bytes == 0 and restorer.pool.live_bytes == 0
     # the restorer still works afterwards
-    ok = BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=4), admission=budget)
+    ok = BoundedRestorer(REG, RestoreConfig(window_chunks=4), admission=budget)
     assert ok.restore(fresh_request(stored, seed=7), tier, stored.num_chunks).ok
 
 
@@ -204,7 +204,7 @@ def test_installs_keep_to_one_thread_while_the_next_fetch_runs(depth, threads):
         asked.append(kw.get("cpu_threads"))
         return WindowInstaller(*a, **kw)
 
-    with BoundedRestorer(REG, RestoreConfig(prefetch_window_chunks=4, pipeline_depth=depth),
+    with BoundedRestorer(REG, RestoreConfig(window_chunks=4, pipeline_depth=depth),
                          make_installer=make) as restorer:
         req = fresh_request(stored, seed=3)
         rep = restorer.restore(req, tier, stored.num_chunks)

@@ -167,7 +167,7 @@ class ConnectorConfig(Schema):
         """The restores' configuration; without a configured pipeline depth the first (planning) tier's
         preferred one: 1 for Mooncake over tcp and LMCache, 2 for the filesystem."""
         depth = self.pipeline_depth if self.pipeline_depth is not None else tiers[0].preferred_pipeline_depth
-        return RestoreConfig(prefetch_window_chunks=self.window_chunks, pipeline_depth=depth,
+        return RestoreConfig(window_chunks=self.window_chunks, pipeline_depth=depth,
                              fetch_timeout_s=self.fetch_timeout_s, backend=self.backend)
 
     @property

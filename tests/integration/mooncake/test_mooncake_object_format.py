@@ -105,7 +105,7 @@ def test_restore_fails_closed_on_swapped_and_copied_objects(mooncake_master):
                       mooncake_master.metadata_server, global_segment_size=64 << 20) as t:
         sp = store_random_prefix(reg, t, 4, seed=3, salt="tenant-a")
         keys = PrefixKeys(sp.keyspace, sp.tokens, reg.chunk_tokens).window(0, 4)
-        with BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=2)) as restorer:
+        with BoundedRestorer(reg, RestoreConfig(window_chunks=2)) as restorer:
             assert restorer.restore(fresh_request(sp, 1), t, 4).ok
             raw_swap(t._store, keys[1], keys[2])
             rep = restorer.restore(fresh_request(sp, 2), t, 4)

@@ -65,7 +65,7 @@ def test_master_restart_between_restores(w, depth):
     master = MooncakeMaster()
     master.start()
     tier = None
-    restorer = BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
+    restorer = BoundedRestorer(reg, RestoreConfig(window_chunks=w, pipeline_depth=depth,
                                                   fetch_timeout_s=15.0))
     try:
         tier = MooncakeTier(reg.chunk_bytes, reg.fingerprint, master.master_address, master.metadata_server,
@@ -137,7 +137,7 @@ def test_master_restart_while_restore_in_flight(w, depth):
     budget = ByteBudget(4 * reg.chunk_bytes)
     master = MooncakeMaster().start()
     tier = None
-    restorer = BoundedRestorer(reg, RestoreConfig(prefetch_window_chunks=w, pipeline_depth=depth,
+    restorer = BoundedRestorer(reg, RestoreConfig(window_chunks=w, pipeline_depth=depth,
                                                   fetch_timeout_s=20.0), admission=budget)
     try:
         tier = MooncakeTier(reg.chunk_bytes, reg.fingerprint, master.master_address, master.metadata_server,
