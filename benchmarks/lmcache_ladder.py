@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bsr-lmcache-ladder-", dir=args.workdir) as root:
         t = time.perf_counter()
-        cfg = load_adapter_config(prefetch_window_chunks=w)
+        cfg = load_adapter_config(window_chunks=w)
         with LMCacheAdapter.create(reg, bsr_capacity, [fs_l2_config(root)], cfg) as ad:
             srep = ad.store(src.keyspace, src.tokens, src.kv, src.block_tables, n_max)
         assert srep.state_hash == state_hash(reg, src.kv, src.block_tables, n_max)

@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from bsr_runtime.integrations.vllm.config import ConnectorConfig, TierSpec  # noqa: E402
 
-FS = {"type": "fs", "root": "/x"}
+FS = {"type": "filesystem", "root": "/x"}
 
 
 def cfg(**kw) -> dict:
@@ -56,8 +56,8 @@ def test_every_key_is_checked(key, value):
     (["fs"], "tiers[0]: a tier spec is a mapping"),
     ([{"type": "s3"}], "tiers[0].type: unknown tier type 's3'"),
     ([{"root": "/x"}], "tiers[0].type: unknown tier type None"),
-    ([{"type": "fs"}], "tiers[0].root: missing"),
-    ([{"type": "fs", "root": ""}], "tiers[0].root:"),
+    ([{"type": "filesystem"}], "tiers[0].root: missing"),
+    ([{"type": "filesystem", "root": ""}], "tiers[0].root:"),
     ([FS | {"colour": "red"}], "tiers[0].colour: unknown key"),
     ([FS | {"save": "yes"}], "tiers[0].save:"),
     ([FS | {"load_concurrency": 0}], "tiers[0].load_concurrency:"),
@@ -104,7 +104,7 @@ def test_one_error_names_every_bad_key():
 def test_good_config_parses_with_names_and_aliases_kept(tmp_path):
     report = str(tmp_path / "r.jsonl")
     c = ConnectorConfig.from_extra({
-        "tiers": [{"type": "fs", "root": "/x", "load_concurrency": 2, "save": True},
+        "tiers": [{"type": "filesystem", "root": "/x", "load_concurrency": 2, "save": True},
                   {"type": "mooncake", "master_address": "h:50051", "metadata_server": "http://h:8080/metadata"}],
         "load_mode": "sync", "window_chunks": 0, "pipeline_depth": 1, "fetch_timeout_s": 5, "backend": "torch",
         "salt": "t", "model_id": "m", "save": True, "save_window_chunks": 8, "report_path": report,
@@ -116,3 +116,14 @@ def test_good_config_parses_with_names_and_aliases_kept(tmp_path):
     assert c.report_path == report and c.save_tiers == [0] and not c.load_async
     assert ConnectorConfig.from_extra({"tiers": [FS]}).window_chunks == 32  # defaults
     assert TierSpec.from_dict({"type": "fs", "root": "/y"}).type == "filesystem"
+
+
+def test_the_earlier_tier_type_fs_reads_as_filesystem_with_a_notice(caplog):
+    with caplog.at_level("WARNING"):
+        assert TierSpec.from_dict({"type": "fs", "root": "/y"}).type == "filesystem"
+    assert [r.getMessage() for r in caplog.records] == [
+        "BSR connector: tier type 'fs' is deprecated, read as 'filesystem'"]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert TierSpec.from_dict({"type": "filesystem", "root": "/y"}).type == "filesystem"
+    assert not caplog.records

@@ -23,7 +23,7 @@ from bsr_runtime.planner import LoadSpec  # noqa: E402
 
 
 def test_config_parsing_and_errors():
-    cfg = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"},
+    cfg = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"},
                                                 {"type": "mooncake", "master_address": "h:1",
                                                  "metadata_server": "http://h:2/metadata", "save": True}],
                                       "window_chunks": 4})
@@ -31,25 +31,25 @@ def test_config_parsing_and_errors():
     assert cfg.tiers[1].options["global_segment_size"] == 0  # engines mount no segment by default
     assert cfg.save_tiers == [0, 1] and cfg.window_chunks == 4
     assert cfg.load_async and cfg.load_mode == "async"  # loads off the step thread by default
-    sync = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "load_mode": "sync"})
+    sync = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "load_mode": "sync"})
     assert not sync.load_async
-    auto = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "load_mode": "auto"})
+    auto = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "load_mode": "auto"})
     assert auto.load_mode == "async"  # the earlier default's spelling still reads, as async
-    old = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "save_window_chunks": 6})
+    old = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "save_window_chunks": 6})
     assert old.save_staging_chunks == 6  # the earlier name still reads
     for bad in ({"restore_budget_bytes": 0}, {"restore_budget_bytes": "1GiB"}, {"max_concurrent_restores": 0},
                 {"save_staging_chunks": -1}, {"shutdown_timeout_s": -1}, {"load_mode": "lazy"},
                 {"window_chunks": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], **bad})
+            ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], **bad})
     with pytest.raises(ValueError, match="kv_connector_extra_config: window: unknown key"):
-        ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "window": 4})
+        ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "window": 4})
     with pytest.raises(ValueError, match="needs 'tiers'"):
         ConnectorConfig.from_extra({})
     with pytest.raises(ValueError, match="unknown tier type"):
         ConnectorConfig.from_extra({"tiers": [{"type": "s3"}]})
     with pytest.raises(ValueError, match="load_mode"):
-        ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "load_mode": "lazy"})
+        ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "load_mode": "lazy"})
 
 
 def test_pipeline_depth_is_the_first_tiers_unless_configured(tmp_path):
@@ -61,16 +61,16 @@ def test_pipeline_depth_is_the_first_tiers_unless_configured(tmp_path):
     fs = FilesystemTier(tmp_path, 4096, "f" * 16)
     one = PrefersOne(4096, "f" * 16)
     try:
-        cfg = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "window_chunks": 8})
+        cfg = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "window_chunks": 8})
         assert cfg.pipeline_depth is None
         assert cfg.restore_config([fs, one]).pipeline_depth == 2
         assert cfg.restore_config([one, fs]).pipeline_depth == 1
         rc = cfg.restore_config([fs])
         assert (rc.window_chunks, rc.fetch_timeout_s, rc.backend) == (8, cfg.fetch_timeout_s, cfg.backend)
-        set_one = ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "pipeline_depth": 1})
+        set_one = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "pipeline_depth": 1})
         assert set_one.restore_config([fs]).pipeline_depth == 1
         with pytest.raises(ValueError, match="pipeline_depth"):  # refused where it enters, not at the first load
-            ConnectorConfig.from_extra({"tiers": [{"type": "fs", "root": "/x"}], "pipeline_depth": 3})
+            ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "pipeline_depth": 3})
     finally:
         fs.close()
         one.close()

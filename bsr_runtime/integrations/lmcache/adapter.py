@@ -157,7 +157,7 @@ class LMCacheAdapter:
                  admission_timeout_s: float | None = None) -> LMCacheRestoreReport:
         """Restore chunks 0..num_chunks-1 of `req` from LMCache into its destination blocks.
 
-        W = `window_chunks` or config.prefetch_window_chunks; W = 0 is LMCache's whole-plan prefetch.
+        W = `window_chunks` or config.window_chunks; W = 0 is LMCache's whole-plan prefetch.
         Bad arguments raise ValueError before anything is submitted; every other failure returns a
         fail-closed report (ok=False). See retrieve.py."""
         return _retrieve.retrieve(self, req, num_chunks, window_chunks, admission_timeout_s)

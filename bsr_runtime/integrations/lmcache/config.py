@@ -2,7 +2,8 @@
 
 Config, the LMCache way: a config class made by LMCache's `create_config_class`, loaded from the
 file named by LMCACHE_BSR_CONFIG_FILE (YAML), then LMCACHE_* variables, then explicit overrides.
-LMCACHE_PREFETCH_WINDOW_CHUNKS (W, default 0 = LMCache's whole-plan behaviour), LMCACHE_PROBE_ONLY,
+LMCACHE_WINDOW_CHUNKS (W, default 0 = LMCache's whole-plan behaviour; its earlier name
+LMCACHE_PREFETCH_WINDOW_CHUNKS is still read), LMCACHE_PROBE_ONLY,
 LMCACHE_FS_LOAD_CONCURRENCY (read by the FS L2 plugin, fs_l2.py), LMCACHE_PREFETCH_TIMEOUT_S,
 LMCACHE_INSTALL_BACKEND, LMCACHE_EVICT_RETAINED. Unlike LMCache's own loader (which logs a bad
 value and falls back to a default or None, and ignores unknown keys), every source is checked by
@@ -16,6 +17,7 @@ mooncake_l2.py (their parameters: specs.py).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
@@ -42,12 +44,13 @@ from .specs import FSL2Params, MooncakeL2Params
 CONFIG_FILE_ENV = "LMCACHE_BSR_CONFIG_FILE"
 ENV_PREFIX = "LMCACHE_"
 WHAT = "BSR LMCache config"
+log = logging.getLogger(__name__)
 
 
 class LMCacheKnobs(Schema):
     """The adapter's knobs: one line each (the LMCache config class below is made from them)."""
 
-    prefetch_window_chunks: Annotated[int, Field(ge=0, le=MAX_WINDOW_CHUNKS)] = Field(
+    window_chunks: Annotated[int, Field(ge=0, le=MAX_WINDOW_CHUNKS)] = Field(
         0, description="W: chunks per prefetch window; 0 = LMCache's whole-plan prefetch")
     probe_only: bool = Field(False, description="lookup() reports hits without making them resident or keeping locks")
     fs_load_concurrency: Count = Field(1, description="concurrent file reads per FS L2 load task (fs_l2 plugin)")
@@ -58,6 +61,9 @@ class LMCacheKnobs(Schema):
     evict_retained: bool = Field(True, description="W > 0: delete L2-loaded keys a retaining prefetch policy kept "
                                                    "in L1")
 
+
+# earlier key -> its name now: still read (file, LMCACHE_* variable, overrides), with a one-line notice
+EARLIER_NAMES = {"prefetch_window_chunks": "window_chunks"}
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -102,19 +108,29 @@ def checked_values(config_file: str | None = None, env: bool = True, values: Map
             raise_problems(WHAT, [f"config file {config_file}: {e}"])
         if not isinstance(data, Mapping):
             raise_problems(WHAT, [f"config file {config_file}: expected a mapping of keys, got {type(data).__name__}"])
+        data = _current_names(data, f"file {config_file}", bad)
         raw.update(data)
         source.update({k: f"file {config_file}" for k in data})
     for name, f in LMCacheKnobs.model_fields.items() if env else ():
-        text = os.environ.get(ENV_PREFIX + name.upper())
+        env_name = ENV_PREFIX + name.upper()
+        text = os.environ.get(env_name)
+        earlier = [ENV_PREFIX + old.upper() for old, new in EARLIER_NAMES.items() if new == name]
+        for old_env in earlier:
+            if old_env in os.environ:
+                if text is not None:
+                    bad.append(f"{name}: both ${env_name} and its earlier name ${old_env} are set")
+                    continue
+                _notice(f"${old_env}", f"${env_name}")
+                env_name, text = old_env, os.environ[old_env]
         if text is None:
             continue
-        source[name] = f"${ENV_PREFIX}{name.upper()}"
+        source[name] = f"${env_name}"
         try:
             raw[name] = _CONVERTERS[type(f.default)](text)
         except ValueError as e:
             bad.append(f"{name} (from {source[name]}): {e} (got {text!r})")
             raw.pop(name, None)
-    for k, v in (values or {}).items():
+    for k, v in _current_names(values or {}, "overrides", bad).items():
         raw[k] = v
         source[k] = "overrides"
     for p in problems(LMCacheKnobs, raw):
@@ -123,6 +139,24 @@ def checked_values(config_file: str | None = None, env: bool = True, values: Map
     if bad:
         raise_problems(WHAT, bad)
     return LMCacheKnobs.model_validate(raw).model_dump()
+
+
+def _current_names(data: Mapping[str, Any], where: str, bad: list[str]) -> dict[str, Any]:
+    """`data` with each earlier key under its current name (a notice each; both names: a problem)."""
+    out = dict(data)
+    for old, new in EARLIER_NAMES.items():
+        if old in out:
+            if new in out:
+                bad.append(f"{new} (from {where}): given twice, also as its earlier name {old}")
+                out.pop(old)
+                continue
+            _notice(old, new)
+            out[new] = out.pop(old)
+    return out
+
+
+def _notice(old: str, new: str) -> None:
+    log.warning("BSR LMCache config: %s is deprecated, read as %s", old, new)
 
 
 def _validate(self) -> None:

@@ -254,7 +254,7 @@ def retrieve(ad: LMCacheAdapter, req: RestoreRequest, num_chunks: int, window_ch
              admission_timeout_s: float | None = None) -> LMCacheRestoreReport:
     """LMCacheAdapter.retrieve: chunks 0..num_chunks-1 of `req` through the window loop."""
     reg, cfg = ad.reg, ad.config
-    w = cfg.prefetch_window_chunks if window_chunks is None else int(window_chunks)
+    w = cfg.window_chunks if window_chunks is None else int(window_chunks)
     if not 0 <= w <= MAX_WINDOW_CHUNKS:
         raise ValueError(f"window_chunks (W) must be in [0, {MAX_WINDOW_CHUNKS}], got {w}")
     if num_chunks < 0 or num_chunks * reg.chunk_tokens > len(req.tokens):

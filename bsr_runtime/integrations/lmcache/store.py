@@ -123,7 +123,7 @@ def store(ad: LMCacheAdapter, keyspace: KeySpace, tokens: Sequence[int], kv: Seq
     has_l2 = bool(ad.sm.l2_adapters())
     if flush_l1 and not has_l2:
         raise ValueError("flush_l1 needs an L2 adapter (the objects would be lost)")
-    want = batch_chunks or ad.config.prefetch_window_chunks or 32
+    want = batch_chunks or ad.config.window_chunks or 32
     budget = getattr(ad.admission, "budget_bytes", None)
     if budget is not None:
         want = max(1, min(want, budget // reg.chunk_bytes))

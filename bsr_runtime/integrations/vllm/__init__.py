@@ -5,7 +5,7 @@
         "kv_connector": "BSRConnector",
         "kv_connector_module_path": "bsr_runtime.integrations.vllm",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"tiers": [{"type": "fs", "root": "/ssd/bsr"}], "window_chunks": 32}})
+        "kv_connector_extra_config": {"tiers": [{"type": "filesystem", "root": "/ssd/bsr"}], "window_chunks": 32}})
 
 Modules: config (kv_connector_extra_config, tiers), registration (from the engine's
 kv_cache_config and kv_caches), metadata (picklable, scheduler -> workers), scheduler (probe,

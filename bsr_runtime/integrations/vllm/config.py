@@ -52,7 +52,7 @@ from ...tiers.specs import TIER_SPECS
 
 TIER_TYPES = ("filesystem", "mooncake", "lmcache-fs", "lmcache-mooncake")
 log = logging.getLogger(__name__)
-_ALIASES = {"fs": "filesystem"}
+_ALIASES = {"fs": "filesystem"}  # earlier tier type names, still read (with a one-line notice)
 WHAT = "BSR connector: kv_connector_extra_config"
 
 Window = Annotated[int, Field(ge=0, le=MAX_WINDOW_CHUNKS)]  # W in chunks; 0 = the whole plan
@@ -85,6 +85,8 @@ class TierSpec(Schema):
             return None, [f"{where}: a tier spec is a mapping with a 'type', got {type(d).__name__}"]
         raw = d.get("type")
         kind = _ALIASES.get(raw, raw) if isinstance(raw, str) else raw
+        if kind != raw:
+            log.warning("BSR connector: tier type %r is deprecated, read as %r", raw, kind)
         if kind not in TIER_TYPES:
             return None, [f"{where}.type: unknown tier type {raw!r}; choose one of {', '.join(TIER_TYPES)} (or fs)"]
         options = {k: v for k, v in d.items() if k not in ("type", "save")}

@@ -6,7 +6,7 @@ class only dispatches. Load it by name and module path:
     kv_transfer_config={"kv_connector": "BSRConnector",
                         "kv_connector_module_path": "bsr_runtime.integrations.vllm",
                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                        "kv_connector_extra_config": {"tiers": [{"type": "fs", "root": "/ssd/bsr"}],
+                        "kv_connector_extra_config": {"tiers": [{"type": "filesystem", "root": "/ssd/bsr"}],
                                                       "window_chunks": 32}}
 """
 

@@ -112,7 +112,7 @@ def test_fifo_in_place_of_an_object_fails_closed_at_once(l2):
     os.mkfifo(paths[3])
     with _released_fifo(paths[3]):
         ad = LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(base, load_concurrency=2)],
-                                   load_adapter_config(prefetch_window_chunks=2, prefetch_timeout_s=5.0))
+                                   load_adapter_config(window_chunks=2, prefetch_timeout_s=5.0))
         try:
             baseline = ad.l1_usage()[0]
             t0 = time.monotonic()

@@ -73,7 +73,7 @@ def config(**kw):
 def stored(tmp_path_factory):
     """N chunks written into an FS L2 directory through LMCache's own write path (small L1)."""
     s = Stored(str(tmp_path_factory.mktemp("lmcache-fs")))
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(s.base)], config(prefetch_window_chunks=8)) as ad:
+    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(s.base)], config(window_chunks=8)) as ad:
         rep = ad.store(s.space, s.tokens, s.kv, s.tables)
         assert rep.state_hash == s.hash[N]
         assert rep.peak_staging_bytes <= 8 * OBJ_4K
@@ -388,7 +388,7 @@ def test_config_from_lmcache_env(stored, monkeypatch):
     monkeypatch.setenv("LMCACHE_PROBE_ONLY", "true")
     monkeypatch.setenv("LMCACHE_FS_LOAD_CONCURRENCY", "3")
     with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(stored.base)]) as ad:
-        assert (ad.config.prefetch_window_chunks, ad.config.probe_only, ad.config.fs_load_concurrency) == (7, True, 3)
+        assert (ad.config.window_chunks, ad.config.probe_only, ad.config.fs_load_concurrency) == (7, True, 3)
         assert ad.sm.l2_adapters()[0][1].load_concurrency == 3
         look = ad.lookup(stored.space, stored.tokens)
         assert not look.resident and look.prefix_chunks == N and ad.l1_usage()[0] == 0
@@ -408,7 +408,7 @@ def test_config_from_lmcache_env(stored, monkeypatch):
         assert cliff.prefix_chunks == 0 and ad.l1_usage()[0] == 0
 
     monkeypatch.setenv("LMCACHE_PREFETCH_WINDOW_CHUNKS", "-1")
-    with pytest.raises(ValueError, match="prefetch_window_chunks"):
+    with pytest.raises(ValueError, match="window_chunks"):
         load_adapter_config()
 
 
@@ -447,7 +447,7 @@ def test_admission_serializes_concurrent_retrieves(stored):
     """Two requests at once on an L1 of one window: the byte budget B = W*c admits one window at a
     time, so both restore (without it the second reservation would find L1 full)."""
     w = 8
-    with LMCacheAdapter.create(REG, w * OBJ_4K, [fs_l2_config(stored.base)], config(prefetch_window_chunks=w),
+    with LMCacheAdapter.create(REG, w * OBJ_4K, [fs_l2_config(stored.base)], config(window_chunks=w),
                                admission=ByteBudget(w * C)) as ad:
         reqs = [stored.request(seed=90 + i, rid=f"c{i}") for i in range(2)]
         reps = [None, None]
@@ -511,7 +511,7 @@ def unreachable(plugin):
 @pytest.mark.mooncake
 def test_mooncake_plugin_round_trip(stored, mooncake_master):
     n = 12
-    with LMCacheAdapter.create(REG, 4 * OBJ_4K, [mc_l2(mooncake_master)], config(prefetch_window_chunks=4)) as ad:
+    with LMCacheAdapter.create(REG, 4 * OBJ_4K, [mc_l2(mooncake_master)], config(window_chunks=4)) as ad:
         plugin = ad.sm.l2_adapters()[0][1]
         assert type(plugin).__name__ == "BSRMooncakeL2Adapter" and plugin.report_status()["l1_registered"]
         rep = ad.store(stored.space, stored.tokens, stored.kv, stored.tables, n)
@@ -549,7 +549,7 @@ def test_mooncake_master_stopped_fails_closed(stored):
 
     n = 6
     with MooncakeMaster() as master:
-        with LMCacheAdapter.create(REG, 4 * OBJ_4K, [mc_l2(master)], config(prefetch_window_chunks=3)) as ad:
+        with LMCacheAdapter.create(REG, 4 * OBJ_4K, [mc_l2(master)], config(window_chunks=3)) as ad:
             assert ad.store(stored.space, stored.tokens, stored.kv, stored.tables, n).state_hash == stored.hash[n]
             master.stop()
             req = stored.request(seed=120, rid="mc-stopped")

@@ -23,14 +23,14 @@ REG = presets.llama_like(layers=1, kv_heads=1, head_dim=16, block_size=16)
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in ("PREFETCH_WINDOW_CHUNKS", "PROBE_ONLY", "FS_LOAD_CONCURRENCY", "PREFETCH_TIMEOUT_S",
+    for name in ("WINDOW_CHUNKS", "PREFETCH_WINDOW_CHUNKS", "PROBE_ONLY", "FS_LOAD_CONCURRENCY", "PREFETCH_TIMEOUT_S",
                  "INSTALL_BACKEND", "EVICT_RETAINED", "BSR_CONFIG_FILE"):
         monkeypatch.delenv(f"LMCACHE_{name}", raising=False)
 
 
 @pytest.mark.parametrize("var,value", [
     ("PROBE_ONLY", "ture"), ("EVICT_RETAINED", "maybe"), ("INSTALL_BACKEND", "bogus"),
-    ("PREFETCH_WINDOW_CHUNKS", "8.5"), ("PREFETCH_WINDOW_CHUNKS", "-1"), ("PREFETCH_WINDOW_CHUNKS", "99999999"),
+    ("WINDOW_CHUNKS", "8.5"), ("WINDOW_CHUNKS", "-1"), ("WINDOW_CHUNKS", "99999999"),
     ("PREFETCH_TIMEOUT_S", "inf"), ("PREFETCH_TIMEOUT_S", "0"), ("FS_LOAD_CONCURRENCY", "0"),
     ("FS_LOAD_CONCURRENCY", "two"),
 ])
@@ -43,11 +43,11 @@ def test_bad_environment_values_are_errors_naming_the_variable(monkeypatch, var,
 
 
 def test_good_environment_values(monkeypatch):
-    for var, value in (("PROBE_ONLY", "Yes"), ("PREFETCH_WINDOW_CHUNKS", " 7 "), ("PREFETCH_TIMEOUT_S", "2.5"),
+    for var, value in (("PROBE_ONLY", "Yes"), ("WINDOW_CHUNKS", " 7 "), ("PREFETCH_TIMEOUT_S", "2.5"),
                        ("INSTALL_BACKEND", "torch"), ("EVICT_RETAINED", "0")):
         monkeypatch.setenv(f"LMCACHE_{var}", value)
     c = load_adapter_config()
-    assert (c.probe_only, c.prefetch_window_chunks, c.prefetch_timeout_s, c.install_backend, c.evict_retained) == (
+    assert (c.probe_only, c.window_chunks, c.prefetch_timeout_s, c.install_backend, c.evict_retained) == (
         True, 7, 2.5, "torch", False)
     c.validate()
 
@@ -63,19 +63,20 @@ def test_config_file_typo_and_bad_values_are_one_error(tmp_path, monkeypatch):
     for part in ("prefech_window_chunks (from file", "probe_only (from file", "prefetch_timeout_s (from file",
                  "install_backend (from $LMCACHE_INSTALL_BACKEND)"):
         assert part in msg, (part, msg)
-    f.write_text("prefetch_window_chunks: 4\nprobe_only: true\n")
+    f.write_text("window_chunks: 4\nprobe_only: true\n")
     monkeypatch.setenv("LMCACHE_BSR_CONFIG_FILE", str(f))
     monkeypatch.delenv("LMCACHE_INSTALL_BACKEND")
     c = load_adapter_config()
-    assert (c.prefetch_window_chunks, c.probe_only) == (4, True)
+    assert (c.window_chunks, c.probe_only) == (4, True)
     f.write_text("- not a mapping\n")
     with pytest.raises(ValueError, match="expected a mapping"):
         load_adapter_config()
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    ({"prefetch_window_chunks": -1}, "prefetch_window_chunks (from overrides)"),  # W = -1 where it enters
-    ({"prefetch_window_chunks": "8"}, "prefetch_window_chunks"),
+    ({"window_chunks": -1}, "window_chunks (from overrides)"),  # W = -1 where it enters
+    ({"window_chunks": "8"}, "window_chunks"),
+    ({"prefetch_window_chunks": -1}, "window_chunks (from overrides)"),  # the earlier name, checked the same
     ({"prefetch_windows": 8}, "prefetch_windows (from overrides): unknown key"),
     ({"probe_only": 1}, "probe_only"),
     ({"install_backend": "gpu"}, "install_backend"),
@@ -88,9 +89,30 @@ def test_bad_overrides_are_errors(overrides, needle):
 
 def test_a_mutated_config_is_refused_by_validate():
     c = load_adapter_config()
-    c.prefetch_window_chunks = -1
-    with pytest.raises(ValueError, match="prefetch_window_chunks"):
+    c.window_chunks = -1
+    with pytest.raises(ValueError, match="window_chunks"):
         c.validate()
+
+
+def test_the_earlier_name_of_window_chunks_is_read_with_a_notice(tmp_path, monkeypatch, caplog):
+    """prefetch_window_chunks (file key, LMCACHE_ variable, override) reads as window_chunks, with a
+    one-line notice; given under both names in one place it is an error."""
+    f = tmp_path / "bsr.yaml"
+    f.write_text("prefetch_window_chunks: 5\n")
+    monkeypatch.setenv("LMCACHE_PREFETCH_WINDOW_CHUNKS", "6")
+    with caplog.at_level("WARNING"):
+        assert load_adapter_config(str(f)).window_chunks == 6  # the variable over the file, as for any key
+        assert load_adapter_config(str(f), prefetch_window_chunks=7).window_chunks == 7
+    notices = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert any("$LMCACHE_PREFETCH_WINDOW_CHUNKS" in m and "$LMCACHE_WINDOW_CHUNKS" in m for m in notices), notices
+    assert any(m.endswith("prefetch_window_chunks is deprecated, read as window_chunks") for m in notices), notices
+    assert all("\n" not in m for m in notices)
+    monkeypatch.setenv("LMCACHE_WINDOW_CHUNKS", "8")
+    with pytest.raises(ValueError, match="both \\$LMCACHE_WINDOW_CHUNKS and its earlier name"):
+        load_adapter_config()
+    monkeypatch.delenv("LMCACHE_PREFETCH_WINDOW_CHUNKS")
+    with pytest.raises(ValueError, match="window_chunks \\(from overrides\\): given twice"):
+        load_adapter_config(window_chunks=2, prefetch_window_chunks=3)
 
 
 @pytest.mark.parametrize("kw,needle", [

@@ -69,7 +69,7 @@ def stored(tmp_path_factory):
 
 def _retrieve(base: str, stored: Stored, space: KeySpace, conc: int, seed: int):
     with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(base, load_concurrency=conc)],
-                               load_adapter_config(prefetch_window_chunks=4)) as ad:
+                               load_adapter_config(window_chunks=4)) as ad:
         baseline = ad.l1_usage()[0]
         req = stored.request(space, seed)
         rep = ad.retrieve(req, N)

@@ -27,7 +27,7 @@ def _max_diff(a, b) -> float:
 def test_bit_identity_needs_the_prefix_to_end_on_a_prefill_step(tmp_path):
     model = U.build_tiny_llama(tmp_path / "model", seed=5)
     prompts = {k: U.prompt(n, seed) for k, (n, seed) in PROMPTS.items()}
-    kv = U.kv_transfer([{"type": "fs", "root": str(tmp_path / "fs")}], window_chunks=4)
+    kv = U.kv_transfer([{"type": "filesystem", "root": str(tmp_path / "fs")}], window_chunks=4)
     cold, local = {}, {}
     llm = U.make_llm(model, kv, max_num_batched_tokens=M)  # engine A: cold prefill (saved), then a local hit
     try:

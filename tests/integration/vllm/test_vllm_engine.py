@@ -68,7 +68,7 @@ def cold(engines, model, prompts):
 
 
 def _kv(root, **extra) -> dict:
-    return U.kv_transfer([{"type": "fs", "root": str(root)}], window_chunks=W,
+    return U.kv_transfer([{"type": "filesystem", "root": str(root)}], window_chunks=W,
                          restore_budget_bytes=BUDGET_WINDOWS * W * C, **extra)
 
 

@@ -37,7 +37,7 @@ def test_hybrid_two_groups_restore_and_collapse(model, tokens, tmp_path):
         cold = U.generate(llm, tokens)
     finally:
         U.shutdown(llm)
-    kv = U.kv_transfer([{"type": "fs", "root": str(tmp_path)}], window_chunks=W)
+    kv = U.kv_transfer([{"type": "filesystem", "root": str(tmp_path)}], window_chunks=W)
     llm = U.make_llm(model, kv)
     try:
         sched = U.scheduler_connector(llm).scheduler

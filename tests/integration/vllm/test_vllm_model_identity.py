@@ -18,7 +18,7 @@ CHUNKS = 6
 def test_copy_hits_rewrite_in_place_misses(tmp_path):
     model = U.build_tiny_llama(tmp_path / "latest", seed=3)
     tokens = U.prompt(CHUNKS * U.CHUNK + 21, seed=41)
-    kv = U.kv_transfer([{"type": "fs", "root": str(tmp_path / "fs")}], window_chunks=4)
+    kv = U.kv_transfer([{"type": "filesystem", "root": str(tmp_path / "fs")}], window_chunks=4)
 
     llm = U.make_llm(model, kv)  # engine A: the old weights, saved
     try:

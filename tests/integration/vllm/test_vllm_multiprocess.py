@@ -18,7 +18,7 @@ def test_fail_policy_ends_the_request(tmp_path):
     model = U.build_tiny_llama(tmp_path / "model", seed=4)
     tokens = U.prompt(4 * U.CHUNK + 9, seed=12)
     root = tmp_path / "fs"
-    llm = U.make_llm(model, U.kv_transfer([{"type": "fs", "root": str(root)}], policy="fail", window_chunks=2))
+    llm = U.make_llm(model, U.kv_transfer([{"type": "filesystem", "root": str(root)}], policy="fail", window_chunks=2))
     try:
         U.generate(llm, tokens)  # saves 4 chunks
         tier = U.scheduler_connector(llm).scheduler.tiers[0]

@@ -115,7 +115,7 @@ def test_engine_keeps_serving_when_the_report_directory_is_removed(model, tokens
     reports = tmp_path / "reports"
     reports.mkdir()
     report = str(reports / "bsr.jsonl")
-    a = U.make_llm(model, U.kv_transfer([{"type": "fs", "root": root}], window_chunks=W, report_path=report))
+    a = U.make_llm(model, U.kv_transfer([{"type": "filesystem", "root": root}], window_chunks=W, report_path=report))
     try:
         _same(U.generate(a, tokens), cold)  # saves, with their report lines
         assert U.worker_connector().worker.wait_saves(60)
@@ -123,7 +123,7 @@ def test_engine_keeps_serving_when_the_report_directory_is_removed(model, tokens
     finally:
         U.shutdown(a)
 
-    b = U.make_llm(model, U.kv_transfer([{"type": "fs", "root": root}], window_chunks=W, report_path=report))
+    b = U.make_llm(model, U.kv_transfer([{"type": "filesystem", "root": root}], window_chunks=W, report_path=report))
     try:
         shutil.rmtree(reports)  # the report's directory goes away while the engine runs
         got = U.generate(b, tokens)  # a load (start_load_kv) and saves, each writing a report line

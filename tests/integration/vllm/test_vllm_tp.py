@@ -23,7 +23,7 @@ def test_tp2_ranks_agree(tmp_path, monkeypatch):
     tokens = U.prompt(12 * U.CHUNK + 40, seed=41)
     report = tmp_path / "report.jsonl"
     root = tmp_path / "fs"
-    kv = U.kv_transfer([{"type": "fs", "root": str(root)}], window_chunks=2, report_path=str(report))
+    kv = U.kv_transfer([{"type": "filesystem", "root": str(root)}], window_chunks=2, report_path=str(report))
     llm = U.make_llm(model, kv, multiprocess=True, tensor_parallel_size=2, distributed_executor_backend="mp")
     try:
         cold = U.generate(llm, tokens)
