@@ -15,13 +15,13 @@ from .args import (
     CliError,
     Parser,
     add_common,
+    add_window_chunks,
     count_int,
     output_file,
     parse_tokens,
     parse_windows,
     positive_int,
     positive_window,
-    window_int,
 )
 from .commands import cmd_bench, cmd_demo, cmd_faults, cmd_ladder, cmd_sweep, cmd_wlaw
 
@@ -48,7 +48,7 @@ def _add_demo(sub) -> None:
                                    "peak staging against prefix length.")
     add_common(d, tier_default="auto")
     d.add_argument("--tokens", type=parse_tokens, default=PAPER_TOKENS, help="prefix lengths (default the paper's)")
-    d.add_argument("--window", type=window_int, default=32, help="W in chunks (default 32)")
+    add_window_chunks(d, default=32, help="W in chunks (default 32)")
     d.add_argument("--plot", type=output_file, default="bsr_demo_peak_staging.png",
                    help="PNG to write (default %(default)s)")
     e = d.add_argument_group("real engine (vLLM)")
@@ -57,8 +57,8 @@ def _add_demo(sub) -> None:
                         "with small W, output compared (auto: when vLLM is installed)")
     e.add_argument("--engine-tokens", type=positive_int, default=32 * 256 + 100,
                    help="prompt length (default %(default)s)")
-    e.add_argument("--engine-window", type=positive_window, default=4,
-                   help="W of the engine restore (default %(default)s)")
+    add_window_chunks(e, default=4, help="W of the engine restore (default %(default)s)", type=positive_window,
+                      flag="--engine-window-chunks", earlier="--engine-window", dest="engine_window")
     e.add_argument("--engine-log", type=output_file, default="bsr_demo_engine.log",
                    help="vLLM's and Mooncake's native output of the engine part goes here (default %(default)s)")
     d.set_defaults(func=cmd_demo)
@@ -67,10 +67,10 @@ def _add_demo(sub) -> None:
 def _add_sweep(sub) -> None:
     s = sub.add_parser("sweep", help="the E1 sweep: restore several prefix lengths at one W",
                        description="Stores the state of the longest prefix once, then restores each prefix "
-                                   "length at --window (and at W=0 with --baseline); one row per (tokens, W).")
+                                   "length at --window-chunks (and at W=0 with --baseline); one row per (tokens, W).")
     add_common(s)
     s.add_argument("--tokens", type=parse_tokens, default=PAPER_TOKENS, help="comma-separated prefix lengths")
-    s.add_argument("--window", type=window_int, default=32, help="W in chunks (0 = whole plan; default 32)")
+    add_window_chunks(s, default=32, help="W in chunks (0 = whole plan; default 32)")
     s.add_argument("--baseline", action="store_true", help="also run the whole-plan path (W=0) for every length")
     s.add_argument("--repeat", type=count_int, default=1, help="runs per row; the median is reported (default 1)")
     s.add_argument("--plot", type=output_file, help="PNG of peak staging against prefix length")
@@ -93,11 +93,11 @@ def _add_ladder(sub) -> None:
     la = sub.add_parser("ladder", help="whole-plan staging capacity ladder beside BSR at a fixed W",
                         description="For each prefix length the whole-plan path (W=0) runs with staging capacity "
                                     "raised through doubling rungs until the full prefix is restored; BSR runs at "
-                                    "--window with capacity W*c.")
+                                    "--window-chunks with capacity W*c.")
     add_common(la)
     la.add_argument("--tokens", type=parse_tokens, default=[32768, 131072, 262144],
                     help="prefix lengths (default 32768,131072,262144)")
-    la.add_argument("--window", type=window_int, default=32, help="BSR window W (default 32)")
+    add_window_chunks(la, default=32, help="BSR window W in chunks (default 32)")
     la.add_argument("--first-rung", type=positive_int, default=1 << 20,
                     help="first capacity rung in bytes (default 1 MiB)")
     la.add_argument("--plot", type=output_file, help="PNG of the first passing rung against prefix length")
@@ -112,7 +112,7 @@ def _add_faults(sub) -> None:
                                    "served.")
     add_common(f)
     f.add_argument("--tokens", type=positive_int, default=8192, help="prefix length per scenario (default 8192)")
-    f.add_argument("--window", type=window_int, default=4, help="W in chunks (default 4)")
+    add_window_chunks(f, default=4, help="W in chunks (default 4)")
     f.add_argument("--scenarios", default="all", help="comma-separated scenario names (default all)")
     f.set_defaults(func=cmd_faults)
 
@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    for notice in getattr(args, "notices", None) or ():
+        print(notice, file=sys.stderr)
     args.argv, args.environ = argv, dict(os.environ)  # the command line of the provenance record (--record)
     from bsr_harness.mooncake_launcher import MooncakeMasterError
     from bsr_runtime.tiers.base import TierError

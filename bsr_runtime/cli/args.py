@@ -31,6 +31,29 @@ class CliError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
 
 
+class EarlierName(argparse.Action):
+    """An option's earlier spelling: parsed as the current one; a one-line notice is kept in
+    `args.notices` (printed once the command line parsed, so a refusal stays one line)."""
+
+    def __init__(self, option_strings, dest, current: str, **kw) -> None:
+        super().__init__(option_strings, dest, **kw)
+        self.current = current
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        notices = getattr(namespace, "notices", None) or []
+        namespace.notices = [*notices, f"bsr: {option_string} is deprecated, use {self.current}"]
+
+
+def add_window_chunks(p: argparse.ArgumentParser, *, default: int, help: str, type=None,
+                      flag: str = "--window-chunks", earlier: str = "--window", dest: str = "window") -> None:
+    """W in chunks as `flag`, still accepted under its `earlier` spelling."""
+    type = type or window_int
+    p.add_argument(flag, dest=dest, type=type, default=default, help=help, metavar="W")
+    p.add_argument(earlier, dest=dest, type=type, default=argparse.SUPPRESS, action=EarlierName, current=flag,
+                   help=argparse.SUPPRESS)
+
+
 def parse_tokens(text: str) -> list[int]:
     try:
         tokens = [int(t) for t in text.replace(" ", "").split(",") if t]

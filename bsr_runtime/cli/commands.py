@@ -165,7 +165,7 @@ def cmd_ladder(args) -> int:
     reg = load_registration(args.registration, args.scale)
     print(reg.describe())
     if args.window <= 0:
-        raise CliError("--window must be positive for the BSR side of the ladder")
+        raise CliError("--window-chunks must be positive for the BSR side of the ladder")
     tiers = tier_names(args)
     if any(t.startswith("lmcache-") for t in tiers):
         raise CliError("the ladder through LMCache's L1 is benchmarks/lmcache_ladder.py; "
@@ -215,7 +215,7 @@ def cmd_faults(args) -> int:
     print(reg.describe())
     chunks = args.tokens // reg.chunk_tokens
     if chunks < 2 or args.window <= 0:
-        raise CliError("faults needs --tokens of at least two chunks and a positive --window")
+        raise CliError("faults needs --tokens of at least two chunks and a positive --window-chunks")
     scenarios = SCENARIOS if args.scenarios == "all" else tuple(args.scenarios.split(","))
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:

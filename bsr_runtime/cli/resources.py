@@ -47,7 +47,7 @@ def require_memory(what: str, parts: dict[str, int]) -> None:
     if need > avail * MEMORY_HEADROOM:
         detail = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items() if v)
         raise CliError(f"{what} needs about {human_bytes(need)} of memory ({detail}) but {human_bytes(avail)} is "
-                       "available here; use shorter --tokens, a smaller --window or a smaller --scale")
+                       "available here; use shorter --tokens, a smaller --window-chunks or a smaller --scale")
 
 
 def require_disk(what: str, root: str | None, need: int) -> None:

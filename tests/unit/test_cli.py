@@ -26,7 +26,7 @@ def run(args, capsys):
 
 def test_sweep_json_rows_and_bound(tmp_path, capsys):
     js, png = tmp_path / "rows.json", tmp_path / "peak.png"
-    rc, out, _ = run(["sweep", "--tokens", "1024,3072", "--window", "2", "--baseline", "--quiet",
+    rc, out, _ = run(["sweep", "--tokens", "1024,3072", "--window-chunks", "2", "--baseline", "--quiet",
                       "--json", str(js), "--plot", str(png)], capsys)
     assert rc == 0
     rows = json.loads(js.read_text())
@@ -40,9 +40,31 @@ def test_sweep_json_rows_and_bound(tmp_path, capsys):
     assert "state hash ok" in out
 
 
+@pytest.mark.parametrize("command", ["sweep", "ladder", "faults", "demo"])
+def test_the_earlier_window_flag_parses_as_window_chunks_with_a_notice(command, capsys):
+    from bsr_runtime.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([command, "--window-chunks", "3"]).window == 3
+    old = parser.parse_args([command, "--window", "3"])
+    assert old.window == 3 and old.notices == ["bsr: --window is deprecated, use --window-chunks"]
+    assert not getattr(parser.parse_args([command]), "notices", None)
+    if command == "demo":
+        old = parser.parse_args([command, "--engine-window", "2"])
+        assert old.engine_window == 2
+        assert old.notices == ["bsr: --engine-window is deprecated, use --engine-window-chunks"]
+
+
+def test_the_earlier_window_flag_runs_with_one_notice_line(tmp_path, capsys):
+    js = tmp_path / "rows.json"
+    rc, _, err = run(["sweep", "--tokens", "2048", "--window", "4", "--quiet", "--json", str(js)], capsys)
+    assert rc == 0 and json.loads(js.read_text())[0]["window_chunks"] == 4
+    assert err.splitlines().count("bsr: --window is deprecated, use --window-chunks") == 1
+
+
 def test_sweep_depth_given_overrides_the_tiers(tmp_path, capsys):
     js = tmp_path / "rows.json"
-    rc, _, _ = run(["sweep", "--tokens", "2048", "--window", "4", "--depth", "1", "--quiet", "--json", str(js)],
+    rc, _, _ = run(["sweep", "--tokens", "2048", "--window-chunks", "4", "--depth", "1", "--quiet", "--json", str(js)],
                    capsys)
     assert rc == 0
     (row,) = json.loads(js.read_text())
@@ -59,7 +81,7 @@ def test_wlaw_peak_is_w_times_c(tmp_path, capsys):
 
 def test_ladder_rows(tmp_path, capsys):
     js = tmp_path / "l.json"
-    rc, _, _ = run(["ladder", "--tokens", "1024,4096", "--window", "2", "--quiet", "--json", str(js),
+    rc, _, _ = run(["ladder", "--tokens", "1024,4096", "--window-chunks", "2", "--quiet", "--json", str(js),
                     "--first-rung", str(C)], capsys)
     assert rc == 0
     rows = json.loads(js.read_text())
@@ -88,7 +110,7 @@ def test_registration_file(tmp_path, capsys):
     f = tmp_path / "model.json"
     f.write_text(json.dumps(spec))
     js = tmp_path / "r.json"
-    rc, out, _ = run(["sweep", "--registration", str(f), "--tokens", "2048", "--window", "3", "--quiet",
+    rc, out, _ = run(["sweep", "--registration", str(f), "--tokens", "2048", "--window-chunks", "3", "--quiet",
                       "--json", str(js)], capsys)
     assert rc == 0 and "3 tensors, 2 groups" in out
     assert json.loads(js.read_text())[0]["state_hash_ok"]
@@ -99,7 +121,7 @@ def test_registration_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["sweep", "--window", "-1"], "must be >= 0"),
+    (["sweep", "--window-chunks", "-1"], "must be >= 0"),
     (["sweep", "--tokens", "abc"], "comma-separated"),
     (["sweep", "--scale", "3"], "(0, 1]"),
     (["sweep", "--tier", "tape", "--tokens", "256"], "unknown tier"),
@@ -131,7 +153,7 @@ def test_sweep_on_mooncake_starts_and_stops_its_master(tmp_path, capsys):
     psutil = pytest.importorskip("psutil")
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     js = tmp_path / "m.json"
-    rc, _, _ = run(["sweep", "--tier", "mooncake", "--tokens", "1024", "--window", "2", "--baseline", "--quiet",
+    rc, _, _ = run(["sweep", "--tier", "mooncake", "--tokens", "1024", "--window-chunks", "2", "--baseline", "--quiet",
                     "--json", str(js)], capsys)
     assert rc == 0
     rows = json.loads(js.read_text())
@@ -151,7 +173,7 @@ def test_help_explains_each_subcommand():
 @pytest.mark.mooncake
 def test_faults_rows(tmp_path, capsys):
     js = tmp_path / "f.json"
-    rc, out, _ = run(["faults", "--tokens", "1024", "--window", "2", "--quiet", "--json", str(js),
+    rc, out, _ = run(["faults", "--tokens", "1024", "--window-chunks", "2", "--quiet", "--json", str(js),
                       "--scenarios", "healthy,corrupt_object,remote_fails_ssd_serves"], capsys)
     assert rc == 0
     rows = {r["scenario"]: r for r in json.loads(js.read_text())}
@@ -177,7 +199,7 @@ def test_sweep_through_lmcache(tier, tmp_path, capsys):
     if tier == "lmcache-mooncake":
         pytest.importorskip("mooncake.store")
     js = tmp_path / "lm.json"
-    rc, _, _ = run(["sweep", "--tier", tier, "--tokens", "2048", "--window", "2", "--baseline", "--quiet",
+    rc, _, _ = run(["sweep", "--tier", tier, "--tokens", "2048", "--window-chunks", "2", "--baseline", "--quiet",
                     "--json", str(js)], capsys)
     assert rc == 0
     rows = json.loads(js.read_text())
@@ -193,7 +215,7 @@ def test_mooncake_native_log_lines_go_to_the_native_log(tmp_path):
     log = tmp_path / "native.log"
     env = {**os.environ, "BSR_NATIVE_LOG": str(log)}
     proc = subprocess.run([sys.executable, "-m", "bsr_runtime.cli", "sweep", "--tier", "mooncake", "--tokens", "512",
-                           "--window", "1", "--quiet"], capture_output=True, text=True, timeout=120, env=env)
+                           "--window-chunks", "1", "--quiet"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "mooncake" in proc.stdout and proc.stderr.strip() == "", proc.stderr[-2000:]
     assert "client" in log.read_text().lower()  # what used to reach the terminal

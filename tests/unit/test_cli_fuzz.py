@@ -25,7 +25,7 @@ from bsr_runtime.cli import main
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-TINY = ["--tokens", "512", "--window", "1", "--quiet", "--tier", "fs"]
+TINY = ["--tokens", "512", "--window-chunks", "1", "--quiet", "--tier", "fs"]
 
 
 def run_cli(args: list[str]) -> tuple[int, str, str]:
@@ -98,7 +98,7 @@ def test_non_utf8_registration_file(tmp_path):
 
 @pytest.mark.parametrize("args", [
     ["sweep", "--tokens", "999999999999", "--quiet"],
-    ["sweep", "--tokens", "99999999", "--window", "0", "--quiet"],
+    ["sweep", "--tokens", "99999999", "--window-chunks", "0", "--quiet"],
     ["wlaw", "--tokens", "999999999999", "--quiet"],
     ["ladder", "--tokens", "999999999", "--quiet"],
     ["faults", "--tokens", "999999999", "--quiet"],
@@ -112,7 +112,7 @@ def test_work_that_cannot_fit_is_refused_before_allocating(args):
 
 @pytest.mark.parametrize("flag,value", [
     ("--timeout", "inf"), ("--timeout", "nan"), ("--timeout", "1e10"), ("--timeout", "0"), ("--timeout", "-1"),
-    ("--window", "2.5"), ("--window", "-1"), ("--window", "100000"), ("--repeat", "0"), ("--repeat", "nan"),
+    ("--window-chunks", "2.5"), ("--window-chunks", "-1"), ("--window-chunks", "100000"), ("--repeat", "0"), ("--repeat", "nan"),
     ("--load-concurrency", "0"), ("--load-concurrency", "-3"), ("--scale", "nan"), ("--scale", "inf"),
     ("--scale", "1/0"), ("--tokens", "1e3"), ("--tokens", "-512"), ("--depth", "3"),
 ])
@@ -184,7 +184,7 @@ BAD_TEXT = ["-1", "0", "nan", "inf", "-inf", "1e400", "2.5", "abc", "", "9999999
 ARGS = st.fixed_dictionaries({
     "command": st.sampled_from(["sweep", "wlaw", "ladder", "bench"]),
     "--tokens": _arg(st.sampled_from(["256", "512", "1024,512", "999999999999"]), BAD_TEXT),
-    "--window": _arg(st.sampled_from(["0", "1", "2", "4"]), BAD_TEXT + ["65537"]),
+    "--window-chunks": _arg(st.sampled_from(["0", "1", "2", "4"]), BAD_TEXT + ["65537"]),
     "--windows": _arg(st.sampled_from(["1", "1,2", "4"]), BAD_TEXT + ["1,,0", "65537"]),
     "--scale": _arg(st.sampled_from(["1/64", "0.015625", "1/512"]), BAD_TEXT + ["2", "1/-4"]),
     "--timeout": _arg(st.sampled_from(["60", "600", str(int(threading.TIMEOUT_MAX))]), BAD_TEXT + ["1e10"]),
@@ -196,10 +196,10 @@ ARGS = st.fixed_dictionaries({
     "--registration": _arg(st.sampled_from(["dsv4-flash", "llama-like"]), ["nope", "/", ""]),
 })
 ALLOWED = {
-    "sweep": {"--tokens", "--window", "--scale", "--timeout", "--depth", "--repeat", "--load-concurrency",
+    "sweep": {"--tokens", "--window-chunks", "--scale", "--timeout", "--depth", "--repeat", "--load-concurrency",
               "--registration"},
     "wlaw": {"--tokens", "--windows", "--scale", "--timeout", "--depth", "--registration"},
-    "ladder": {"--tokens", "--window", "--scale", "--first-rung", "--depth", "--registration"},
+    "ladder": {"--tokens", "--window-chunks", "--scale", "--first-rung", "--depth", "--registration"},
     "bench": {"--windows", "--scale", "--rounds", "--registration"},
 }
 

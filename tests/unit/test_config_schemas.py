@@ -151,11 +151,11 @@ def test_registration_file_that_is_a_fifo_or_a_link_to_one_never_blocks(tmp_path
     (["sweep", "--plot", "/nonexistent-dir/peak.png"], "does not exist"),
     (["sweep", "--json", "/tmp"], "is a directory"),
     (["demo", "--engine-tokens", "-5"], "must be >= 1"),
-    (["demo", "--engine-window", "0"], "must be >= 1"),
+    (["demo", "--engine-window-chunks", "0"], "must be >= 1"),
     (["demo", "--engine-log", "/nonexistent-dir/e.log"], "does not exist"),
     (["bench", "--device", "gpu"], "invalid choice"),
     (["sweep", "--tier", "fs,tape"], "unknown tier 'tape'"),
-    (["sweep", "--window", "-1"], "must be >= 0"),  # W = -1 where it enters the command
+    (["sweep", "--window-chunks", "-1"], "must be >= 0"),  # W = -1 where it enters the command
 ])
 def test_options_are_refused_where_they_enter(args, needle, capsys):
     """Refused by the parser, before any work: `--json` into a missing directory used to fail after the run."""

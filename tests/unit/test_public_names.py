@@ -82,7 +82,7 @@ def test_sweep_over_the_same_lmcache_tier_twice(tmp_path):
     from bsr_runtime.cli import main
 
     js = tmp_path / "rows.json"
-    assert main(["sweep", "--tier", "lmcache-fs,lmcache-fs", "--tokens", "512", "--window", "1",
+    assert main(["sweep", "--tier", "lmcache-fs,lmcache-fs", "--tokens", "512", "--window-chunks", "1",
                  "--registration", "llama-like", "--quiet", "--json", str(js)]) == 0
     rows = json.loads(js.read_text())
     assert [r["tier"] for r in rows] == ["lmcache-fs", "lmcache-fs"] and all(r["state_hash_ok"] for r in rows)
