@@ -112,7 +112,8 @@ def test_work_that_cannot_fit_is_refused_before_allocating(args):
 
 @pytest.mark.parametrize("flag,value", [
     ("--timeout", "inf"), ("--timeout", "nan"), ("--timeout", "1e10"), ("--timeout", "0"), ("--timeout", "-1"),
-    ("--window-chunks", "2.5"), ("--window-chunks", "-1"), ("--window-chunks", "100000"), ("--repeat", "0"), ("--repeat", "nan"),
+    ("--window-chunks", "2.5"), ("--window-chunks", "-1"), ("--window-chunks", "100000"),
+    ("--repeat", "0"), ("--repeat", "nan"),
     ("--load-concurrency", "0"), ("--load-concurrency", "-3"), ("--scale", "nan"), ("--scale", "inf"),
     ("--scale", "1/0"), ("--tokens", "1e3"), ("--tokens", "-512"), ("--depth", "3"),
 ])
