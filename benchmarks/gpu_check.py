@@ -44,8 +44,8 @@ from bsr_harness.records import add_record_options, record_script  # noqa: E402
 from bsr_harness.testdata import POISON, poisoned, window_tables  # noqa: E402
 from bsr_kernels import cuda_backend, presets  # noqa: E402
 from bsr_kernels.install import gather_window, install_window  # noqa: E402
-from bsr_kernels.install_torch import gather_torch, install_torch  # noqa: E402
 from bsr_kernels.registration import Registration  # noqa: E402
+from bsr_kernels.torch_backend import gather_torch, install_torch  # noqa: E402
 from bsr_kernels.validate import check_window  # noqa: E402
 
 WINDOWS = (1, 8, 16, 32, 64)
@@ -196,7 +196,7 @@ def block_copies(reg: Registration, kv, tables_cpu, staging: torch.Tensor, num: 
 
 
 def throughput(dev: torch.device, rep: Report, deadline: float) -> None:
-    from bsr_kernels import install_triton
+    from bsr_kernels import triton_backend
 
     reg = presets.dsv4_flash()
     cb, wmax = reg.chunk_bytes, max(WINDOWS)
@@ -214,7 +214,7 @@ def throughput(dev: torch.device, rep: Report, deadline: float) -> None:
     kv = reg.allocate(nblocks, dev)
     stream = torch.cuda.Stream(dev)
     have_cuda = cuda_backend.available()
-    have_triton = install_triton.available(dev)
+    have_triton = triton_backend.available(dev)
 
     cols = ("W", "MiB", "cuda-zc", "cuda-h2d+k", "cuda-dev", "triton-host", "triton-dev", "bulk-H2D", "loop-H2D",
             "dma-batch", "dma-loop", "copies", "cuda/bulk", "triton/bulk", "cuda/loop", "cuda/batch")
@@ -234,7 +234,7 @@ def throughput(dev: torch.device, rep: Report, deadline: float) -> None:
 
 def window_row(w, cols, *, reg, host, devs, bulk_dst, kv, tables, tables_cpu, stream, have_cuda, have_triton,
                rep) -> list[str]:
-    from bsr_kernels import install_triton
+    from bsr_kernels import triton_backend
 
     nbytes = w * reg.chunk_bytes
     a_host = check_window(host[:nbytes], reg, kv, tables, 0, w)
@@ -253,8 +253,8 @@ def window_row(w, cols, *, reg, host, devs, bulk_dst, kv, tables, tables_cpu, st
         run("cuda-h2d+k", lambda: cuda_backend.install(reg, a_host, stream, False))
         run("cuda-dev", lambda: cuda_backend.install(reg, a_dev, stream, True))
     if have_triton:
-        run("triton-host", lambda: install_triton.install(reg, a_host, stream))
-        run("triton-dev", lambda: install_triton.install(reg, a_dev, stream))
+        run("triton-host", lambda: triton_backend.install(reg, a_host, stream))
+        run("triton-dev", lambda: triton_backend.install(reg, a_dev, stream))
     run("bulk-H2D", lambda: bulk_dst[:nbytes].copy_(host[:nbytes], non_blocking=True))
     pairs = block_copies(reg, kv, tables_cpu, host, w)
 

@@ -24,9 +24,9 @@ def backend_available(backend: str, device: torch.device) -> bool:
     if backend == "torch":
         return True
     if backend == "triton":
-        from . import install_triton
+        from . import triton_backend
 
-        return install_triton.available(device)
+        return triton_backend.available(device)
     if backend == "cuda":
         from . import cuda_backend
 

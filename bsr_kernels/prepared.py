@@ -29,8 +29,8 @@ from operator import attrgetter
 import torch
 
 from .descriptors import descriptor_table
-from .install_torch import DestinationRows, gather_torch, install_torch
 from .registration import Registration
+from .torch_backend import DestinationRows, gather_torch, install_torch
 from .validate import DestinationLayout, WindowArgs, check_destination_tensors
 
 MAX_ENTRIES = 8
@@ -72,9 +72,9 @@ class PreparedDestinations:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 (install_torch if kind == "install" else gather_torch)(self.reg, a, self.state)
         elif self.backend == "triton":
-            from . import install_triton
+            from . import triton_backend
 
-            (install_triton.install if kind == "install" else install_triton.gather)(self.reg, a, stream, self.state)
+            (triton_backend.install if kind == "install" else triton_backend.gather)(self.reg, a, stream, self.state)
         else:
             from . import cuda_backend
 

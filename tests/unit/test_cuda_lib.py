@@ -35,8 +35,8 @@ from kernel_util import registrations as strided_registrations
 
 from bsr_harness.testdata import POISON, window_tables
 from bsr_kernels import cuda_backend, presets
-from bsr_kernels.install_torch import gather_torch, install_torch
 from bsr_kernels.registration import Registration, TensorSpec
+from bsr_kernels.torch_backend import gather_torch, install_torch
 from bsr_kernels.validate import WindowArgs, check_window
 
 ROOT = Path(__file__).resolve().parents[2]

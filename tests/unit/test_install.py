@@ -244,15 +244,15 @@ def test_window_installer_matches_install_window(backend):
 def test_triton_grid_is_total_work(monkeypatch, tile):
     """Small tiles: tensors get different tile counts, every program finds its tensor by the
     binary search over the prefix sums, and the grid is the sum of the tiles."""
-    from bsr_kernels import install_triton
+    from bsr_kernels import triton_backend
 
-    monkeypatch.setattr(install_triton, "_INTERP_TILE_BYTES", (tile, tile))
+    monkeypatch.setattr(triton_backend, "_INTERP_TILE_BYTES", (tile, tile))
     reg = presets.dsv4_flash(scale=1 / 64)
     reg = type(reg)(reg.specs[:12], name="dsv4-head")  # three groups, 8..256 B entries, ratios 1/4/128
     case = make_case(reg, 1, 2, seed=4)
     kv = _installed(case, "triton")
     assert_same(kv, _oracle(case), reg, f"triton tile {tile} vs oracle")
-    starts = install_triton._tile_starts(reg, 2, tile, torch.device("cpu"))
+    starts = triton_backend._tile_starts(reg, 2, tile, torch.device("cpu"))
     assert starts.total == sum(-(-2 * reg.segment_bytes(i) // tile) for i in range(reg.num_tensors))
 
 
