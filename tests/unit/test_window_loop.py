@@ -17,15 +17,16 @@ import torch
 from kernel_util import POISON, random_kv
 from restore_util import fresh_request, random_tables, store_random_prefix
 
-from bsr_kernels import WindowInstaller, gather_window, presets
+from bsr_kernels import StagingPool, WindowInstaller, gather_window, presets
 from bsr_runtime import store as store_mod
-from bsr_runtime.admission import ByteBudget
-from bsr_runtime.keys import KeySpace
-from bsr_runtime.plan import Window
-from bsr_runtime.restore import BoundedRestorer, RestoreConfig
+from bsr_runtime.admission import ByteBudget, SerialAdmission
+from bsr_runtime.keys import KeySpace, PrefixKeys
+from bsr_runtime.plan import Window, plan_windows
+from bsr_runtime.restore import BoundedRestorer, RestoreConfig, TierSource
 from bsr_runtime.state_hash import state_hash
 from bsr_runtime.tiers import MemoryTier
-from bsr_runtime.window_loop import LoopStats, WindowFailed, WindowLoop
+from bsr_runtime.tiers.base import FETCH_HEADROOM
+from bsr_runtime.window_loop import LoopStats, WindowFailed, WindowLoop, map_onto_destination
 
 REG = presets.llama_like(layers=2, kv_heads=1, head_dim=16, block_size=16)
 
@@ -193,6 +194,39 @@ def test_loop_order_at_depth_two_and_abandon_on_failure():
     assert ("abandon", 1) in log and ("release", 1) not in log and budget.used_bytes == 0
 
 
+def test_a_tier_source_fetches_only_when_the_loop_asks():
+    """Making a TierSource fetches and leases nothing; the loop asks it once per window, in order,
+    for that window's keys; a fetch the tier refuses gives the window's staging back at once."""
+    tier, stored = _stored(8)
+    asked: list[list[str]] = []
+    tier_fetch = tier.fetch
+
+    def fetch(keys, views, deadline, **kw):
+        asked.append(list(keys))
+        return tier_fetch(keys, views, deadline, **kw)
+
+    tier.fetch = fetch
+    pool = StagingPool(REG.chunk_bytes, 4, headroom=FETCH_HEADROOM)
+    source = TierSource(tier, PrefixKeys(stored.keyspace, stored.tokens, REG.chunk_tokens), pool, 5.0)
+    assert asked == [] and pool.live_bytes == 0 and pool.peak_bytes == 0
+
+    installed = []
+    loop = WindowLoop(SerialAdmission(), REG.chunk_bytes)
+    loop.restore(plan_windows(8, 4), source, lambda staged, first, n: installed.append((first, n)) or "x")
+    all_keys = PrefixKeys(stored.keyspace, stored.tokens, REG.chunk_tokens).window(0, 8)
+    assert asked == [all_keys[:4], all_keys[4:]] and installed == [(0, 4), (4, 4)]
+    assert pool.live_bytes == 0 and loop.stats.windows_done == 2
+
+    def refuse(keys, views, deadline, **kw):
+        raise _Boom("refused")
+
+    tier.fetch = refuse
+    source = TierSource(tier, PrefixKeys(stored.keyspace, stored.tokens, REG.chunk_tokens), pool, 5.0)
+    with pytest.raises(_Boom):
+        source.fetch(Window(0, 0, 4, 0), SerialAdmission().window(4 * REG.chunk_bytes))
+    assert pool.live_bytes == 0
+
+
 @pytest.mark.parametrize("depth, threads", [(1, 0), (2, 1)])
 def test_installs_keep_to_one_thread_while_the_next_fetch_runs(depth, threads):
     """At depth 2 each install but the last overlaps the next window's fetch: the restorer asks the
@@ -210,3 +244,10 @@ def test_installs_keep_to_one_thread_while_the_next_fetch_runs(depth, threads):
         rep = restorer.restore(req, tier, stored.num_chunks)
     assert rep.ok and asked == [threads]
     assert state_hash(REG, req.kv, req.block_tables, stored.num_chunks) == stored.state_hash
+
+
+def test_staged_runs_map_onto_their_destination_block_slices():
+    a, b = torch.zeros(2), torch.ones(1)
+    slices = list(map_onto_destination(Window(3, 8, 4, 1), [(0, 2, a), (3, 1, b)]))
+    assert [(s.first_chunk, s.num_chunks) for s in slices] == [(8, 2), (11, 1)]
+    assert slices[0].staged is a and slices[1].staged is b
