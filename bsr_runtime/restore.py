@@ -119,14 +119,14 @@ class TierSource:
 
     def fetch(self, window: Window, reservation: WindowReservation) -> TierWindow:
         """Lease the window's staging (or take the reservation's) and submit the tier's fetch into it."""
-        lease = reservation.lease
-        if lease is None:
-            lease = self.staging.acquire(window.num_chunks, timeout=self.timeout_s)
+        leased_here = reservation.lease is None  # else the reservation owns (and returns) its lease
+        lease = self.staging.acquire(window.num_chunks, timeout=self.timeout_s) if leased_here else reservation.lease
         try:
             handle = self.tier.fetch(self.keys.window(window.first_chunk, window.num_chunks), lease.chunks(),
                                      time.monotonic() + self.timeout_s, headroom=self.staging.headroom)
         except BaseException:
-            lease.release()
+            if leased_here:
+                lease.release()
             raise
         return TierWindow(self, lease, handle)
 

@@ -57,7 +57,7 @@ def test_timeout_knobs_refused(make, value):
 
 @pytest.mark.parametrize("value", [math.inf, 1e10, math.nan, -1, 0, "1"])
 def test_admission_wait_timeouts_refused(value):
-    with pytest.raises(ValueError, match="timeout"), SerialAdmission(threading.Lock()).restore(value):
+    with pytest.raises(ValueError, match="timeout"), SerialAdmission(threading.Lock()).admitted(value):
         pass
     budget = ByteBudget(10)
     with pytest.raises(ValueError, match="timeout"):
