@@ -1,5 +1,5 @@
 """Every configuration a user writes is checked where it enters, by one schema each, with one error
-naming every bad key (bsr_runtime/config_schema.py): the tier factory's specs, the LMCache adapter's
+naming every bad key (bsr_runtime/config_schema.py): the tier factory's specs, the LMCache tier's
 knobs (file, LMCACHE_* variables, overrides), the LMCache L2 plugins' parameters and tier specs, the
 `bsr` command's registration files and options. (The vLLM connector's: test_connector_config.py.)"""
 

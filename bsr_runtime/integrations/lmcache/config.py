@@ -1,10 +1,11 @@
 """The adapter's configuration and the LMCache storage stack it runs on.
 
 Config, the LMCache way: a config class made by LMCache's `create_config_class`, loaded from the
-file named by LMCACHE_BSR_CONFIG_FILE (YAML), then LMCACHE_* variables, then explicit overrides.
-LMCACHE_PREFETCH_WINDOW_CHUNKS (W, default 0 = LMCache's whole-plan behaviour), LMCACHE_PROBE_ONLY,
+file named by LMCACHE_BSR_CONFIG_FILE (YAML), then LMCACHE_* variables, then explicit overrides:
 LMCACHE_FS_LOAD_CONCURRENCY (read by the FS L2 plugin, fs_l2.py), LMCACHE_PREFETCH_TIMEOUT_S,
-LMCACHE_INSTALL_BACKEND, LMCACHE_EVICT_RETAINED. Unlike LMCache's own loader (which logs a bad
+LMCACHE_EVICT_RETAINED. W, the install backend and the probe are the restore's, set where it runs
+(the connector's config, RestoreConfig) as for every tier: the knobs of the former LMCacheAdapter
+road (RETIRED_KNOBS) are refused with the place to set them. Unlike LMCache's own loader (which logs a bad
 value and falls back to a default or None, and ignores unknown keys), every source is checked by
 one schema (`LMCacheKnobs`): an unknown key in the file or the overrides, a variable that does not
 parse ("ture", "8.5") or a value out of range is one ValueError naming every bad key and its source.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from typing import Any
 
 import yaml
 from lmcache.v1.config_base import create_config_class
@@ -33,8 +34,7 @@ from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2Adapter
 from lmcache.v1.distributed.storage_manager import StorageManager
 from pydantic import Field
 
-from bsr_runtime.config_schema import Backend, Count, Schema, Seconds, parse, problems, raise_problems
-from bsr_runtime.restore import MAX_WINDOW_CHUNKS
+from bsr_runtime.config_schema import Count, Schema, Seconds, parse, problems, raise_problems
 from bsr_runtime.tiers.fs_open import read_regular
 
 from .specs import FSL2Params, MooncakeL2Params
@@ -45,19 +45,21 @@ WHAT = "BSR LMCache config"
 
 
 class LMCacheKnobs(Schema):
-    """The adapter's knobs: one line each (the LMCache config class below is made from them)."""
+    """The LMCache tier's knobs: one line each (the LMCache config class below is made from them)."""
 
-    prefetch_window_chunks: Annotated[int, Field(ge=0, le=MAX_WINDOW_CHUNKS)] = Field(
-        0, description="W: chunks per prefetch window; 0 = LMCache's whole-plan prefetch")
-    probe_only: bool = Field(False, description="lookup() reports hits without making them resident or keeping locks")
     fs_load_concurrency: Count = Field(1, description="concurrent file reads per FS L2 load task (fs_l2 plugin)")
-    prefetch_timeout_s: Seconds = Field(30.0, description="per window: a prefetch not complete by then fails "
-                                                          "the retrieve")
-    install_backend: Backend = Field("auto", description="bsr_kernels install backend: auto, torch, cpu, triton, "
-                                                         "cuda")
-    evict_retained: bool = Field(True, description="W > 0: delete L2-loaded keys a retaining prefetch policy kept "
-                                                   "in L1")
+    prefetch_timeout_s: Seconds = Field(30.0, description="how long a prefetch that missed its fetch's deadline "
+                                                          "is waited for before its result is released")
+    evict_retained: bool = Field(True, description="a fetch deletes the L2-loaded keys a retaining prefetch policy "
+                                                   "kept in L1")
 
+
+# knobs of the LMCacheAdapter road, which went: what a user wrote there is refused, never ignored
+RETIRED_KNOBS = {
+    "prefetch_window_chunks": "W is the restore's: the connector's window_chunks or RestoreConfig",
+    "probe_only": "the tier's probe always holds nothing",
+    "install_backend": "the install backend is the restore's: the connector's backend or RestoreConfig",
+}
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -117,6 +119,12 @@ def checked_values(config_file: str | None = None, env: bool = True, values: Map
     for k, v in (values or {}).items():
         raw[k] = v
         source[k] = "overrides"
+    for name, why in RETIRED_KNOBS.items():
+        where = [source[name]] if name in raw else []
+        where += [f"${ENV_PREFIX}{name.upper()}"] if env and ENV_PREFIX + name.upper() in os.environ else []
+        if where:
+            bad.append(f"{name} (from {', '.join(where)}): no longer an LMCache knob ({why})")
+            raw.pop(name, None)
     for p in problems(LMCacheKnobs, raw):
         key = p.partition(":")[0]
         bad.append(p.replace(key, f"{key} (from {source[key]})", 1) if key in source else p)

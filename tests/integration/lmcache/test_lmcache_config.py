@@ -1,10 +1,12 @@
 """The LMCache integration's configurations are checked where they enter, one schema each: the
-adapter's knobs from the config file, LMCACHE_* variables and overrides (LMCache's own loader logs a
+LMCache tier's knobs from the config file, LMCACHE_* variables and overrides (LMCache's own loader logs a
 bad value and falls back, and ignores unknown keys: LMCACHE_PROBE_ONLY=ture silently meant False,
 LMCACHE_INSTALL_BACKEND=bogus and a misspelt file key were accepted), the L2 plugins' parameters
 (an unknown FS plugin key was ignored) and the LMCache tier specs."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -43,13 +45,30 @@ def test_bad_environment_values_are_errors_naming_the_variable(monkeypatch, var,
 
 
 def test_good_environment_values(monkeypatch):
-    for var, value in (("PROBE_ONLY", "Yes"), ("PREFETCH_WINDOW_CHUNKS", " 7 "), ("PREFETCH_TIMEOUT_S", "2.5"),
-                       ("INSTALL_BACKEND", "torch"), ("EVICT_RETAINED", "0")):
+    for var, value in (("FS_LOAD_CONCURRENCY", " 7 "), ("PREFETCH_TIMEOUT_S", "2.5"), ("EVICT_RETAINED", "0")):
         monkeypatch.setenv(f"LMCACHE_{var}", value)
     c = load_adapter_config()
-    assert (c.probe_only, c.prefetch_window_chunks, c.prefetch_timeout_s, c.install_backend, c.evict_retained) == (
-        True, 7, 2.5, "torch", False)
+    assert (c.fs_load_concurrency, c.prefetch_timeout_s, c.evict_retained) == (7, 2.5, False)
     c.validate()
+
+
+@pytest.mark.parametrize("knob,where", [("prefetch_window_chunks", "window_chunks"), ("probe_only", "probe"),
+                                        ("install_backend", "backend")])
+def test_knobs_of_the_retired_adapter_road_are_refused_with_where_to_set_them(monkeypatch, tmp_path, knob, where):
+    """W, the backend and the probe are the restore's (as for every tier): a value the LMCacheAdapter road
+    read is refused from every source, never ignored, naming where it goes now."""
+    value = {"prefetch_window_chunks": "8", "probe_only": "true", "install_backend": "torch"}[knob]
+    monkeypatch.setenv(f"LMCACHE_{knob.upper()}", value)
+    with pytest.raises(ValueError, match=f"{knob} \\(from \\$LMCACHE_{knob.upper()}\\): no longer an LMCache knob"
+                                         f" \\(.*{where}"):
+        load_adapter_config()
+    monkeypatch.delenv(f"LMCACHE_{knob.upper()}")
+    f = tmp_path / "bsr.yaml"
+    f.write_text(f"{knob}: {value}\n")
+    with pytest.raises(ValueError, match=f"{knob} \\(from file {re.escape(str(f))}\\): no longer an LMCache knob"):
+        load_adapter_config(str(f))
+    with pytest.raises(ValueError, match=f"{knob} \\(from overrides\\): no longer an LMCache knob"):
+        load_adapter_config(**{knob: value})
 
 
 def test_config_file_typo_and_bad_values_are_one_error(tmp_path, monkeypatch):
@@ -63,11 +82,11 @@ def test_config_file_typo_and_bad_values_are_one_error(tmp_path, monkeypatch):
     for part in ("prefech_window_chunks (from file", "probe_only (from file", "prefetch_timeout_s (from file",
                  "install_backend (from $LMCACHE_INSTALL_BACKEND)"):
         assert part in msg, (part, msg)
-    f.write_text("prefetch_window_chunks: 4\nprobe_only: true\n")
+    f.write_text("prefetch_timeout_s: 4\nevict_retained: false\n")
     monkeypatch.setenv("LMCACHE_BSR_CONFIG_FILE", str(f))
     monkeypatch.delenv("LMCACHE_INSTALL_BACKEND")
     c = load_adapter_config()
-    assert (c.prefetch_window_chunks, c.probe_only) == (4, True)
+    assert (c.prefetch_timeout_s, c.evict_retained) == (4, False)
     f.write_text("- not a mapping\n")
     with pytest.raises(ValueError, match="expected a mapping"):
         load_adapter_config()
@@ -79,6 +98,8 @@ def test_config_file_typo_and_bad_values_are_one_error(tmp_path, monkeypatch):
     ({"prefetch_windows": 8}, "prefetch_windows (from overrides): unknown key"),
     ({"probe_only": 1}, "probe_only"),
     ({"install_backend": "gpu"}, "install_backend"),
+    ({"prefetch_timeout_s": -1}, "prefetch_timeout_s (from overrides)"),
+    ({"evict_retained": "no"}, "evict_retained (from overrides)"),
 ])
 def test_bad_overrides_are_errors(overrides, needle):
     with pytest.raises(ValueError) as ei:
@@ -88,8 +109,8 @@ def test_bad_overrides_are_errors(overrides, needle):
 
 def test_a_mutated_config_is_refused_by_validate():
     c = load_adapter_config()
-    c.prefetch_window_chunks = -1
-    with pytest.raises(ValueError, match="prefetch_window_chunks"):
+    c.prefetch_timeout_s = -1
+    with pytest.raises(ValueError, match="prefetch_timeout_s"):
         c.validate()
 
 
@@ -135,4 +156,4 @@ def test_lmcache_tier_spec_is_checked_before_anything_opens(tmp_path):
     assert "load_concurency: unknown key" in str(ei.value) and "l1_bytes" in str(ei.value)
     assert not root.exists()  # nothing was created
     with open_lmcache_tier(REG, "lmcache-fs", {"root": str(root), "load_concurrency": 2, "l1_bytes": 8 << 20}) as t:
-        assert t.adapter.sm.l2_adapters()[0][1].load_concurrency == 2
+        assert t.sm.l2_adapters()[0][1].load_concurrency == 2
