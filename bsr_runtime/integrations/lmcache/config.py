@@ -4,8 +4,8 @@ Config, the LMCache way: a config class made by LMCache's `create_config_class`,
 file named by LMCACHE_BSR_CONFIG_FILE (YAML), then LMCACHE_* variables, then explicit overrides:
 LMCACHE_FS_LOAD_CONCURRENCY (read by the FS L2 plugin, fs_l2.py), LMCACHE_PREFETCH_TIMEOUT_S,
 LMCACHE_EVICT_RETAINED. W, the install backend and the probe are the restore's, set where it runs
-(the connector's config, RestoreConfig) as for every tier: the knobs of the former LMCacheAdapter
-road (RETIRED_KNOBS) are refused with the place to set them. Unlike LMCache's own loader (which logs a bad
+(the connector's config, RestoreConfig) as for every tier: such a key here (RETIRED_KNOBS) is
+refused with the place to set it. Unlike LMCache's own loader (which logs a bad
 value and falls back to a default or None, and ignores unknown keys), every source is checked by
 one schema (`LMCacheKnobs`): an unknown key in the file or the overrides, a variable that does not
 parse ("ture", "8.5") or a value out of range is one ValueError naming every bad key and its source.
@@ -54,7 +54,7 @@ class LMCacheKnobs(Schema):
                                                    "kept in L1")
 
 
-# knobs of the LMCacheAdapter road, which went: what a user wrote there is refused, never ignored
+# keys that belong to the restore, not to the tier: refused with where they are set, never ignored
 RETIRED_KNOBS = {
     "prefetch_window_chunks": "W is the restore's: the connector's window_chunks or RestoreConfig",
     "probe_only": "the tier's probe always holds nothing",
