@@ -21,7 +21,7 @@ IMPORTS = {
     "import torch": "import torch",
     "import bsr_runtime.tiers.factory": "import bsr_runtime.tiers.factory",
     "import bsr_runtime.config_schema": "import bsr_runtime.config_schema",
-    "bsr --help (parser only)": "from bsr_runtime.cli import build_parser; build_parser().format_help()",
+    "bsr --help (parser only)": "from bsr_cli import build_parser; build_parser().format_help()",
 }
 VLLM_IMPORTS = {
     "import vllm": "import vllm",

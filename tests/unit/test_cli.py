@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from bsr_cli import main
 from bsr_harness.mooncake_launcher import free_port
 from bsr_kernels import presets
-from bsr_runtime.cli import main
 
 SWEEP_FIELDS = {"tokens", "chunks", "window_chunks", "windows", "chunk_bytes", "peak_staging_bytes", "bytes_moved",
                 "seconds", "committed_tokens", "state_hash_ok", "tier"}
@@ -42,7 +42,7 @@ def test_sweep_json_rows_and_bound(tmp_path, capsys):
 
 @pytest.mark.parametrize("command", ["sweep", "ladder", "faults", "demo"])
 def test_the_earlier_window_flag_parses_as_window_chunks_with_a_notice(command, capsys):
-    from bsr_runtime.cli import build_parser
+    from bsr_cli import build_parser
 
     parser = build_parser()
     assert parser.parse_args([command, "--window-chunks", "3"]).window == 3
@@ -141,7 +141,7 @@ def test_bad_arguments_are_one_line_errors(args, needle, capsys):
 
 def test_unreachable_store_is_one_line_and_bounded(capsys):
     port = free_port()
-    proc = subprocess.run([sys.executable, "-m", "bsr_runtime.cli", "sweep", "--tier", "mooncake",
+    proc = subprocess.run([sys.executable, "-m", "bsr_cli", "sweep", "--tier", "mooncake",
                            "--mooncake-master", f"127.0.0.1:{port}", "--tokens", "512", "--quiet"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
@@ -165,7 +165,7 @@ def test_sweep_on_mooncake_starts_and_stops_its_master(tmp_path, capsys):
 
 def test_help_explains_each_subcommand():
     for cmd in ("demo", "sweep", "wlaw", "ladder", "faults", "bench"):
-        proc = subprocess.run([sys.executable, "-m", "bsr_runtime.cli", cmd, "--help"], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "bsr_cli", cmd, "--help"], capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 0 and "--json" in proc.stdout and "--quiet" in proc.stdout
 
@@ -214,7 +214,7 @@ def test_mooncake_native_log_lines_go_to_the_native_log(tmp_path):
     the terminal: stdout is the table, stderr is empty."""
     log = tmp_path / "native.log"
     env = {**os.environ, "BSR_NATIVE_LOG": str(log)}
-    proc = subprocess.run([sys.executable, "-m", "bsr_runtime.cli", "sweep", "--tier", "mooncake", "--tokens", "512",
+    proc = subprocess.run([sys.executable, "-m", "bsr_cli", "sweep", "--tier", "mooncake", "--tokens", "512",
                            "--window-chunks", "1", "--quiet"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "mooncake" in proc.stdout and proc.stderr.strip() == "", proc.stderr[-2000:]

@@ -1,5 +1,5 @@
 """Every configuration a user writes is checked where it enters, by one schema each, with one error
-naming every bad key (bsr_runtime/config_schema.py): the tier factory's specs, the LMCache adapter's
+naming every bad key (bsr_runtime/config_schema.py): the tier factory's specs, the LMCache tier's
 knobs (file, LMCACHE_* variables, overrides), the LMCache L2 plugins' parameters and tier specs, the
 `bsr` command's registration files and options. (The vLLM connector's: test_connector_config.py.)"""
 
@@ -102,7 +102,7 @@ def _reg_file(tmp_path, data) -> str:
 
 def test_registration_file_top_level_typo_is_refused(tmp_path):
     """`"chunk_token": 128` used to be ignored: the registration silently had 256-token chunks."""
-    from bsr_runtime.cli.args import CliError, load_registration
+    from bsr_cli.args import CliError, load_registration
 
     with pytest.raises(CliError, match="chunk_token: unknown key"):
         load_registration(_reg_file(tmp_path, {"chunk_token": 128, "tensors": [TENSOR]}), 1.0)
@@ -110,7 +110,7 @@ def test_registration_file_top_level_typo_is_refused(tmp_path):
 
 
 def test_registration_file_error_names_every_bad_field(tmp_path):
-    from bsr_runtime.cli.args import CliError, load_registration
+    from bsr_cli.args import CliError, load_registration
 
     bad = [TENSOR | {"block_size": 16.0}, TENSOR | {"name": "b", "dtype": "uint9"}, TENSOR | {"name": "c", "group": -1}]
     with pytest.raises(CliError) as ei:
@@ -125,7 +125,7 @@ def test_registration_file_that_is_a_fifo_or_a_link_to_one_never_blocks(tmp_path
     import os
     import threading
 
-    from bsr_runtime.cli.args import CliError, load_registration
+    from bsr_cli.args import CliError, load_registration
 
     fifo = tmp_path / "reg.fifo"
     os.mkfifo(fifo)
@@ -159,7 +159,7 @@ def test_registration_file_that_is_a_fifo_or_a_link_to_one_never_blocks(tmp_path
 ])
 def test_options_are_refused_where_they_enter(args, needle, capsys):
     """Refused by the parser, before any work: `--json` into a missing directory used to fail after the run."""
-    from bsr_runtime.cli import build_parser
+    from bsr_cli import build_parser
 
     with pytest.raises(SystemExit) as ei:
         build_parser().parse_args(args)
@@ -170,8 +170,8 @@ def test_options_are_refused_where_they_enter(args, needle, capsys):
 def test_json_output_that_is_a_fifo_is_refused_not_blocked_on(tmp_path, capsys):
     import os
 
-    from bsr_runtime.cli import build_parser
-    from bsr_runtime.cli.output import write_json
+    from bsr_cli import build_parser
+    from bsr_cli.output import write_json
 
     fifo = tmp_path / "rows.json"
     os.mkfifo(fifo)
@@ -183,7 +183,7 @@ def test_json_output_that_is_a_fifo_is_refused_not_blocked_on(tmp_path, capsys):
 
 
 def test_cli_tier_names_are_the_harness_tiers():
+    from bsr_cli.args import TIER_CHOICES
     from bsr_harness.tier_setup import TIER_NAMES
-    from bsr_runtime.cli.args import TIER_CHOICES
 
     assert TIER_CHOICES == TIER_NAMES

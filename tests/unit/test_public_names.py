@@ -79,7 +79,7 @@ def test_sweep_over_the_same_lmcache_tier_twice(tmp_path):
     pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
     import json
 
-    from bsr_runtime.cli import main
+    from bsr_cli import main
 
     js = tmp_path / "rows.json"
     assert main(["sweep", "--tier", "lmcache-fs,lmcache-fs", "--tokens", "512", "--window-chunks", "1",

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from bsr_cli import main
 from bsr_harness import records
 from bsr_kernels import presets
-from bsr_runtime.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 C = presets.dsv4_flash(scale=1 / 64).chunk_bytes

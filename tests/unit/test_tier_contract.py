@@ -1,9 +1,8 @@
 """The Tier contract, the same tests against every tier: memory, filesystem and Mooncake (a real
 mooncake_master on 127.0.0.1), and every FaultyTier fault against each of them.
 
-The LMCache integration is not a Tier (it plugs L2 adapters into LMCache's StorageManager and
-restores through LMCacheAdapter), so it is not in this suite;
-tests/integration/lmcache/test_lmcache_adapter.py covers it.
+The LMCache tier (LMCacheTier over LMCache's StorageManager) is not in this suite yet;
+tests/integration/lmcache/test_lmcache_tier.py and test_tier_overwrite.py cover it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """BSR inside LMCache 0.5.6's multiprocess storage stack: the only importer of lmcache.
 
-The modules of this package and the two L2 plugins (fs_l2.py, mooncake_l2.py) are the only places
-that import LMCache; nothing else in bsr_runtime imports them at import time. `LMCacheAdapter`
-(adapter.py) is the entry point; see each module's docstring for its part.
+One road in: `LMCacheTier` (tier.py), a BSR Tier over LMCache's StorageManager, opened from a tier
+spec by `open_lmcache_tier` (what the vLLM connector and the `bsr` sweeps do) or made directly with
+`LMCacheTier.create`. It restores and stores like every tier, through the runtime's window loop.
+The other modules are its parts (see each docstring) and the two L2 plugins (fs_l2.py, mooncake_l2.py).
 """
 
-from .adapter import LMCacheAdapter
 from .config import (
     CONFIG_FILE_ENV,
     BSRLMCacheConfig,
@@ -15,15 +15,10 @@ from .config import (
     load_adapter_config,
     mooncake_l2_config,
 )
-from .l1_usage import L1UsageTracker
-from .objects import LMCacheKeys, chunk_layout
-from .probe import PROBE_BATCH_CHUNKS, LMCacheLookup, LMCacheProbeResult
-from .retrieve import L1RestoreStage, L1WindowError, LMCacheRestoreReport
-from .store import L1StoreStage
+from .objects import chunk_layout, model_name, object_keys
+from .tier import LMCacheTier, open_lmcache_tier
 
 __all__ = [
-    "CONFIG_FILE_ENV", "PROBE_BATCH_CHUNKS", "BSRLMCacheConfig", "L1RestoreStage", "L1StoreStage",
-    "L1UsageTracker", "L1WindowError", "LMCacheAdapter", "LMCacheKeys", "LMCacheLookup", "LMCacheProbeResult",
-    "LMCacheRestoreReport", "align_up", "build_storage_manager", "chunk_layout", "fs_l2_config",
-    "load_adapter_config", "mooncake_l2_config",
+    "CONFIG_FILE_ENV", "BSRLMCacheConfig", "LMCacheTier", "align_up", "build_storage_manager", "chunk_layout",
+    "fs_l2_config", "load_adapter_config", "model_name", "mooncake_l2_config", "object_keys", "open_lmcache_tier",
 ]

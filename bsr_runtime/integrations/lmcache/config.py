@@ -1,11 +1,11 @@
 """The adapter's configuration and the LMCache storage stack it runs on.
 
 Config, the LMCache way: a config class made by LMCache's `create_config_class`, loaded from the
-file named by LMCACHE_BSR_CONFIG_FILE (YAML), then LMCACHE_* variables, then explicit overrides.
-LMCACHE_WINDOW_CHUNKS (W, default 0 = LMCache's whole-plan behaviour; its earlier name
-LMCACHE_PREFETCH_WINDOW_CHUNKS is still read), LMCACHE_PROBE_ONLY,
+file named by LMCACHE_BSR_CONFIG_FILE (YAML), then LMCACHE_* variables, then explicit overrides:
 LMCACHE_FS_LOAD_CONCURRENCY (read by the FS L2 plugin, fs_l2.py), LMCACHE_PREFETCH_TIMEOUT_S,
-LMCACHE_INSTALL_BACKEND, LMCACHE_EVICT_RETAINED. Unlike LMCache's own loader (which logs a bad
+LMCACHE_EVICT_RETAINED. W, the install backend and the probe are the restore's, set where it runs
+(the connector's config, RestoreConfig) as for every tier: such a key here (RETIRED_KNOBS) is
+refused with the place to set it. Unlike LMCache's own loader (which logs a bad
 value and falls back to a default or None, and ignores unknown keys), every source is checked by
 one schema (`LMCacheKnobs`): an unknown key in the file or the overrides, a variable that does not
 parse ("ture", "8.5") or a value out of range is one ValueError naming every bad key and its source.
@@ -17,10 +17,9 @@ mooncake_l2.py (their parameters: specs.py).
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from typing import Any
 
 import yaml
 from lmcache.v1.config_base import create_config_class
@@ -35,8 +34,7 @@ from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2Adapter
 from lmcache.v1.distributed.storage_manager import StorageManager
 from pydantic import Field
 
-from bsr_runtime.config_schema import Backend, Count, Schema, Seconds, parse, problems, raise_problems
-from bsr_runtime.restore import MAX_WINDOW_CHUNKS
+from bsr_runtime.config_schema import Count, Schema, Seconds, parse, problems, raise_problems
 from bsr_runtime.tiers.fs_open import read_regular
 
 from .specs import FSL2Params, MooncakeL2Params
@@ -44,26 +42,24 @@ from .specs import FSL2Params, MooncakeL2Params
 CONFIG_FILE_ENV = "LMCACHE_BSR_CONFIG_FILE"
 ENV_PREFIX = "LMCACHE_"
 WHAT = "BSR LMCache config"
-log = logging.getLogger(__name__)
 
 
 class LMCacheKnobs(Schema):
-    """The adapter's knobs: one line each (the LMCache config class below is made from them)."""
+    """The LMCache tier's knobs: one line each (the LMCache config class below is made from them)."""
 
-    window_chunks: Annotated[int, Field(ge=0, le=MAX_WINDOW_CHUNKS)] = Field(
-        0, description="W: chunks per prefetch window; 0 = LMCache's whole-plan prefetch")
-    probe_only: bool = Field(False, description="lookup() reports hits without making them resident or keeping locks")
     fs_load_concurrency: Count = Field(1, description="concurrent file reads per FS L2 load task (fs_l2 plugin)")
-    prefetch_timeout_s: Seconds = Field(30.0, description="per window: a prefetch not complete by then fails "
-                                                          "the retrieve")
-    install_backend: Backend = Field("auto", description="bsr_kernels install backend: auto, torch, cpu, triton, "
-                                                         "cuda")
-    evict_retained: bool = Field(True, description="W > 0: delete L2-loaded keys a retaining prefetch policy kept "
-                                                   "in L1")
+    prefetch_timeout_s: Seconds = Field(30.0, description="how long a prefetch that missed its fetch's deadline "
+                                                          "is waited for before its result is released")
+    evict_retained: bool = Field(True, description="a fetch deletes the L2-loaded keys a retaining prefetch policy "
+                                                   "kept in L1")
 
 
-# earlier key -> its name now: still read (file, LMCACHE_* variable, overrides), with a one-line notice
-EARLIER_NAMES = {"prefetch_window_chunks": "window_chunks"}
+# keys that belong to the restore, not to the tier: refused with where they are set, never ignored
+RETIRED_KNOBS = {
+    "prefetch_window_chunks": "W is the restore's: the connector's window_chunks or RestoreConfig",
+    "probe_only": "the tier's probe always holds nothing",
+    "install_backend": "the install backend is the restore's: the connector's backend or RestoreConfig",
+}
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -108,55 +104,33 @@ def checked_values(config_file: str | None = None, env: bool = True, values: Map
             raise_problems(WHAT, [f"config file {config_file}: {e}"])
         if not isinstance(data, Mapping):
             raise_problems(WHAT, [f"config file {config_file}: expected a mapping of keys, got {type(data).__name__}"])
-        data = _current_names(data, f"file {config_file}", bad)
         raw.update(data)
         source.update({k: f"file {config_file}" for k in data})
     for name, f in LMCacheKnobs.model_fields.items() if env else ():
-        env_name = ENV_PREFIX + name.upper()
-        text = os.environ.get(env_name)
-        earlier = [ENV_PREFIX + old.upper() for old, new in EARLIER_NAMES.items() if new == name]
-        for old_env in earlier:
-            if old_env in os.environ:
-                if text is not None:
-                    bad.append(f"{name}: both ${env_name} and its earlier name ${old_env} are set")
-                    continue
-                _notice(f"${old_env}", f"${env_name}")
-                env_name, text = old_env, os.environ[old_env]
+        text = os.environ.get(ENV_PREFIX + name.upper())
         if text is None:
             continue
-        source[name] = f"${env_name}"
+        source[name] = f"${ENV_PREFIX}{name.upper()}"
         try:
             raw[name] = _CONVERTERS[type(f.default)](text)
         except ValueError as e:
             bad.append(f"{name} (from {source[name]}): {e} (got {text!r})")
             raw.pop(name, None)
-    for k, v in _current_names(values or {}, "overrides", bad).items():
+    for k, v in (values or {}).items():
         raw[k] = v
         source[k] = "overrides"
+    for name, why in RETIRED_KNOBS.items():
+        where = [source[name]] if name in raw else []
+        where += [f"${ENV_PREFIX}{name.upper()}"] if env and ENV_PREFIX + name.upper() in os.environ else []
+        if where:
+            bad.append(f"{name} (from {', '.join(where)}): no longer an LMCache knob ({why})")
+            raw.pop(name, None)
     for p in problems(LMCacheKnobs, raw):
         key = p.partition(":")[0]
         bad.append(p.replace(key, f"{key} (from {source[key]})", 1) if key in source else p)
     if bad:
         raise_problems(WHAT, bad)
     return LMCacheKnobs.model_validate(raw).model_dump()
-
-
-def _current_names(data: Mapping[str, Any], where: str, bad: list[str]) -> dict[str, Any]:
-    """`data` with each earlier key under its current name (a notice each; both names: a problem)."""
-    out = dict(data)
-    for old, new in EARLIER_NAMES.items():
-        if old in out:
-            if new in out:
-                bad.append(f"{new} (from {where}): given twice, also as its earlier name {old}")
-                out.pop(old)
-                continue
-            _notice(old, new)
-            out[new] = out.pop(old)
-    return out
-
-
-def _notice(old: str, new: str) -> None:
-    log.warning("BSR LMCache config: %s is deprecated, read as %s", old, new)
 
 
 def _validate(self) -> None:

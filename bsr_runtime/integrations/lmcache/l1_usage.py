@@ -1,10 +1,10 @@
-"""LMCache's L1 usage, measured: what the retrieve's RWS is reported as.
+"""LMCache's L1 usage, measured: the L1 a restore or a store through the tier takes besides BSR's staging.
 
-`LMCacheRestoreReport.peak_staging_bytes` is the peak of LMCache's own L1 usage
-(`StorageManager.get_l1_usage()`, i.e. the L1 memory allocator's used bytes) above its value when
-the retrieve started. It is sampled by an L1ManagerListener right after every L1 allocation
-(`on_l1_keys_reserved_write`, called by the L1 manager with the new objects allocated) and when
-each window is complete, so no allocation peak is missed.
+A measurement's peak is the peak of LMCache's own L1 usage (`StorageManager.get_l1_usage()`, i.e.
+the L1 memory allocator's used bytes) above its value when the measurement started
+(`LMCacheTier.l1_tracker.start()` / `stop()`). It is sampled by an L1ManagerListener right after
+every L1 allocation (`on_l1_keys_reserved_write`, called by the L1 manager with the new objects
+allocated) and when asked, so no allocation peak is missed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class L1Measure:
 
 class L1UsageTracker(L1ManagerListener):
     """Peak of StorageManager.get_l1_usage() during each active measurement, sampled right after
-    every L1 allocation and whenever the adapter asks (e.g. when a window is complete).
+    every L1 allocation and whenever the owner asks.
 
     L1 managers call listeners with their lock held: the callbacks only read the allocator's
     usage (not under that lock) and never block."""

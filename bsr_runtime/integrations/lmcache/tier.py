@@ -1,40 +1,40 @@
-"""LMCacheTier: LMCache's own storage stack as a BSR Tier, so an engine connector (vLLM) can list
-it among its ordered tiers (plan, windowed restore, fallback, commit rule: the runtime's).
+"""LMCacheTier: LMCache 0.5.6's multiprocess storage stack (`lmcache.v1.distributed`: StorageManager,
+L1 manager, L2 adapters) as a BSR Tier: the one road into LMCache. The vLLM connector lists it among
+its ordered tiers and the `bsr` sweeps restore from it like from any tier (plan, windowed restore
+bounded by W, fallback, commit rule: the runtime's).
 
-It drives the StorageManager of an `LMCacheAdapter` (adapter.py), configured the LMCache way
-(config file or $LMCACHE_BSR_CONFIG_FILE, then LMCACHE_* variables) with an FS or Mooncake L2:
+One TP rank's view of a StorageManager, configured the LMCache way (config file or
+$LMCACHE_BSR_CONFIG_FILE, then LMCACHE_* variables; config.py) with an FS or Mooncake L2:
 
 - probe: L1 (a prefetch served from L1 only, read locks returned at once) and every L2 adapter's
-  lookup-and-lock, unlocked at once (LMCacheAdapter's probe path); holds nothing.
+  lookup-and-lock, unlocked at once (probe.py); holds nothing.
 - fetch: one window: `submit_prefetch_task` of its keys (L2 -> L1), wait (deadline), every key must
   hit, `read_prefetched_results`, copy each object from L1 into the BSR staging slot,
   `finish_read_prefetched`, delete the L2-loaded objects from L1 (unless the prefetch policy is known
-  to keep none: LMCacheAdapter.l2_loads_are_temporary). LMCache's L1 holds at most this
-  window's objects during the fetch, BSR's staging the window: both bounded by W.
+  to keep none: `l2_loads_are_temporary`). LMCache's L1 holds at most this window's objects during
+  the fetch, BSR's staging the window: both bounded by W. A whole-plan restore (W = 0) is one
+  prefetch of every key: LMCache's all-or-nothing L1 reservation, as its own lookup.
 - put: `reserve_write` -> copy into the reserved L1 objects -> `finish_write`; LMCache's store
   controller writes them to the L2 adapters; the put waits until an L2 adapter holds them and
-  deletes them from L1. A key it cannot reserve is an error. `overwrites` is False (an L2 lookup
-  cannot tell the new object from an old one under the key), so the store path deletes first
-  (`delete`: L1 and every L2 adapter): a damaged object is replaced, not kept.
+  deletes them from L1 (l1_writes.py). A key it cannot reserve is an error. `overwrites` is False
+  (an L2 lookup cannot tell the new object from an old one under the key), so the store path deletes
+  first (`delete`: L1 and every L2 adapter): a damaged object is replaced, not kept.
 
-Object keys: LMCache ObjectKeys whose chunk_hash is a 128-bit hash of the BSR key (which binds the
-registration, TP geometry, tenant, model and prefix chain), model_name "bsr-<fingerprint[:16]>",
-the key's TP rank, no cache salt (the tenant is already in the BSR key). LMCache objects carry no
-checksum: a damaged byte in LMCache's L2 is not detected here (the filesystem and Mooncake tiers
-check CRCs).
+Object keys: objects.py. LMCache objects carry no checksum of their own; the BSR FS and Mooncake L2
+plugins (fs_l2.py, mooncake_l2.py) add the BSR header and CRC.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 from lmcache.v1.distributed.api import GroupedObjectKeys, ObjectKey, PrefetchTaskSpec
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.distributed.storage_manager import StorageManager
 
 from bsr_kernels import Registration
 
@@ -47,41 +47,69 @@ from ...tiers.base import (
     Tier,
     TierError,
 )
-from .adapter import LMCacheAdapter
-from .config import fs_l2_config, load_adapter_config, mooncake_l2_config
-from .objects import _owners
-from .probe import _probe_l1
-from .retrieve import WINDOW_TAG, evict_l2_loaded, release_result
+from .config import align_up, build_storage_manager, fs_l2_config, load_adapter_config, mooncake_l2_config
+from .l1_usage import L1UsageTracker
+from .l1_writes import abort_writes, delete_everywhere, flush_l1, wait_in_l2
+from .objects import _owners, chunk_layout, model_name, object_keys
+from .prefetch import WINDOW_TAG, LatePrefetches, evict_l2_loaded, fold_window_lines, release_result
+from .probe import L2Lookups, probe_l1
 from .specs import LMCACHE_TIER_SPECS, LMCacheFSTierSpec
-from .store import abort_writes, delete_everywhere, flush_l1, wait_in_l2
-
-_RANK = re.compile(r"-r(\d+)of(\d+)-")
 
 
 class LMCacheTier(Tier):
+    """BSR objects in an LMCache StorageManager (one TP rank's view)."""
+
     name = "lmcache"
 
-    def __init__(self, adapter: LMCacheAdapter, *, put_timeout_s: float = 60.0) -> None:
-        super().__init__(adapter.reg.chunk_bytes, adapter.reg.fingerprint)
-        self.adapter = adapter
-        self.sm = adapter.sm
-        self.name = adapter.tier_name()
+    def __init__(self, reg: Registration, storage_manager: StorageManager, config=None, *,
+                 owns_storage_manager: bool = False, l2_loads_are_temporary: bool = False,
+                 put_timeout_s: float = 60.0, l2_lookup_timeout_s: float = 10.0) -> None:
+        """`config`: the knobs of config.py (default: loaded the LMCache way). `l2_loads_are_temporary`:
+        the prefetch policy is known to keep nothing it loads from L2 (LMCache's default policy: the
+        last finish_read frees those objects), so a fetch need not delete them from L1 itself."""
+        super().__init__(reg.chunk_bytes, reg.fingerprint)
+        self.reg = reg
+        self.sm = storage_manager
+        self.config = config if config is not None else load_adapter_config()
+        self.config.validate()
+        self.layout = chunk_layout(reg)
         self.put_timeout_s = put_timeout_s
-        self._model = f"bsr-{adapter.reg.fingerprint[:16]}"
+        self.l2_loads_are_temporary = l2_loads_are_temporary
+        self._owns = owns_storage_manager
+        self._model = model_name(reg.fingerprint)
+        self.l2 = L2Lookups(storage_manager, self.layout, l2_lookup_timeout_s)
+        self.late = LatePrefetches(storage_manager, lambda: self.config.prefetch_timeout_s)
+        self.l1_tracker = L1UsageTracker(storage_manager)  # LMCache's L1 peak, for whoever measures it
+        fold_window_lines()  # one line per restore (its report), not one LMCache line per window
+        align = storage_manager.l1_memory_desc.align_bytes
+        if align % 16:
+            raise ValueError(f"L1 align_bytes {align} is not a multiple of 16: staged objects must be 16-byte aligned")
+        self.l1_object_bytes = align_up(reg.chunk_bytes, align)
+        self.name = f"lmcache[{'+'.join(type(a).__name__ for _, a in storage_manager.l2_adapters()) or 'L1'}]"
+
+    @classmethod
+    def create(cls, reg: Registration, l1_bytes: int, l2: Sequence[L2AdapterConfigBase] = (), config=None, *,
+               align_bytes: int = 4096, store_policy: str = "skip_l1", prefetch_policy: str = "default",
+               **kw) -> LMCacheTier:
+        """A tier owning a new StorageManager (config.build_storage_manager), closed with the tier."""
+        sm = build_storage_manager(l1_bytes, l2, align_bytes=align_bytes, store_policy=store_policy,
+                                   prefetch_policy=prefetch_policy)
+        try:
+            return cls(reg, sm, config, owns_storage_manager=True,
+                       l2_loads_are_temporary=prefetch_policy == "default", **kw)
+        except BaseException:
+            sm.close()
+            raise
+
+    def l1_usage(self) -> tuple[int, int]:
+        """(used, capacity) bytes of LMCache's L1."""
+        return self.sm.get_l1_usage()
 
     def _object_keys(self, keys: Sequence[str]) -> list[ObjectKey]:
-        out = []
-        for k in keys:
-            m = _RANK.search(k)
-            rank, world = (int(m.group(1)), int(m.group(2))) if m else (0, 1)
-            out.append(ObjectKey(chunk_hash=hashlib.blake2b(k.encode(), digest_size=16).digest(),
-                                 model_name=self._model,
-                                 kv_rank=ObjectKey.ComputeKVRank(world, rank, world, rank),
-                                 object_group_id=0, cache_salt=""))
-        return out
+        return object_keys(keys, self._model)
 
     def _spec(self, okeys: list[ObjectKey], **kw) -> PrefetchTaskSpec:
-        return PrefetchTaskSpec([GroupedObjectKeys(okeys, 0, self.adapter.layout)], **kw)
+        return PrefetchTaskSpec([GroupedObjectKeys(okeys, 0, self.layout)], **kw)
 
     @property
     def preferred_pipeline_depth(self) -> int:
@@ -96,9 +124,9 @@ class LMCacheTier(Tier):
             return []
         okeys = self._object_keys(keys)
         hit = [False] * len(keys)
-        for i in _probe_l1(self.sm, self.adapter.layout, okeys):  # read locks returned at once
+        for i in probe_l1(self.sm, self.layout, okeys):  # read locks returned at once
             hit[i] = True
-        found, _errors = self.adapter.l2.lookup(okeys)  # lookup locks returned at once
+        found, _errors = self.l2.lookup(okeys)  # lookup locks returned at once
         for row in found.values():
             for i, h in enumerate(row):
                 hit[i] = hit[i] or h
@@ -120,7 +148,7 @@ class LMCacheTier(Tier):
         okeys = self._object_keys(keys)
         h = self.sm.submit_prefetch_task(self._spec(okeys, num_kv_readers=1, fetching_policy="prefix"),
                                          external_request_id=WINDOW_TAG)
-        result = self.adapter.late.wait(h, okeys, max(0.001, deadline - time.monotonic()))
+        result = self.late.wait(h, okeys, max(0.001, deadline - time.monotonic()))
         if result is None:
             raise FetchTimeoutError(f"LMCache prefetch of {len(keys)} objects missed its deadline")
         hit = result.hit_cells[0].get_indices_list()
@@ -147,7 +175,7 @@ class LMCacheTier(Tier):
                 release_result(self.sm, result, okeys, evict_loaded=True)
             raise
         self.sm.finish_read_prefetched(okeys, read_locks=1, l1_owners=owners)
-        if not self.adapter.l2_loads_are_temporary:  # LMCache's default policy freed them already
+        if self.config.evict_retained and not self.l2_loads_are_temporary:  # the default policy freed them
             evict_l2_loaded(self.sm, result, okeys)
         return len(keys) * c
 
@@ -164,7 +192,7 @@ class LMCacheTier(Tier):
         or no room) is a TierError, never a success without a write."""
         c = self.chunk_bytes
         okeys = self._object_keys(keys)
-        reserved = self.sm.reserve_write(okeys, self.adapter.layout)
+        reserved = self.sm.reserve_write(okeys, self.layout)
         try:
             missing = [k for k in okeys if reserved.get(k) is None]
             if missing:
@@ -179,7 +207,7 @@ class LMCacheTier(Tier):
         deadline = time.monotonic() + self.put_timeout_s
         try:
             if self.sm.l2_adapters():
-                wait_in_l2(self.adapter.l2, okeys, deadline)
+                wait_in_l2(self.l2, okeys, deadline)
                 flush_l1(self.sm, okeys, deadline)
         except TimeoutError as e:
             raise TierError(f"LMCache put: {e}") from e
@@ -193,13 +221,22 @@ class LMCacheTier(Tier):
             delete_everywhere(self.sm, okeys, time.monotonic() + self.put_timeout_s)
         except TimeoutError as e:
             raise TierError(f"LMCache delete: {e}") from e
-        found, errors = self.adapter.l2.lookup(okeys)
+        found, errors = self.l2.lookup(okeys)
         left = sum(any(row[i] for row in found.values()) for i in range(len(okeys)))
         if left or errors:
             raise TierError(f"LMCache delete: {left}/{len(okeys)} objects are still in L2 {'; '.join(errors)}")
 
     def close(self) -> None:
-        self.adapter.close()
+        self.late.join()
+        self.l2.unlock_orphans(wait_s=1.0)
+        if self._owns:
+            self.sm.close()
+
+    def __enter__(self) -> LMCacheTier:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @contextlib.contextmanager
@@ -218,8 +255,7 @@ def open_lmcache_tier(reg: Registration, kind: str, options: Mapping) -> Iterato
         l2 = fs_l2_config(spec.root, **l2_params)
     else:
         l2 = mooncake_l2_config(**{"global_segment_size": spec.global_segment_size, **l2_params})
-    adapter = LMCacheAdapter.create(reg, spec.l1_bytes, [l2], config)
-    tier = LMCacheTier(adapter)
+    tier = LMCacheTier.create(reg, spec.l1_bytes, [l2], config)
     try:
         yield tier
     finally:

@@ -78,9 +78,10 @@ def _raised(fn, *args):
 lmcache = pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
 
 from kernel_util import random_kv  # noqa: E402
+from lmcache_util import object_path, restore, store  # noqa: E402
 from restore_util import random_tables  # noqa: E402
 
-from bsr_runtime.integrations.lmcache import LMCacheAdapter, fs_l2_config, load_adapter_config  # noqa: E402
+from bsr_runtime.integrations.lmcache import LMCacheTier, fs_l2_config, load_adapter_config  # noqa: E402
 
 
 @pytest.fixture
@@ -91,10 +92,9 @@ def l2(tmp_path):
     tokens = torch.randint(0, 50_000, (N * REG.chunk_tokens,), generator=gen).tolist()
     blocks, tables = random_tables(REG, N, 5)
     kv = random_kv(REG, blocks, 6)
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(base)], load_adapter_config()) as ad:
-        ad.store(SPACE, tokens, kv, tables)
-        plugin = ad.sm.l2_adapters()[0][1]
-        paths = [str(plugin._key_to_path(k)) for k in ad.keys(SPACE, tokens).window(0, N)]
+    with LMCacheTier.create(REG, 8 * OBJ_4K, [fs_l2_config(base)], load_adapter_config()) as tier:
+        store(tier, REG, SPACE, tokens, kv, tables)
+        paths = [object_path(tier, SPACE, tokens, i) for i in range(N)]
     return base, tokens, state_hash(REG, kv, tables, N), paths
 
 
@@ -106,23 +106,30 @@ def _request(tokens, seed: int) -> RestoreRequest:
     return RestoreRequest(f"req-{seed}", tokens, SPACE, kv, tables)
 
 
+def _probed_prefix(tier, tokens) -> int:
+    from bsr_runtime.keys import PrefixKeys
+    from bsr_runtime.probe import probe_prefix
+
+    return probe_prefix(tier, PrefixKeys(SPACE, tokens, REG.chunk_tokens)).prefix_chunks
+
+
 def test_fifo_in_place_of_an_object_fails_closed_at_once(l2):
     base, tokens, _, paths = l2
     os.unlink(paths[3])
     os.mkfifo(paths[3])
     with _released_fifo(paths[3]):
-        ad = LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(base, load_concurrency=2)],
-                                   load_adapter_config(window_chunks=2, prefetch_timeout_s=5.0))
+        tier = LMCacheTier.create(REG, 8 * OBJ_4K, [fs_l2_config(base, load_concurrency=2)],
+                                  load_adapter_config(prefetch_timeout_s=5.0))
         try:
-            baseline = ad.l1_usage()[0]
+            baseline = tier.l1_usage()[0]
             t0 = time.monotonic()
-            rep = ad.retrieve(_request(tokens, 1), N)
+            rep = restore(tier, _request(tokens, 1), N, 2, fetch_timeout_s=5.0)
             took = time.monotonic() - t0
-            assert not rep.ok and rep.committed_tokens == 0 and rep.force_local
+            assert not rep.ok and rep.committed_tokens == 0
             assert took < 4.0, f"failed by its timeout ({took:.1f} s), not by refusing the FIFO: {rep.error}"
-            assert ad.l1_usage()[0] == baseline == rep.l1_after_bytes  # every byte of L1 it took returned
+            assert tier.l1_usage()[0] == baseline  # every byte of L1 it took returned
         finally:
-            assert _closes_within(ad.close, 30), "close() hung on the plugin's load job"
+            assert _closes_within(tier.close, 30), "close() hung on the plugin's load job"
 
 
 def test_symlink_in_place_of_an_object_is_not_followed(l2, tmp_path):
@@ -131,34 +138,34 @@ def test_symlink_in_place_of_an_object_is_not_followed(l2, tmp_path):
     outside = tmp_path / "outside.data"
     os.replace(paths[2], outside)
     os.symlink(outside, paths[2])
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(base)], load_adapter_config()) as ad:
-        assert ad.probe(SPACE, tokens).prefix_chunks == 2  # the lookup does not count it
-        baseline = ad.l1_usage()[0]
-        rep = ad.retrieve(_request(tokens, 2), N)
-        assert not rep.ok and rep.committed_tokens == 0 and ad.l1_usage()[0] == baseline
+    with LMCacheTier.create(REG, 8 * OBJ_4K, [fs_l2_config(base)], load_adapter_config()) as tier:
+        assert _probed_prefix(tier, tokens) == 2  # the lookup does not count it
+        baseline = tier.l1_usage()[0]
+        rep = restore(tier, _request(tokens, 2), N, 8)
+        assert not rep.ok and rep.committed_tokens == 0 and tier.l1_usage()[0] == baseline
 
 
 def test_intact_objects_still_restore(l2):
     base, tokens, want, _ = l2
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(base)], load_adapter_config()) as ad:
+    with LMCacheTier.create(REG, 8 * OBJ_4K, [fs_l2_config(base)], load_adapter_config()) as tier:
         req = _request(tokens, 3)
-        rep = ad.retrieve(req, N)
+        rep = restore(tier, req, N, 8)
         assert rep.ok and state_hash(REG, req.kv, req.block_tables, N) == want
 
 
 def test_plugin_store_replaces_a_damaged_file(l2):
-    """Storing the same prefix again (LMCache's own store path) repairs a damaged file."""
+    """Storing the same prefix again (the tier's put, through LMCache's own store path) repairs a damaged file."""
     base, tokens, want, paths = l2
     with open(paths[4], "r+b") as f:
         f.seek(os.path.getsize(paths[4]) - 100)
         f.write(b"\xff" * 8)
     blocks, tables = random_tables(REG, N, 5)
     kv = random_kv(REG, blocks, 6)  # the same state as stored (same seeds)
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(base)], load_adapter_config()) as ad:
-        assert not ad.retrieve(_request(tokens, 4), N).ok
-        ad.store(SPACE, tokens, kv, tables)
+    with LMCacheTier.create(REG, 8 * OBJ_4K, [fs_l2_config(base)], load_adapter_config()) as tier:
+        assert not restore(tier, _request(tokens, 4), N, 8).ok
+        store(tier, REG, SPACE, tokens, kv, tables)
         req = _request(tokens, 5)
-        assert ad.retrieve(req, N).ok and state_hash(REG, req.kv, req.block_tables, N) == want
+        assert restore(tier, req, N, 8).ok and state_hash(REG, req.kv, req.block_tables, N) == want
 
 
 def test_plugin_close_is_bounded_with_a_stuck_job(l2, monkeypatch, caplog):

@@ -1,10 +1,12 @@
 """The LMCache integration's configurations are checked where they enter, one schema each: the
-adapter's knobs from the config file, LMCACHE_* variables and overrides (LMCache's own loader logs a
+LMCache tier's knobs from the config file, LMCACHE_* variables and overrides (LMCache's own loader logs a
 bad value and falls back, and ignores unknown keys: LMCACHE_PROBE_ONLY=ture silently meant False,
 LMCACHE_INSTALL_BACKEND=bogus and a misspelt file key were accepted), the L2 plugins' parameters
 (an unknown FS plugin key was ignored) and the LMCache tier specs."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -23,14 +25,14 @@ REG = presets.llama_like(layers=1, kv_heads=1, head_dim=16, block_size=16)
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in ("WINDOW_CHUNKS", "PREFETCH_WINDOW_CHUNKS", "PROBE_ONLY", "FS_LOAD_CONCURRENCY", "PREFETCH_TIMEOUT_S",
+    for name in ("PREFETCH_WINDOW_CHUNKS", "PROBE_ONLY", "FS_LOAD_CONCURRENCY", "PREFETCH_TIMEOUT_S",
                  "INSTALL_BACKEND", "EVICT_RETAINED", "BSR_CONFIG_FILE"):
         monkeypatch.delenv(f"LMCACHE_{name}", raising=False)
 
 
 @pytest.mark.parametrize("var,value", [
     ("PROBE_ONLY", "ture"), ("EVICT_RETAINED", "maybe"), ("INSTALL_BACKEND", "bogus"),
-    ("WINDOW_CHUNKS", "8.5"), ("WINDOW_CHUNKS", "-1"), ("WINDOW_CHUNKS", "99999999"),
+    ("PREFETCH_WINDOW_CHUNKS", "8.5"), ("PREFETCH_WINDOW_CHUNKS", "-1"), ("PREFETCH_WINDOW_CHUNKS", "99999999"),
     ("PREFETCH_TIMEOUT_S", "inf"), ("PREFETCH_TIMEOUT_S", "0"), ("FS_LOAD_CONCURRENCY", "0"),
     ("FS_LOAD_CONCURRENCY", "two"),
 ])
@@ -43,13 +45,30 @@ def test_bad_environment_values_are_errors_naming_the_variable(monkeypatch, var,
 
 
 def test_good_environment_values(monkeypatch):
-    for var, value in (("PROBE_ONLY", "Yes"), ("WINDOW_CHUNKS", " 7 "), ("PREFETCH_TIMEOUT_S", "2.5"),
-                       ("INSTALL_BACKEND", "torch"), ("EVICT_RETAINED", "0")):
+    for var, value in (("FS_LOAD_CONCURRENCY", " 7 "), ("PREFETCH_TIMEOUT_S", "2.5"), ("EVICT_RETAINED", "0")):
         monkeypatch.setenv(f"LMCACHE_{var}", value)
     c = load_adapter_config()
-    assert (c.probe_only, c.window_chunks, c.prefetch_timeout_s, c.install_backend, c.evict_retained) == (
-        True, 7, 2.5, "torch", False)
+    assert (c.fs_load_concurrency, c.prefetch_timeout_s, c.evict_retained) == (7, 2.5, False)
     c.validate()
+
+
+@pytest.mark.parametrize("knob,where", [("prefetch_window_chunks", "window_chunks"), ("probe_only", "probe"),
+                                        ("install_backend", "backend")])
+def test_knobs_of_the_retired_adapter_road_are_refused_with_where_to_set_them(monkeypatch, tmp_path, knob, where):
+    """W, the backend and the probe are the restore's (as for every tier): a value the LMCacheAdapter road
+    read is refused from every source, never ignored, naming where it goes now."""
+    value = {"prefetch_window_chunks": "8", "probe_only": "true", "install_backend": "torch"}[knob]
+    monkeypatch.setenv(f"LMCACHE_{knob.upper()}", value)
+    with pytest.raises(ValueError, match=f"{knob} \\(from \\$LMCACHE_{knob.upper()}\\): no longer an LMCache knob"
+                                         f" \\(.*{where}"):
+        load_adapter_config()
+    monkeypatch.delenv(f"LMCACHE_{knob.upper()}")
+    f = tmp_path / "bsr.yaml"
+    f.write_text(f"{knob}: {value}\n")
+    with pytest.raises(ValueError, match=f"{knob} \\(from file {re.escape(str(f))}\\): no longer an LMCache knob"):
+        load_adapter_config(str(f))
+    with pytest.raises(ValueError, match=f"{knob} \\(from overrides\\): no longer an LMCache knob"):
+        load_adapter_config(**{knob: value})
 
 
 def test_config_file_typo_and_bad_values_are_one_error(tmp_path, monkeypatch):
@@ -63,23 +82,24 @@ def test_config_file_typo_and_bad_values_are_one_error(tmp_path, monkeypatch):
     for part in ("prefech_window_chunks (from file", "probe_only (from file", "prefetch_timeout_s (from file",
                  "install_backend (from $LMCACHE_INSTALL_BACKEND)"):
         assert part in msg, (part, msg)
-    f.write_text("window_chunks: 4\nprobe_only: true\n")
+    f.write_text("prefetch_timeout_s: 4\nevict_retained: false\n")
     monkeypatch.setenv("LMCACHE_BSR_CONFIG_FILE", str(f))
     monkeypatch.delenv("LMCACHE_INSTALL_BACKEND")
     c = load_adapter_config()
-    assert (c.window_chunks, c.probe_only) == (4, True)
+    assert (c.prefetch_timeout_s, c.evict_retained) == (4, False)
     f.write_text("- not a mapping\n")
     with pytest.raises(ValueError, match="expected a mapping"):
         load_adapter_config()
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    ({"window_chunks": -1}, "window_chunks (from overrides)"),  # W = -1 where it enters
-    ({"window_chunks": "8"}, "window_chunks"),
-    ({"prefetch_window_chunks": -1}, "window_chunks (from overrides)"),  # the earlier name, checked the same
+    ({"prefetch_window_chunks": -1}, "prefetch_window_chunks (from overrides)"),  # W = -1 where it enters
+    ({"prefetch_window_chunks": "8"}, "prefetch_window_chunks"),
     ({"prefetch_windows": 8}, "prefetch_windows (from overrides): unknown key"),
     ({"probe_only": 1}, "probe_only"),
     ({"install_backend": "gpu"}, "install_backend"),
+    ({"prefetch_timeout_s": -1}, "prefetch_timeout_s (from overrides)"),
+    ({"evict_retained": "no"}, "evict_retained (from overrides)"),
 ])
 def test_bad_overrides_are_errors(overrides, needle):
     with pytest.raises(ValueError) as ei:
@@ -89,30 +109,9 @@ def test_bad_overrides_are_errors(overrides, needle):
 
 def test_a_mutated_config_is_refused_by_validate():
     c = load_adapter_config()
-    c.window_chunks = -1
-    with pytest.raises(ValueError, match="window_chunks"):
+    c.prefetch_timeout_s = -1
+    with pytest.raises(ValueError, match="prefetch_timeout_s"):
         c.validate()
-
-
-def test_the_earlier_name_of_window_chunks_is_read_with_a_notice(tmp_path, monkeypatch, caplog):
-    """prefetch_window_chunks (file key, LMCACHE_ variable, override) reads as window_chunks, with a
-    one-line notice; given under both names in one place it is an error."""
-    f = tmp_path / "bsr.yaml"
-    f.write_text("prefetch_window_chunks: 5\n")
-    monkeypatch.setenv("LMCACHE_PREFETCH_WINDOW_CHUNKS", "6")
-    with caplog.at_level("WARNING"):
-        assert load_adapter_config(str(f)).window_chunks == 6  # the variable over the file, as for any key
-        assert load_adapter_config(str(f), prefetch_window_chunks=7).window_chunks == 7
-    notices = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
-    assert any("$LMCACHE_PREFETCH_WINDOW_CHUNKS" in m and "$LMCACHE_WINDOW_CHUNKS" in m for m in notices), notices
-    assert any(m.endswith("prefetch_window_chunks is deprecated, read as window_chunks") for m in notices), notices
-    assert all("\n" not in m for m in notices)
-    monkeypatch.setenv("LMCACHE_WINDOW_CHUNKS", "8")
-    with pytest.raises(ValueError, match="both \\$LMCACHE_WINDOW_CHUNKS and its earlier name"):
-        load_adapter_config()
-    monkeypatch.delenv("LMCACHE_PREFETCH_WINDOW_CHUNKS")
-    with pytest.raises(ValueError, match="window_chunks \\(from overrides\\): given twice"):
-        load_adapter_config(window_chunks=2, prefetch_window_chunks=3)
 
 
 @pytest.mark.parametrize("kw,needle", [
@@ -157,4 +156,4 @@ def test_lmcache_tier_spec_is_checked_before_anything_opens(tmp_path):
     assert "load_concurency: unknown key" in str(ei.value) and "l1_bytes" in str(ei.value)
     assert not root.exists()  # nothing was created
     with open_lmcache_tier(REG, "lmcache-fs", {"root": str(root), "load_concurrency": 2, "l1_bytes": 8 << 20}) as t:
-        assert t.adapter.sm.l2_adapters()[0][1].load_concurrency == 2
+        assert t.sm.l2_adapters()[0][1].load_concurrency == 2

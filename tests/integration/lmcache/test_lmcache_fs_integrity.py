@@ -1,7 +1,8 @@
 """The FS L2 plugin (fs_l2.ConcurrentFSL2Adapter) refuses object files that are not the key's own, intact
 object: a flipped byte, two files swapped, another tenant's (cache salt's) objects copied under this
 tenant's keys, a file in LMCache's headerless format. Through the real LMCache StorageManager: each
-retrieve fails closed (ok=False, committed_tokens=0, L1 back to its baseline) instead of restoring.
+restore from the LMCache tier fails closed (ok=False, committed_tokens=0, L1 back to its baseline) instead
+of restoring.
 """
 
 from __future__ import annotations
@@ -16,13 +17,20 @@ import torch
 pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
 
 from kernel_util import random_kv  # noqa: E402
+from lmcache_util import chunk_keys, restore, store  # noqa: E402
 from restore_util import random_tables  # noqa: E402
 
 from bsr_harness.testdata import POISON  # noqa: E402
 from bsr_kernels import presets  # noqa: E402
-from bsr_runtime.integrations.lmcache import LMCacheAdapter, LMCacheKeys, fs_l2_config, load_adapter_config  # noqa: E402
+from bsr_runtime.integrations.lmcache import (  # noqa: E402
+    LMCacheTier,
+    fs_l2_config,
+    load_adapter_config,
+    model_name,
+    object_keys,
+)
 from bsr_runtime.integrations.lmcache.fs_l2_object import HEADER_SIZE  # noqa: E402
-from bsr_runtime.keys import KeySpace  # noqa: E402
+from bsr_runtime.keys import KeySpace, PrefixKeys  # noqa: E402
 from bsr_runtime.restore import RestoreRequest  # noqa: E402
 from bsr_runtime.state_hash import state_hash  # noqa: E402
 
@@ -54,26 +62,27 @@ class Stored:
         return RestoreRequest(f"req-{seed}", self.tokens, space, kv, tables)
 
     def keys(self, space: KeySpace):
-        return LMCacheKeys(space, self.tokens, REG.chunk_tokens).window(0, N)
+        """The LMCache keys of the prefix's chunks (the tier's mapping of BSR keys)."""
+        return object_keys(PrefixKeys(space, self.tokens, REG.chunk_tokens).window(0, N), model_name(REG.fingerprint))
 
 
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory):
     """N chunks of tenant A, written through LMCache's own store path into an FS L2 directory."""
     s = Stored(str(tmp_path_factory.mktemp("lmcache-fs-a")))
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(s.base)], load_adapter_config()) as ad:
-        assert ad.store(SPACE_A, s.tokens, s.kv, s.tables).state_hash == s.hash
+    with LMCacheTier.create(REG, 8 * OBJ_4K, [fs_l2_config(s.base)], load_adapter_config()) as tier:
+        assert store(tier, REG, SPACE_A, s.tokens, s.kv, s.tables).state_hash == s.hash
     assert len([f for f in os.listdir(s.base) if f.endswith(".data")]) == N
     return s
 
 
 def _retrieve(base: str, stored: Stored, space: KeySpace, conc: int, seed: int):
-    with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(base, load_concurrency=conc)],
-                               load_adapter_config(window_chunks=4)) as ad:
-        baseline = ad.l1_usage()[0]
+    with LMCacheTier.create(REG, 8 * OBJ_4K, [fs_l2_config(base, load_concurrency=conc)],
+                            load_adapter_config()) as tier:
+        baseline = tier.l1_usage()[0]
         req = stored.request(space, seed)
-        rep = ad.retrieve(req, N)
-        return rep, req, baseline, ad.l1_usage()[0]
+        rep = restore(tier, req, N, 4)
+        return rep, req, baseline, tier.l1_usage()[0]
 
 
 def _paths(base: str, stored: Stored, space: KeySpace) -> list[str]:
@@ -88,7 +97,7 @@ def _paths(base: str, stored: Stored, space: KeySpace) -> list[str]:
 
 def _assert_fails_closed(rep, baseline: int, after: int, caplog=None, why: str = "") -> None:
     assert not rep.ok and rep.committed_tokens == 0, rep
-    assert after == baseline == rep.l1_after_bytes
+    assert after == baseline
     if caplog is not None:
         assert any("refused" in r.getMessage() and why in r.getMessage() for r in caplog.records), why
 
@@ -310,7 +319,7 @@ def test_plugin_task_that_raises_still_completes(stored, tmp_path, monkeypatch, 
 
 
 
-# -- log lines: one per retrieve, not one per window ----------------------------------------------
+# -- log lines: none of LMCache's per-window prefetch lines ---------------------------------------
 class _Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -321,38 +330,34 @@ class _Lines(logging.Handler):
 
 
 @pytest.mark.parametrize("level", [logging.INFO, logging.DEBUG], ids=["info", "debug"])
-def test_windowed_retrieve_logs_one_line(stored, copy, level):
-    """At INFO, a retrieve of N chunks at W = 2 logs one line of its own and none of LMCache's
-    per-prefetch lines for its N/2 windows, while a prefetch of another caller still logs its line; at
-    DEBUG the window lines are kept."""
+def test_windowed_restore_logs_no_window_lines(stored, copy, level):
+    """At INFO, a restore of N chunks at W = 2 from the tier logs none of LMCache's per-prefetch lines
+    for its N/2 windows (the restore's report is its record), while a prefetch of another caller still
+    logs its line; at DEBUG the window lines are kept."""
     from lmcache.v1.distributed.api import GroupedObjectKeys, PrefetchTaskSpec
     from lmcache.v1.distributed.storage_manager import StorageManager
 
-    from bsr_runtime.integrations.lmcache import retrieve as retrieve_module
+    from bsr_runtime.integrations.lmcache.prefetch import release_result
 
-    loggers = [logging.getLogger(StorageManager.__module__), logging.getLogger(retrieve_module.__name__)]
-    handler, levels = _Lines(), [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.addHandler(handler)
-        lg.setLevel(level)
+    logger = logging.getLogger(StorageManager.__module__)
+    handler, old_level = _Lines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
     try:
-        with LMCacheAdapter.create(REG, 8 * OBJ_4K, [fs_l2_config(copy)], load_adapter_config()) as ad:
+        with LMCacheTier.create(REG, 8 * OBJ_4K, [fs_l2_config(copy)], load_adapter_config()) as tier:
             req = stored.request(SPACE_A, seed=3)
-            rep = ad.retrieve(req, N, window_chunks=2)
+            rep = restore(tier, req, N, 2)
             assert rep.ok and rep.windows == N // 2
             windows = [m for m in handler.lines if m.startswith("Prefetch request completed")]
-            ours = [m for m in handler.lines if m.startswith(f"BSR retrieve {req.request_id}:")]
-            assert len(ours) == 1 and f"{N} chunks" in ours[0], handler.lines
             assert len(windows) == (N // 2 if level == logging.DEBUG else 0), windows
-            okeys = ad.keys(SPACE_A, req.tokens).window(0, 2)
-            spec = PrefetchTaskSpec([GroupedObjectKeys(okeys, 0, ad.layout)], num_kv_readers=1,
+            okeys = chunk_keys(tier, SPACE_A, req.tokens, 0, 2)
+            spec = PrefetchTaskSpec([GroupedObjectKeys(okeys, 0, tier.layout)], num_kv_readers=1,
                                     fetching_policy="prefix")
-            handle = ad.sm.submit_prefetch_task(spec, external_request_id="someone-else")
-            assert ad.sm.wait_prefetch_status(handle, 30.0)
-            result = ad.sm.query_prefetch_status(handle)
-            retrieve_module.release_result(ad.sm, result, okeys, evict_loaded=True)
+            handle = tier.sm.submit_prefetch_task(spec, external_request_id="someone-else")
+            assert tier.sm.wait_prefetch_status(handle, 30.0)
+            result = tier.sm.query_prefetch_status(handle)
+            release_result(tier.sm, result, okeys, evict_loaded=True)
             assert any("someone-else" in m for m in handler.lines[-2:]), handler.lines[-3:]
     finally:
-        for lg, lv in zip(loggers, levels):
-            lg.removeHandler(handler)
-            lg.setLevel(lv)
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)

@@ -113,20 +113,19 @@ def test_a_put_that_cannot_write_raises(kind, request, tmp_path):
     store policy) cannot be reserved for the write: the put raises, never reports a success it did not
     make (before: it skipped the key, found the other writer's object in L2 and returned)."""
     pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
-    from bsr_runtime.integrations.lmcache import LMCacheAdapter, fs_l2_config, load_adapter_config, mooncake_l2_config
-    from bsr_runtime.integrations.lmcache.tier import LMCacheTier
+    from bsr_runtime.integrations.lmcache import LMCacheTier, fs_l2_config, load_adapter_config, mooncake_l2_config
 
     if kind == "lmcache-fs":
         l2 = fs_l2_config(str(tmp_path / "l2"))
     else:
         m = request.getfixturevalue("mooncake_master")
         l2 = mooncake_l2_config(m.master_address, m.metadata_server, global_segment_size=64 << 20)
-    tier = LMCacheTier(LMCacheAdapter.create(REG, 16 << 20, [l2], load_adapter_config(), store_policy="default"))
+    tier = LMCacheTier.create(REG, 16 << 20, [l2], load_adapter_config(), store_policy="default")
     try:
         ks = keys(2)
         old, new = payloads(2, 5), payloads(2, 6)
         okeys = tier._object_keys(ks)
-        reserved = tier.sm.reserve_write(okeys[:1], tier.adapter.layout)  # another writer, resident in L1
+        reserved = tier.sm.reserve_write(okeys[:1], tier.layout)  # another writer, resident in L1
         reserved[okeys[0]].raw_tensor.view(torch.uint8).reshape(-1)[:C].copy_(old[0])
         tier.sm.finish_write(okeys[:1])
         with pytest.raises(TierError, match="could not be reserved"):

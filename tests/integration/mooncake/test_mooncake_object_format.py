@@ -183,11 +183,11 @@ def plugin(mooncake_master):
 
 
 def lmcache_keys(n: int, salt: str = "", seed: int = 0):
-    from bsr_runtime.integrations.lmcache.adapter import LMCacheKeys
+    from bsr_runtime.integrations.lmcache import model_name, object_keys
 
     g = torch.Generator().manual_seed(900 + seed)
     tokens = torch.randint(0, 50000, (n * 256,), generator=g).tolist()
-    return LMCacheKeys(KeySpace(FP, salt=salt), tokens, 256).window(0, n)
+    return object_keys(PrefixKeys(KeySpace(FP, salt=salt), tokens, 256).window(0, n), model_name(FP))
 
 
 def plugin_store(p, keys, data) -> None:

@@ -1,6 +1,7 @@
-"""Offline engines with and without the connector (the `bsr demo` engine part, the engine
-benchmark and the real-engine tests): a vLLM `LLM` on a local model, prompts of token ids,
+"""In-process vLLM engines with and without the BSR connector, for the `bsr demo` engine part, the
+engine benchmarks and the real-engine tests: a vLLM `LLM` on a local model, prompts of token ids,
 greedy tokens with logprobs, the in-process connector objects, and one cold / save / restore run.
+The runtime's vLLM integration (bsr_runtime.integrations.vllm) is what vLLM loads; this drives it.
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ def _standalone_restore(worker, tokens: Sequence[int], num_chunks: int, repeat: 
     engine's layout (same registration, tier, keys, W and pipeline depth), outside vLLM."""
     import torch
 
-    from ...restore import BoundedRestorer, RestoreRequest
-    from .registration import cpu_kv_views
+    from bsr_runtime.integrations.vllm.registration import cpu_kv_views
+    from bsr_runtime.restore import BoundedRestorer, RestoreRequest
 
     reg = worker.reg
     tier = worker.tiers[0]

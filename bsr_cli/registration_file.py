@@ -29,9 +29,8 @@ from bsr_kernels.registration import (
     MAX_TENSORS,
     dtype_from_name,
 )
-
-from ..config_schema import Count, Name, Schema, problems
-from ..tiers.fs_open import read_regular
+from bsr_runtime.config_schema import Count, Name, Schema, problems
+from bsr_runtime.tiers.fs_open import read_regular
 
 MAX_FILE_BYTES = 64 << 20
 

@@ -40,11 +40,11 @@ def _tier_options(args, name: str):
                        mooncake_master=args.mooncake_master, metadata_server=args.metadata_server)
 
 
-def _store(progress: Progress, src, tier) -> None:
+def _store(progress: Progress, src, tier, window_chunks: int = 32) -> None:
     from bsr_harness.experiments import store_source
 
     with progress.bar(src.num_chunks, f"store -> {tier.name}", "chunk") as bar:
-        store_source(src, tier, progress=bar.update)
+        store_source(src, tier, window_chunks, progress=bar.update)
 
 
 def _sweep_rows(args, reg, tier_names, tokens, windows, progress, repeat=1, max_staging=None):
@@ -73,24 +73,21 @@ def _sweep_rows(args, reg, tier_names, tokens, windows, progress, repeat=1, max_
 
 @contextlib.contextmanager
 def _open_target(args, name: str, reg, src, windows, progress: Progress):
-    """A sweep target holding `src`: a BSR tier, or LMCache's storage stack (lmcache-*), whose L1
-    holds the largest window (or the whole plan when W = 0 is swept)."""
-    from bsr_harness.experiments import AdapterTarget, TierTarget
-    from bsr_harness.tier_setup import open_lmcache, open_tier
+    """A sweep target holding `src`: a tier; LMCache's (lmcache-*) with an L1 that holds the largest
+    window (or the whole plan when W = 0 is swept)."""
+    from bsr_harness.experiments import TierTarget
+    from bsr_harness.tier_setup import open_tier
 
     capacity = src.num_chunks * reg.chunk_bytes
+    l1_bytes, store_window = None, 32
     if name.startswith("lmcache-"):
         w_max = src.num_chunks if 0 in windows else max(windows)
-        with open_lmcache(_tier_options(args, name), reg, l1_bytes=(w_max + 2) * (reg.chunk_bytes + 4096),
-                          capacity_bytes=capacity) as adapter:
-            progress.say(f"store -> {name} ({src.num_chunks} chunks)")
-            adapter.store(src.keyspace, src.tokens, src.kv, src.block_tables)
-            yield AdapterTarget(adapter, name)
-    else:
-        with open_tier(_tier_options(args, name), reg, capacity_bytes=capacity) as tier:
-            _store(progress, src, tier)
-            yield TierTarget(tier, reg, windows, depth=args.depth, fetch_timeout_s=args.timeout,
-                             backend=args.backend)
+        l1_bytes = (w_max + 2) * (reg.chunk_bytes + 4096)
+        store_window = min(store_window, w_max)  # a put stages its window in LMCache's L1
+    with open_tier(_tier_options(args, name), reg, capacity_bytes=capacity, l1_bytes=l1_bytes) as tier:
+        _store(progress, src, tier, store_window)
+        yield TierTarget(tier, reg, windows, depth=args.depth, fetch_timeout_s=args.timeout, backend=args.backend,
+                         name=name if name.startswith("lmcache-") else None)
 
 
 def cmd_demo(args) -> int:

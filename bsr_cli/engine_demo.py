@@ -47,7 +47,7 @@ def engine_demo(args) -> dict | None:
                       "metadata_server": master.metadata_server}]
         else:
             tiers = [{"type": "filesystem", "root": str(Path(tmp) / "fs")}]
-        from bsr_runtime.integrations.vllm.offline import cold_save_restore
+        from bsr_harness.vllm_engines import cold_save_restore
 
         r = cold_save_restore(model, tokens, tiers, window_chunks=args.engine_window,
                               log=lambda m: print("  " + m, file=out))
