@@ -68,6 +68,21 @@ def _wlaw(figures: dict) -> dict:
                           * r["chunk_bytes"]} for r in figures["rows"]]}
 
 
+def _vllm_stall(figures: dict) -> dict:
+    rows = []
+    for r in figures["rows"]:
+        res, syn, asy = r["resident"], r["sync"], r["async"]
+        rows.append({"model": r["model"], "tokens": r["tokens"], "a_median_gap_ms": asy["a_median_gap_s"] * 1e3,
+                     "resident_max_gap_ms": res["a_max_gap_s"] * 1e3, "sync_max_gap_ms": syn["a_max_gap_s"] * 1e3,
+                     "async_max_gap_ms": asy["a_max_gap_s"] * 1e3, "sync_vs_resident": r["gap_ratio_sync"],
+                     "async_vs_resident": r["gap_ratio_async"], "resident_ttft_s": res["b_ttft_s"],
+                     "async_ttft_s": asy["b_ttft_s"], "standalone_restore_s": r["standalone_restore_s"],
+                     "async_restore_s": asy["restore_s"], "ttft_goal_s": r["ttft_goal_s"],
+                     "async_ttft_vs_goal": r["ttft_ratio_async"],
+                     "restored_alone_identical": r["async_alone_identical"]})
+    return {"rows": rows, "concurrency": figures.get("concurrency") or []}
+
+
 def _vllm_engine(figures: dict) -> dict:
     return {"rows": [r | {"cold_vs_restored_ttft": r["cold_ttft_s"] / r["restored_ttft_s"],
                           "engine_vs_standalone_restore": r["restore_s"] / r["standalone_restore_s"]}
@@ -100,6 +115,25 @@ _SECTIONS = [
         {"rows": ["model", "prompt_tokens", "restored_chunks", "window_chunks", "cold_ttft_s", "restored_ttft_s",
                   "cold_vs_restored_ttft", "restore_s", "standalone_restore_s", "engine_vs_standalone_restore",
                   "peak_staging_bytes", "tokens_identical", "max_logprob_diff"]}, _vllm_engine),
+    Section("vllm_stall", "A co-running request while a prefix restores", (
+        "One engine per load mode: request A decodes 120 tokens; after its 20th, request B arrives whose prefix "
+        "is resident in vLLM's prefix cache (the floor), restored by BSR on the step thread (sync) or in the "
+        "background (async, the default). A's largest inter-token gap while B is admitted against the resident "
+        "case (goal: async at most 1.2x), B's TTFT against the resident TTFT + 1.2x BSR's standalone restore "
+        "of the same objects (goal: ratio at most 1), B restored alone bit-identical to its cold prefill. "
+        "Concurrency: 8 restores at once under B = 4 windows' staging, then a 4K restore behind the long one. "
+        "Best of `--repeat` by A's largest gap."), "Inside vLLM",
+        {"rows": ["model", "tokens", "a_median_gap_ms", "resident_max_gap_ms", "sync_max_gap_ms", "async_max_gap_ms",
+                  "sync_vs_resident", "async_vs_resident", "resident_ttft_s", "async_ttft_s", "standalone_restore_s",
+                  "async_restore_s", "ttft_goal_s", "async_ttft_vs_goal", "restored_alone_identical"],
+         "concurrency": ["model", "budget_bytes", "peak_staging_bytes", "within_budget", "outputs_equal_cold",
+                         "restore_order_chunks", "short_first", "long_tokens_equal_cold",
+                         "short_tokens_equal_cold"]}, _vllm_stall),
+    Section("weights_digest_cost", "Start-up cost of the weights identity", (
+        "The model identity's digest of a synthetic multi-GB safetensors checkpoint (headers, sizes and the first, "
+        "middle and last KiB of every tensor), with the checkpoint's pages dropped (cold) and cached (warm), "
+        "beside one cold read of every byte (what a full hash would at least cost)."), "Inside vLLM",
+        {"rows": ["tensors", "digest_cold_s", "digest_warm_s", "read_all_cold_s"]}),
     Section("mooncake_tier_throughput", "Mooncake tier: fetch with integrity against a raw get", (
         "MooncakeTier.fetch (headers and CRC-32C checked) against a raw `batch_get_into` of the same objects "
         "into one registered buffer (`tier / raw`; `raw get thread`: the same get on a worker thread, as the "
@@ -121,10 +155,6 @@ _SECTIONS = [
     Section("lmcache_fs_concurrency", "LMCache FS L2 load concurrency", (
         "BSR through LMCache's FS L2 at load concurrency 1 and 4, page cache dropped before each run; L1 peak "
         "must not change."), "Through LMCache"),
-    Section("lmcache_retrieve_split", "Where a windowed retrieve through LMCache spends its time", (
-        "Per retrieve, milliseconds in LMCache's StorageManager calls, in building the windows, and the loop's "
-        "fetch/install/sync, at W against the whole plan (W = 0); the last column is what each window costs "
-        "above the whole plan."), "Through LMCache"),
     Section("bsr_bench", "Install of one window: `bsr bench`", (
         "Each install backend on this machine against a contiguous copy of the same bytes (ratio)."),
         "Install kernels and the CPU library"),
@@ -158,6 +188,9 @@ _SECTIONS = [
         {"rows": ["scenario", "outcome", "expected", "exposed_tokens", "invalid_blocks", "total_blocks",
                   "marker_set", "marker_cleared", "staging_leaked_bytes", "served_by", "state_hash_ok",
                   "passed"]}),
+    Section("config_startup", "What checking every config costs", (
+        "Fresh-process import times with and without the schemas, and per-call cost of parsing a tier spec, "
+        "the connector's config and the LMCache knobs."), "Reliability"),
     Section("budget_throughput", "Concurrent restores under one byte budget", (
         "Concurrent restores (threads) sharing one ByteBudget B: B = W*c against B = 4*W*c, and the serial "
         "lock; every state hash checked."), "Reliability"),
@@ -238,6 +271,14 @@ def _ladder(f: dict) -> str:
             f"BSR passes at {', '.join(sorted(bsr))} for all: {cell('', all(r['bsr_pass'] for r in rows))}")
 
 
+def _stall(f: dict) -> str | None:
+    rows = sorted(f.get("rows") or [], key=lambda r: (r["model"], r["tokens"]))
+    if not rows:
+        return None
+    return "; ".join(f"{r['model']} {r['tokens'] // 1024}K: async {r['gap_ratio_async']:.2f}, sync "
+                     f"{r['gap_ratio_sync']:.2f}" for r in rows)
+
+
 HEADLINES = [
     Headline("bsr_demo", "peak staging", lambda rec: True, _peaks),
     Headline("bsr_sweep", "restore time, BSR / whole plan, filesystem tier", _setting(tier="fs", baseline=True),
@@ -250,6 +291,8 @@ HEADLINES = [
              _setting(tier="lmcache-mooncake", baseline=True), _ratios),
     Headline("lmcache_ladder", "LMCache L1 needed to restore", lambda rec: True, _ladder),
     Headline("bsr_demo", "real vLLM engine, restored by a fresh engine", lambda rec: True, _engine),
+    Headline("vllm_stall", "a co-running request's largest gap while a prefix restores / resident prefix",
+             lambda rec: True, _stall),
     Headline("bsr_faults", "fault matrix, real Mooncake master and files", lambda rec: True, _faults),
     Headline("bench_install", "CPU install (2 threads, W = 32) / contiguous copy", lambda rec: True, _install),
 ]
