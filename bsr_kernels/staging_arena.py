@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .staging_pool import CompletionEvent
+from .staging_pool import CompletionEvent, LeasedChunks
 
 
 @dataclass
-class ArenaLease:
-    """A run of `num_chunks` chunks of an arena; the SlotLease interface (view, chunk(i), chunks(),
-    record, synchronize, release) so the window loop's stages take either."""
+class ArenaLease(LeasedChunks):
+    """A run of `num_chunks` chunks of an arena; a SlotLease's interface (LeasedChunks, release), so
+    the window loop's sources and sinks take either."""
 
     pool: StagingArena
     first: int  # first chunk of the run in the arena
@@ -40,23 +40,6 @@ class ArenaLease:
     recorded: bool = False
     synchronized: bool = False
     released: bool = False
-
-    def chunk(self, i: int) -> torch.Tensor:
-        if self.view.dim() == 2:
-            return self.view[i]
-        c = self.pool.chunk_bytes
-        return self.view[i * c : (i + 1) * c]
-
-    def chunks(self) -> list[torch.Tensor]:
-        return [self.chunk(i) for i in range(self.num_chunks)]
-
-    def record(self, stream=None) -> None:
-        self.event.record(stream)
-        self.recorded, self.synchronized = True, False
-
-    def synchronize(self) -> None:
-        self.event.synchronize()
-        self.synchronized = True
 
     def release(self) -> None:
         """Give the run back (idempotent). Recorded work must have been synchronized first."""

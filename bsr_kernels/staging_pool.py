@@ -66,8 +66,32 @@ class Slot:
     pending: bool = False  # released with an install in flight
 
 
+class LeasedChunks:
+    """What every staging lease offers the window loop: its chunks' views, and the completion of the
+    work on them (`pool.chunk_bytes`, `view`, `num_chunks`, `event` come from the lease)."""
+
+    def chunk(self, i: int) -> torch.Tensor:
+        if self.view.dim() == 2:
+            return self.view[i]
+        c = self.pool.chunk_bytes
+        return self.view[i * c : (i + 1) * c]
+
+    def chunks(self) -> list[torch.Tensor]:
+        return [self.chunk(i) for i in range(self.num_chunks)]
+
+    def record(self, stream=None) -> None:
+        """Record the completion of the work just launched on this lease's bytes."""
+        self.event.record(stream)
+        self.recorded, self.synchronized = True, False
+
+    def synchronize(self) -> None:
+        """Wait until the recorded work completed."""
+        self.event.synchronize()
+        self.synchronized = True
+
+
 @dataclass
-class SlotLease:
+class SlotLease(LeasedChunks):
     """A leased slot: `view` is the window's staging bytes (num_chunks * chunk_bytes; with
     headroom a (num_chunks, chunk_bytes) view whose rows are chunk_stride apart).
 
@@ -83,24 +107,9 @@ class SlotLease:
     recorded: bool = False
     synchronized: bool = False
 
-    def chunk(self, i: int) -> torch.Tensor:
-        if self.view.dim() == 2:
-            return self.view[i]
-        c = self.pool.chunk_bytes
-        return self.view[i * c : (i + 1) * c]
-
-    def chunks(self) -> list[torch.Tensor]:
-        return [self.chunk(i) for i in range(self.num_chunks)]
-
-    def record(self, stream=None) -> None:
-        """Record the completion of the work just launched on this lease's bytes."""
-        self.slot.event.record(stream)
-        self.recorded, self.synchronized = True, False
-
-    def synchronize(self) -> None:
-        """Wait until the recorded work completed."""
-        self.slot.event.synchronize()
-        self.synchronized = True
+    @property
+    def event(self) -> CompletionEvent:
+        return self.slot.event
 
     def release(self) -> None:
         self.pool.release(self)
