@@ -91,3 +91,39 @@ def test_hybrid_two_groups_restore_and_collapse(model, tokens, tmp_path):
     assert events[:3] == ["probe", "load", "marker_set"]
     assert "skip" in events and events.count("probe") == 1  # re-admitted: no second lookup
     assert got[0] == cold[0] and got[1] == cold[1]  # recomputed locally
+
+
+def test_chunks_whose_sliding_window_blocks_were_freed_are_not_saved(tmp_path_factory, tmp_path):
+    """Prefill steps of 384 tokens (not a multiple of the 256-token chunk) and a 64-token sliding
+    window: by the step a chunk completes in, vLLM has freed the sliding-window blocks of its first
+    tokens, so that chunk cannot be saved whole. The saver stops at it (it never writes that
+    group's part as zeros), and a request sharing the saved prefix restores output equal to its
+    cold prefill."""
+    model = U.build_tiny_llama(tmp_path_factory.mktemp("hybrid-w64"), seed=19, sliding_window=64,
+                               layer_types=["sliding_attention", "full_attention"])
+    steps = {"max_num_batched_tokens": 384}
+    p = U.prompt(N * U.CHUNK + 45, seed=41)
+    kv = U.kv_transfer([{"type": "filesystem", "root": str(tmp_path)}], window_chunks=W)
+    llm = U.make_llm(model, kv, **steps)
+    try:
+        U.generate(llm, p)
+        worker = U.worker_connector().worker
+        assert worker.wait_saves(60)
+        saved = sum(s["stored"] for s in worker.saves if s["ok"])
+    finally:
+        U.shutdown(llm)
+    assert 0 < saved < N, f"{saved} of {N} chunks saved: no chunk met freed sliding-window blocks"
+    q = p[: saved * U.CHUNK] + U.prompt(100, seed=42)  # shares exactly the saved prefix
+    llm = U.make_llm(model, **steps)
+    try:
+        cold = U.generate(llm, q)
+    finally:
+        U.shutdown(llm)
+    llm = U.make_llm(model, kv, **steps)
+    try:
+        got = U.generate(llm, q)
+    finally:
+        U.shutdown(llm)
+    assert got[2] == saved * U.CHUNK  # the saved prefix was restored
+    assert got[0] == cold[0]
+    assert max(abs(a - b) for a, b in zip(got[1], cold[1], strict=True)) < 1e-3  # steps differ: last bits only
