@@ -110,13 +110,10 @@ def test_chunks_whose_sliding_window_blocks_were_freed_are_not_saved(tmp_path_fa
         worker = U.worker_connector().worker
         assert worker.wait_saves(60)
         saved = sum(s["stored"] for s in worker.saves if s["ok"])
-    finally:
-        U.shutdown(llm)
-    assert 0 < saved < N, f"{saved} of {N} chunks saved: no chunk met freed sliding-window blocks"
-    q = p[: saved * U.CHUNK] + U.prompt(100, seed=42)  # shares exactly the saved prefix
-    llm = U.make_llm(model, **steps)
-    try:
-        cold = U.generate(llm, q)
+        assert 0 < saved < N, f"{saved} of {N} chunks saved: no chunk met freed sliding-window blocks"
+        q = p[: saved * U.CHUNK] + U.prompt(100, seed=42)  # shares exactly the saved prefix
+        cold = U.generate(llm, q, cache_salt="cold")  # another tenant: neither the local copy nor the tier's
+        assert cold[2] == 0
     finally:
         U.shutdown(llm)
     llm = U.make_llm(model, kv, **steps)
