@@ -292,7 +292,7 @@ HEADLINES = [
     Headline("lmcache_ladder", "LMCache L1 needed to restore", lambda rec: True, _ladder),
     Headline("bsr_demo", "real vLLM engine, restored by a fresh engine", lambda rec: True, _engine),
     Headline("vllm_stall", "a co-running request's largest gap while a prefix restores / resident prefix",
-             lambda rec: True, _stall),
+             _setting(models="tiny,kvheavy"), _stall),
     Headline("bsr_faults", "fault matrix, real Mooncake master and files", lambda rec: True, _faults),
     Headline("bench_install", "CPU install (2 threads, W = 32) / contiguous copy", lambda rec: True, _install),
 ]
