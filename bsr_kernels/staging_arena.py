@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .staging_pool import CompletionEvent, LeasedChunks
+from .staging_pool import CompletionEvent, LeasedChunks, StagingBuffer
 
 
 @dataclass
@@ -50,26 +50,12 @@ class ArenaLease(LeasedChunks):
         self.pool.quarantine(self)
 
 
-class StagingArena:
+class StagingArena(StagingBuffer):
     """`capacity_chunks` chunks of `chunk_bytes` (plus `headroom` before each), leased as runs."""
 
     def __init__(self, chunk_bytes: int, capacity_chunks: int, *, headroom: int = 0,
                  device: str | torch.device = "cpu", pin_memory: bool | None = None) -> None:
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % 16:
-            raise ValueError(f"chunk_bytes must be a positive multiple of 16, got {chunk_bytes!r}")
-        if isinstance(capacity_chunks, bool) or not isinstance(capacity_chunks, int) or capacity_chunks <= 0:
-            raise ValueError(f"a staging arena needs at least one chunk, got {capacity_chunks!r}")
-        if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0 or headroom % 16:
-            raise ValueError(f"headroom must be a non-negative multiple of 16, got {headroom!r}")
-        self.device = torch.device(device)
-        self.chunk_bytes = chunk_bytes
-        self.headroom = headroom
-        self.chunk_stride = headroom + chunk_bytes
-        self.capacity_chunks = capacity_chunks
-        if pin_memory is None:
-            pin_memory = self.device.type == "cpu" and torch.cuda.is_available()
-        self.buffer = torch.empty(capacity_chunks * self.chunk_stride, dtype=torch.uint8, device=self.device,
-                                  pin_memory=bool(pin_memory))
+        super().__init__("staging arena", chunk_bytes, capacity_chunks, headroom, device, pin_memory)
         self._free = bytearray(b"\x01") * capacity_chunks  # 1: chunk free
         self._quarantined = 0
         self._live = 0
@@ -81,14 +67,6 @@ class StagingArena:
         self.max_wait_s = 0.0
 
     # -- meters ----------------------------------------------------------------------------
-    @property
-    def capacity_bytes(self) -> int:
-        return self.capacity_chunks * self.chunk_bytes
-
-    @property
-    def room_bytes(self) -> int:
-        return self.capacity_chunks * self.headroom
-
     @property
     def live_bytes(self) -> int:
         with self._cond:

@@ -115,7 +115,44 @@ class SlotLease(LeasedChunks):
         self.pool.release(self)
 
 
-class StagingPool:
+def _check_count(name: str, value: object, *, multiple: int, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or value % multiple:
+        raise ValueError(f"{name} must be an integer >= {least}, a multiple of {multiple}, got {value!r}")
+
+
+class StagingBuffer:
+    """One staging allocation: `capacity_chunks` chunks of `chunk_bytes`, each after `headroom`
+    bytes of header room (rows `chunk_stride` apart); host memory is pinned on a CUDA machine so
+    the install can read it directly. The pool (slots) and the arena (runs) lease it out."""
+
+    def __init__(self, kind: str, chunk_bytes: int, capacity_chunks: int, headroom: int,
+                 device: str | torch.device, pin_memory: bool | None) -> None:
+        _check_count("chunk_bytes", chunk_bytes, multiple=16, least=16)
+        if isinstance(capacity_chunks, bool) or not isinstance(capacity_chunks, int) or capacity_chunks < 1:
+            raise ValueError(f"a {kind} needs at least one chunk, got {capacity_chunks!r}")
+        _check_count("headroom", headroom, multiple=16, least=0)
+        self.device = torch.device(device)
+        self.chunk_bytes = chunk_bytes
+        self.headroom = headroom
+        self.chunk_stride = headroom + chunk_bytes
+        self.capacity_chunks = capacity_chunks
+        if pin_memory is None:
+            pin_memory = self.device.type == "cpu" and torch.cuda.is_available()
+        self.pinned = bool(pin_memory)
+        self.buffer = torch.empty(capacity_chunks * self.chunk_stride, dtype=torch.uint8, device=self.device,
+                                  pin_memory=self.pinned)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_chunks * self.chunk_bytes
+
+    @property
+    def room_bytes(self) -> int:
+        """The header room before the chunks (allocated with them, never counted as staged bytes)."""
+        return self.capacity_chunks * self.headroom
+
+
+class StagingPool(StagingBuffer):
     """A fixed staging buffer of `capacity_chunks` chunks of `chunk_bytes`, in 1 or 2 slots.
 
     Two slots split the capacity ceil(W/2) + floor(W/2), so the pool never exceeds W chunks.
@@ -131,27 +168,11 @@ class StagingPool:
         pin_memory: bool | None = None,
         headroom: int = 0,
     ) -> None:
-        if chunk_bytes <= 0 or chunk_bytes % 16:
-            raise ValueError(f"chunk_bytes must be a positive multiple of 16, got {chunk_bytes}")
-        if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0 or headroom % 16:
-            raise ValueError(f"headroom must be a non-negative multiple of 16, got {headroom!r}")
-        if capacity_chunks <= 0:
-            raise ValueError(f"a staging pool needs at least one chunk, got {capacity_chunks}")
         if num_slots not in (1, 2):
             raise ValueError(f"num_slots must be 1 or 2, got {num_slots}")
+        super().__init__("staging pool", chunk_bytes, capacity_chunks, headroom, device, pin_memory)
         if num_slots == 2 and capacity_chunks < 2:
             num_slots = 1  # one chunk cannot be split; depth 2 degrades to depth 1
-        self.device = torch.device(device)
-        self.chunk_bytes = chunk_bytes
-        self.headroom = headroom
-        self.chunk_stride = headroom + chunk_bytes
-        self.capacity_chunks = capacity_chunks
-        if pin_memory is None:
-            pin_memory = self.device.type == "cpu" and torch.cuda.is_available()
-        self.pinned = bool(pin_memory)
-        self.buffer = torch.empty(
-            capacity_chunks * self.chunk_stride, dtype=torch.uint8, device=self.device, pin_memory=self.pinned
-        )
         sizes = [capacity_chunks] if num_slots == 1 else [-(-capacity_chunks // 2), capacity_chunks // 2]
         self.slots: list[Slot] = []
         off = 0
@@ -164,15 +185,6 @@ class StagingPool:
         self._peak_chunks = 0
 
     # -- meters ----------------------------------------------------------------------------
-    @property
-    def capacity_bytes(self) -> int:
-        return self.capacity_chunks * self.chunk_bytes
-
-    @property
-    def room_bytes(self) -> int:
-        """The header room before the chunks (allocated with them, never counted as staged bytes)."""
-        return self.capacity_chunks * self.headroom
-
     @property
     def slot_chunks(self) -> list[int]:
         return [s.capacity_chunks for s in self.slots]
