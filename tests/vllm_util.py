@@ -49,6 +49,15 @@ shutdown = vllm_engines.shutdown
 generate = vllm_engines.generate
 
 
+def cold_output(model: str, tokens, **kw):
+    """(tokens, logprobs, cached tokens) of a cold prefill in an engine without the connector."""
+    llm = make_llm(model, **kw)
+    try:
+        return generate(llm, tokens)
+    finally:
+        shutdown(llm)
+
+
 def prompt(n_tokens: int, seed: int = 1) -> list[int]:
     import random
 

@@ -32,11 +32,7 @@ def tokens():
 
 
 def test_hybrid_two_groups_restore_and_collapse(model, tokens, tmp_path):
-    llm = U.make_llm(model)
-    try:
-        cold = U.generate(llm, tokens)
-    finally:
-        U.shutdown(llm)
+    cold = U.cold_output(model, tokens)
     kv = U.kv_transfer([{"type": "filesystem", "root": str(tmp_path)}], window_chunks=W)
     llm = U.make_llm(model, kv)
     try:

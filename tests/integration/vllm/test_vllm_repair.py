@@ -37,11 +37,7 @@ def tokens():
 
 @pytest.fixture(scope="module")
 def cold(model, tokens):
-    llm = U.make_llm(model)
-    try:
-        return U.generate(llm, tokens)
-    finally:
-        U.shutdown(llm)
+    return U.cold_output(model, tokens)
 
 
 def _same(a, b) -> None:
