@@ -141,6 +141,9 @@ class StagingBuffer:
         self.pinned = bool(pin_memory)
         self.buffer = torch.empty(capacity_chunks * self.chunk_stride, dtype=torch.uint8, device=self.device,
                                   pin_memory=self.pinned)
+        if self.device.type == "cpu" and not self.pinned:
+            # touched now, at start-up: else the first restore pays a page fault per page of its staging
+            self.buffer.zero_()
 
     @property
     def capacity_bytes(self) -> int:

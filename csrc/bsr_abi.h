@@ -22,7 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define BSR_CPU_ABI_VERSION 6003
+#define BSR_CPU_ABI_VERSION 6004
 #define BSR_CUDA_ABI_VERSION 3
 
 #ifdef __cplusplus
@@ -75,6 +75,22 @@ BSR_CPU_API int bsr_crc32c_many(int64_t n, const int64_t* ptrs, int64_t nbytes, 
  * dst_body[i]; crcs[i] = CRC-32C of the body as it landed. Returns 0, or -1 for invalid arguments. */
 BSR_CPU_API int bsr_copy_crc32c(int64_t n, const int64_t* src, const int64_t* dst_head, const int64_t* dst_body,
                                 int64_t head_bytes, int64_t body_bytes, uint32_t* crcs, int64_t threads);
+
+/* The filesystem tier's objects, n per call (bsr_fs_read.c): each relpaths[i] (the address of a
+ * NUL-terminated "ab/cd/<hash>.bsr") opened under root_fd by one openat2 refusing any symlink or
+ * escape, with `flags`; a regular file of exactly object_size bytes is read whole, its first
+ * head_bytes to heads + i * head_bytes and the rest to bodies[i], crcs[i] = CRC-32C of the rest.
+ * status[i] = 0, an errno (ENOENT: absent; ELOOP, ENOTDIR, EXDEV: a symlink or escape) or a
+ * BSR_FS_* code below. The probe only opens and checks type and size. Returns 0, or -1 for
+ * invalid arguments. */
+#define BSR_FS_NOT_REGULAR 1001
+#define BSR_FS_WRONG_SIZE 1002
+#define BSR_FS_SHORT 1003
+BSR_CPU_API int bsr_fs_read_objects(int root_fd, int64_t n, const int64_t* relpaths, int64_t flags,
+                                    int64_t object_size, int64_t head_bytes, void* heads, const int64_t* bodies,
+                                    uint32_t* crcs, int64_t* status);
+BSR_CPU_API int bsr_fs_probe_objects(int root_fd, int64_t n, const int64_t* relpaths, int64_t flags,
+                                     int64_t object_size, int64_t* status);
 
 /* ---- libbsr_cuda.so --------------------------------------------------------------------------- */
 

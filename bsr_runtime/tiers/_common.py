@@ -64,15 +64,10 @@ class SettledFetchHandle(FetchHandle):
         return self._settled.wait(timeout)
 
 
-def host_views(keys: Sequence[str], views: Sequence[torch.Tensor], chunk_bytes: int, what: str) -> list[np.ndarray]:
-    """Check `views` against `keys` and return writable numpy aliases (no copies) of them.
-
-    Each view must be a contiguous CPU uint8 tensor of exactly `chunk_bytes` elements; the
-    numpy array shares its memory, so reads and writes through it hit the staging bytes.
-    """
+def check_host_views(keys: Sequence[str], views: Sequence[torch.Tensor], chunk_bytes: int, what: str) -> None:
+    """Each view must be a contiguous CPU uint8 tensor of exactly `chunk_bytes` elements, one per key."""
     if len(keys) != len(views):
         raise ValueError(f"{what}: {len(keys)} keys but {len(views)} views")
-    out = []
     for i, (k, v) in enumerate(zip(keys, views, strict=True)):
         if not isinstance(k, str):
             raise ValueError(f"{what}: key {i} is {type(k).__name__}, not str")
@@ -85,8 +80,13 @@ def host_views(keys: Sequence[str], views: Sequence[torch.Tensor], chunk_bytes: 
             )
         if v.numel() != chunk_bytes:
             raise ValueError(f"{what}: view {i} has {v.numel():,} bytes, objects are {chunk_bytes:,} B")
-        out.append(v.detach().reshape(-1).numpy())
-    return out
+
+
+def host_views(keys: Sequence[str], views: Sequence[torch.Tensor], chunk_bytes: int, what: str) -> list[np.ndarray]:
+    """Check `views` against `keys` (check_host_views) and return writable numpy aliases (no copies)
+    of them: reads and writes through them hit the staging bytes."""
+    check_host_views(keys, views, chunk_bytes, what)
+    return [v.detach().reshape(-1).numpy() for v in views]
 
 
 # -- payload checksums (shared by the filesystem and Mooncake tiers) -------------------------

@@ -25,6 +25,7 @@ is one task per worker (up to one per object), each taking the next unread objec
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -36,12 +37,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from . import fs_native
 from ._common import (
     CRC32,
     CRC32C,
     DEFAULT_CHECKSUM,
     HAVE_CRC32C,
     SettledFetchHandle,
+    check_host_views,
     crc_at,
     host_views,
     payload_crc,
@@ -61,6 +64,7 @@ from .fs_format import (  # noqa: F401 - HEADER_SIZE, HEADER_STRUCT, pack_header
     FILE_FLAGS,
     HEADER_SIZE,
     HEADER_STRUCT,
+    O_CLOEXEC,
     SUFFIX,
     TMP_FLAGS,
     bad_size_error,
@@ -72,6 +76,13 @@ from .fs_format import (  # noqa: F401 - HEADER_SIZE, HEADER_STRUCT, pack_header
     pack_header,
 )
 from .fs_open import open_dir, open_object, openat2_works
+
+# the probe opens without reading (O_PATH): what a stat sees, and no FIFO or permission stops it
+PROBE_FLAGS = getattr(os, "O_PATH", 0) | os.O_NOFOLLOW | O_CLOEXEC
+# probe answers that mean "not there" (as the per-object probe: absent, a symlink, not a regular
+# file of the object size); any other errno is a tier error
+_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV, fs_native.NOT_REGULAR,
+                     fs_native.WRONG_SIZE})
 
 
 class _FetchState:
@@ -90,7 +101,7 @@ class _FetchState:
         self.final = False
         self.lock = threading.Lock()
         self.next = 0  # the next object a worker takes
-        self.dsts: list[tuple[np.ndarray, int]] = []
+        self.dsts: list[tuple[torch.Tensor, int]] = []  # each object's staging view and its address
 
 
 class FilesystemTier(Tier):
@@ -156,6 +167,8 @@ class FilesystemTier(Tier):
         self._fp = fingerprint_bytes(fingerprint)
         self._root_fd = os.open(self.root, DIR_FLAGS)
         self._openat2 = openat2_works(self._root_fd)
+        # a window's objects per native call (one GIL hand-off, not several per object)
+        self._native = bool(PROBE_FLAGS & getattr(os, "O_PATH", 0)) and fs_native.available()
         self._pool = ThreadPoolExecutor(max_workers=load_concurrency, thread_name_prefix="bsr-fs")
         self._lock = threading.Lock()
         self._inflight: set[_FetchState] = set()
@@ -172,6 +185,12 @@ class FilesystemTier(Tier):
     def _open_object(self, key: str) -> tuple[int, bytes]:
         digest = key_digest(key)
         return open_object(self._root_fd, self.root, key, digest.hex(), self._openat2), digest
+
+    @property
+    def batched(self) -> bool:
+        """Whether reads and probes go a window's objects per native call (fs_native.py; it opens with
+        openat2 only), else object by object."""
+        return self._native and self._openat2
 
     # -- probe -----------------------------------------------------------------------------
     def _check(self, op: str) -> None:
@@ -196,6 +215,13 @@ class FilesystemTier(Tier):
         """Existence + regular file + exact size per key; reads no payload, holds nothing."""
         self._check("probe")
         keys = list(keys)
+        if self.batched and keys:
+            status = fs_native.probe_objects(self._root_fd, [key_digest(k) for k in keys], PROBE_FLAGS,
+                                             self.object_size).tolist()
+            failed = [s for s in status if s and s not in _ABSENT]
+            if failed:
+                raise TierError(f"filesystem tier: probe failed: {os.strerror(failed[0])}")
+            return [s == 0 for s in status]
         try:
             return [self._present(k) for k in keys]
         except OSError as e:
@@ -206,13 +232,13 @@ class FilesystemTier(Tier):
               headroom: int = 0) -> SettledFetchHandle:
         self._check("fetch")
         keys = tuple(keys)
-        arrays = host_views(keys, views, self.chunk_bytes, "filesystem tier fetch")
+        check_host_views(keys, views, self.chunk_bytes, "filesystem tier fetch")
         handle = SettledFetchHandle(keys, deadline)
         state = _FetchState(handle)
         if not keys:
             self._finish(state)
             return handle
-        state.dsts = [(a, v.data_ptr()) for a, v in zip(arrays, views, strict=True)]
+        state.dsts = [(v, v.data_ptr()) for v in views]
         with self._lock:
             self._inflight.add(state)
         try:
@@ -223,36 +249,65 @@ class FilesystemTier(Tier):
         return handle
 
     def _fetch_some(self, state: _FetchState) -> None:
-        """One worker's share of a fetch: read the next unclaimed object until none is left,
-        the fetch has failed, its deadline has passed or the tier is closing."""
-        keys, dsts = state.handle.keys, state.dsts
-        i, err = -1, None
+        """One worker's share of a fetch: read the next unclaimed objects (natively, its share of
+        what is left at once; else one) until none is left, the fetch has failed, its deadline has
+        passed or the tier is closing."""
+        keys = state.handle.keys
+        begin = end = 0
+        landed, err = 0, None
         while True:
             with state.lock:
-                if i >= 0:  # account for the read this worker just ended
-                    state.finished += 1
-                    if err is None:
-                        state.landed += 1
-                        state.nbytes += self.chunk_bytes
-                    elif state.error is None:
+                if end > begin:  # account for the reads this worker just ended
+                    state.finished += end - begin
+                    state.landed += landed
+                    state.nbytes += landed * self.chunk_bytes
+                    if err is not None and state.error is None:
                         state.error = err
-                i = state.next
-                if i >= state.total or state.error is not None:
+                begin = state.next
+                if begin >= state.total or state.error is not None:
                     break
                 if self._closed:
                     state.error = TierUnavailableError("filesystem tier closed before the fetch completed")
                     break
                 if time.monotonic() > state.deadline:
-                    state.error = FetchTimeoutError(f"filesystem tier: deadline passed before {keys[i]} was read")
+                    state.error = FetchTimeoutError(f"filesystem tier: deadline passed before {keys[begin]} was read")
                     break
-                state.next = i + 1
-                state.started += 1
-            err = None
+                share = -(-state.total // self.load_concurrency) if self.batched else 1  # an equal share each
+                end = min(state.total, begin + share)
+                state.next = end
+                state.started += end - begin
             try:
-                self._read_into(keys[i], dsts[i])
+                landed, err = self._read_range(keys, state.dsts, begin, end)
             except BaseException as e:
-                err = e
+                landed, err = 0, e
         self._maybe_finish(state)
+
+    def _read_range(self, keys: tuple[str, ...], dsts: list[tuple[torch.Tensor, int]], begin: int,
+                    end: int) -> tuple[int, BaseException | None]:
+        """(objects landed, the first error) of reading keys[begin:end] into their staging."""
+        if not self.batched:
+            self._read_into(keys[begin], dsts[begin])
+            return 1, None
+        digests = [key_digest(k) for k in keys[begin:end]]
+        heads, crcs, status = fs_native.read_objects(self._root_fd, digests, FILE_FLAGS, self.object_size,
+                                                     HEADER_SIZE, [addr for _, addr in dsts[begin:end]])
+        landed, first = 0, None
+        for j, st in enumerate(status.tolist()):
+            i = begin + j
+            try:
+                if st:  # the per-object read says exactly what is wrong (or finds it whole now)
+                    self._read_into(keys[i], dsts[i])
+                else:
+                    algo, crc = check_header(keys[i], heads[j].tobytes(), digests[j], self._fp, self.fingerprint,
+                                             self.chunk_bytes)
+                    got = int(crcs[j]) if algo == CRC32C else crc_at(algo, dsts[i][1], self.chunk_bytes)
+                    if got != crc:
+                        raise CorruptObjectError(f"filesystem tier: checksum mismatch for {keys[i]}")
+                landed += 1
+            except BaseException as e:
+                if first is None:
+                    first = e
+        return landed, first
 
     def _fail(self, state: _FetchState, err: BaseException) -> None:
         with state.lock:
@@ -287,9 +342,10 @@ class FilesystemTier(Tier):
         else:
             handle.set_result(state.nbytes)
 
-    def _read_into(self, key: str, dst: tuple[np.ndarray, int]) -> int:
-        """Read the object into `dst` (the staging view as an array, and its address)."""
-        arr, addr = dst
+    def _read_into(self, key: str, dst: tuple[torch.Tensor, int]) -> int:
+        """Read the object into `dst` (the staging view and its address), one system call at a time."""
+        view, addr = dst
+        arr = view.detach().reshape(-1).numpy()
         fd, digest = self._open_object(key)
         try:
             st = os.fstat(fd)

@@ -29,16 +29,22 @@ def _openat2_here(tmp_path) -> bool:
         os.close(fd)
 
 
-@pytest.fixture(params=["openat2", "walk"])
+@pytest.fixture(params=["batched", "openat2", "walk"])
 def tier(request, tmp_path):
+    """The three read paths: a window's objects per native call (openat2 in C), one openat2 per
+    object from Python, and the component-by-component walk."""
     root = tmp_path / "store"
     root.mkdir()
     t = FilesystemTier(root, SMALL, FP, load_concurrency=2)
-    if request.param == "openat2":
-        if not t._openat2:
-            t.close()
-            pytest.skip("openat2 is not available here")
-    else:
+    if request.param != "walk" and not t._openat2:
+        t.close()
+        pytest.skip("openat2 is not available here")
+    if request.param == "batched" and not t.batched:
+        t.close()
+        pytest.skip("the CPU library is not built")
+    if request.param != "batched":
+        t._native = False
+    if request.param == "walk":
         t._openat2 = False
     yield t
     t.close()
@@ -147,6 +153,7 @@ def test_workers_stop_taking_objects_after_an_error(tmp_path, conc):
     root.mkdir()
     keys = [f"k{i}" for i in range(12)]
     with FilesystemTier(root, SMALL, FP, load_concurrency=conc) as t:
+        t._native = False  # objects one at a time (the batched path: test_fs_native.py)
         t.put(keys, _data(len(keys)))
         with open(t.path_of("k4"), "r+b") as f:  # damage one payload byte
             f.seek(200)

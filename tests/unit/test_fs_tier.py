@@ -59,9 +59,14 @@ def outside(tmp_path_factory):
     return tmp_path_factory.mktemp("outside")
 
 
-@pytest.fixture
-def tier(root):
+@pytest.fixture(params=["batched", "per-object"])
+def tier(request, root):
+    """The tier reading a window's objects per native call, and one object at a time."""
     t = FilesystemTier(root, SMALL, FP, load_concurrency=2)
+    if request.param == "batched" and not t.batched:
+        t.close()
+        pytest.skip("the CPU library (or openat2) is not available here")
+    t._native = request.param == "batched"
     yield t
     t.close()
 
@@ -420,6 +425,7 @@ def test_bad_chunk_bytes_and_checksum(root):
 def test_reads_overlap_with_load_concurrency(root, conc):
     n = 8
     with FilesystemTier(root, SMALL, FP, load_concurrency=conc) as t:
+        t._native = False  # object-at-a-time scheduling (batched reads: test_fs_native.py)
         data = payloads(n, SMALL)
         keys = [f"k{i}" for i in range(n)]
         t.put(keys, data)
@@ -451,6 +457,7 @@ def test_reads_overlap_with_load_concurrency(root, conc):
 
 def test_first_error_stops_unstarted_reads(root):
     with FilesystemTier(root, SMALL, FP, load_concurrency=1) as t:
+        t._native = False  # object-at-a-time scheduling (batched reads: test_fs_native.py)
         keys = [f"k{i}" for i in range(10)]
         t.put(keys[1:], payloads(9, SMALL))
         reads = []
@@ -466,6 +473,7 @@ def test_first_error_stops_unstarted_reads(root):
 
 def test_quiesce_after_timeout_waits_for_inflight_read(root):
     with FilesystemTier(root, SMALL, FP, load_concurrency=1) as t:
+        t._native = False  # object-at-a-time scheduling (batched reads: test_fs_native.py)
         keys = ["a", "b", "c"]
         t.put(keys, payloads(3, SMALL))
         real = t._read_into
@@ -500,6 +508,7 @@ def _tier_threads():
 
 def test_close_fails_queued_fetches(root):
     t = FilesystemTier(root, SMALL, FP, load_concurrency=1)
+    t._native = False  # object-at-a-time scheduling (batched reads: test_fs_native.py)
     keys = [f"k{i}" for i in range(8)]
     t.put(keys, payloads(8, SMALL))
     real = t._read_into

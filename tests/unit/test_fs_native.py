@@ -1,0 +1,158 @@
+"""The filesystem tier's batched reads and probes (csrc/bsr_fs_read.c via tiers/fs_native.py): a
+window's objects in one native call per worker share, the bytes as stored (destinations poisoned
+first, neighbours untouched), each hostile file reported with its own status, the CRC-32C of what
+landed equal to an independent CRC, and the batched probe answering what the per-object probe does."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import pytest
+import torch
+
+from bsr_runtime.tiers import CorruptObjectError, FilesystemTier, MissingObjectError, fs_native
+from bsr_runtime.tiers import filesystem as fsmod
+from bsr_runtime.tiers.fs_format import FILE_FLAGS, HEADER_SIZE, key_digest
+
+FP = "0123456789abcdef0123456789abcdef"
+SMALL = 4096 + 16 * 3
+
+pytestmark = pytest.mark.skipif(not fs_native.available(), reason="the CPU library is not built")
+
+
+def _data(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (SMALL,), dtype=torch.uint8, generator=g) for _ in range(n)]
+
+
+@pytest.fixture
+def tier(tmp_path):
+    root = tmp_path / "store"
+    root.mkdir()
+    t = FilesystemTier(root, SMALL, FP, load_concurrency=1)
+    if not t.batched:
+        t.close()
+        pytest.skip("openat2 is not available here")
+    yield t
+    t.close()
+
+
+def _counting(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = fs_native.read_objects
+
+    def counted(root_fd, digests, *a, **k):
+        calls.append(len(digests))
+        return real(root_fd, digests, *a, **k)
+
+    monkeypatch.setattr(fs_native, "read_objects", counted)
+    return calls
+
+
+@pytest.mark.parametrize("conc", [1, 2])
+def test_a_window_is_one_native_call_per_worker_share(tmp_path, monkeypatch, conc):
+    root = tmp_path / "store"
+    root.mkdir()
+    keys = [f"k{i}" for i in range(32)]
+    data = _data(len(keys))
+    with FilesystemTier(root, SMALL, FP, load_concurrency=conc) as t:
+        t.put(keys, data)
+        calls = _counting(monkeypatch)
+        staging = torch.full((len(keys) + 2, SMALL), 0xA5, dtype=torch.uint8)  # poisoned, a spare row each side
+        t.fetch(keys, [staging[1 + i] for i in range(len(keys))], time.monotonic() + 10).wait()
+    assert sum(calls) == len(keys)
+    assert calls == [len(keys) // conc] * conc  # an equal share per worker, never an object per call
+    for i, d in enumerate(data):
+        assert torch.equal(staging[1 + i], d)
+    assert bool((staging[0] == 0xA5).all()) and bool((staging[-1] == 0xA5).all())
+
+
+def _raw_read(t, keys):
+    bodies = [torch.full((SMALL,), 7, dtype=torch.uint8) for _ in keys]
+    heads, crcs, status = fs_native.read_objects(t._root_fd, [key_digest(k) for k in keys], FILE_FLAGS,
+                                                 t.object_size, HEADER_SIZE, [b.data_ptr() for b in bodies])
+    return heads, crcs, status.tolist(), bodies
+
+
+def test_each_hostile_file_gets_its_own_status(tier, tmp_path):
+    keys = ["ok", "absent", "symlink", "fifo", "short", "long", "dir"]
+    stored = ["ok", "symlink", "fifo", "short", "long", "dir"]
+    data = _data(len(stored))
+    tier.put(stored, data)
+    outside = tmp_path / "outside.bsr"
+    outside.write_bytes(open(tier.path_of("symlink"), "rb").read())
+    os.replace(tier.path_of("symlink"), str(tmp_path / "moved"))
+    os.symlink(outside, tier.path_of("symlink"))
+    os.unlink(tier.path_of("fifo"))
+    os.mkfifo(tier.path_of("fifo"))
+    with open(tier.path_of("short"), "r+b") as f:
+        f.truncate(HEADER_SIZE + SMALL - 1)
+    with open(tier.path_of("long"), "ab") as f:
+        f.write(b"x")
+    os.unlink(tier.path_of("dir"))
+    os.mkdir(tier.path_of("dir"))
+    t0 = time.monotonic()
+    heads, crcs, status, bodies = _raw_read(tier, keys)
+    assert time.monotonic() - t0 < 5  # the FIFO did not block
+    assert status == [0, errno.ENOENT, errno.ELOOP, fs_native.NOT_REGULAR, fs_native.WRONG_SIZE,
+                      fs_native.WRONG_SIZE, fs_native.NOT_REGULAR]
+    assert torch.equal(bodies[0], data[0])
+    assert bytes(heads[0][:4]) == b"BSR1"
+    assert all(bool((b == 7).all()) for b in bodies[1:])  # nothing read from a refused object
+    google_crc32c = pytest.importorskip("google_crc32c")
+    assert int(crcs[0]) == google_crc32c.value(data[0].numpy().tobytes())
+
+
+def test_symlinked_fanout_directory_is_refused(tier, tmp_path):
+    tier.put(["k"], _data(1))
+    leaf = os.path.dirname(tier.path_of("k"))
+    moved = tmp_path / "moved-leaf"
+    os.replace(leaf, moved)
+    os.symlink(moved, leaf)
+    _, _, status, bodies = _raw_read(tier, ["k"])
+    assert status == [errno.ELOOP]
+    assert bool((bodies[0] == 7).all())
+
+
+def test_batched_fetch_fails_closed_like_the_per_object_path(tier):
+    keys = [f"k{i}" for i in range(6)]
+    tier.put(keys[:5], _data(5))
+    with open(tier.path_of("k2"), "r+b") as f:  # one payload byte flipped
+        f.seek(HEADER_SIZE + 100)
+        b = f.read(1)
+        f.seek(HEADER_SIZE + 100)
+        f.write(bytes([b[0] ^ 0x10]))
+    for batched in (True, False):
+        tier._native = batched
+        with pytest.raises(CorruptObjectError, match="checksum mismatch for k2"):
+            tier.fetch(keys[:5], [torch.zeros(SMALL, dtype=torch.uint8) for _ in range(5)],
+                       time.monotonic() + 10).wait()
+        with pytest.raises(MissingObjectError, match="k5"):
+            tier.fetch(keys[4:], [torch.zeros(SMALL, dtype=torch.uint8) for _ in range(2)],
+                       time.monotonic() + 10).wait()
+
+
+def test_batched_probe_answers_what_the_per_object_probe_does(tier, tmp_path):
+    keys = ["ok", "absent", "symlink", "fifo", "short", "dir"]
+    tier.put(["ok", "symlink", "fifo", "short", "dir"], _data(5))
+    outside = tmp_path / "o.bsr"
+    outside.write_bytes(b"x" * (HEADER_SIZE + SMALL))
+    os.unlink(tier.path_of("symlink"))
+    os.symlink(outside, tier.path_of("symlink"))
+    os.unlink(tier.path_of("fifo"))
+    os.mkfifo(tier.path_of("fifo"))
+    with open(tier.path_of("short"), "r+b") as f:
+        f.truncate(10)
+    os.unlink(tier.path_of("dir"))
+    os.mkdir(tier.path_of("dir"))
+    batched = tier.probe(keys)
+    tier._native = False
+    assert batched == tier.probe(keys) == [True, False, False, False, False, False]
+
+
+def test_probe_error_other_than_absence_is_a_tier_error(tier, monkeypatch):
+    monkeypatch.setattr(fs_native, "probe_objects", lambda *a: fsmod.np.array([errno.EIO], dtype="int64"))
+    with pytest.raises(fsmod.TierError, match="probe failed"):
+        tier.probe(["k"])
