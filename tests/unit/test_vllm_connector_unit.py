@@ -142,3 +142,32 @@ def test_metadata_pickles():
                                 [SaveSpec("r", [1, 2], 1, [[3, 4]], "s", False, 0)])
     back = pickle.loads(pickle.dumps(meta))
     assert back.loads[0].block_ids == [[3, 4]] and back.saves[0].salt == "s"
+
+
+def test_background_loads_shorten_the_switch_interval_while_the_worker_lives():
+    import sys
+
+    from bsr_kernels import presets
+    from bsr_runtime.integrations.vllm.worker import WorkerSide
+    from bsr_runtime.tiers import MemoryTier
+
+    reg = presets.llama_like(layers=1, kv_heads=1, head_dim=16, block_size=16)
+    tier = MemoryTier(reg.chunk_bytes, reg.fingerprint)
+    outer = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)  # Python's default, whatever an earlier test in this process left
+    before = sys.getswitchinterval()
+    cases = [({}, 0.0005), ({"gil_switch_interval_s": 0.002}, 0.002), ({"gil_switch_interval_s": None}, before),
+             ({"load_mode": "sync"}, before), ({"gil_switch_interval_s": 0.05}, before)]  # never made longer
+    try:
+        for extra, expected in cases:
+            cfg = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "save": False, **extra})
+            worker = WorkerSide(cfg, reg, [tier], "m", 0, 1)
+            assert sys.getswitchinterval() == pytest.approx(expected), extra
+            worker.close()
+            assert sys.getswitchinterval() == pytest.approx(before), extra
+    finally:
+        sys.setswitchinterval(outer)
+        tier.close()
+    for bad in (0, 0.5, "fast", float("nan")):
+        with pytest.raises(ValueError, match="gil_switch_interval_s"):
+            ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "gil_switch_interval_s": bad})

@@ -131,6 +131,11 @@ class ConnectorConfig(Schema):
     max_concurrent_restores: Annotated[int, Field(ge=1, le=1024)] = 8  # loader threads
     save_staging_chunks: SaveWindow | None = None  # staging of saves whose puts run (default: two steps' chunks)
     shutdown_timeout_s: Seconds = 30.0  # how long shutdown waits for loads and saves in flight
+    # with background loads, the interpreter's switch interval (sys.setswitchinterval; Python's default is
+    # 5 ms): each time a loader thread needs the GIL back while the step thread runs Python it can wait one
+    # interval, several times per window; a shorter one lets restores finish near their standalone time.
+    # null leaves the interpreter's setting alone
+    gil_switch_interval_s: Annotated[float, Field(ge=0.0001, le=0.1, allow_inf_nan=False)] | None = 0.0005
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:

@@ -16,6 +16,7 @@ chunks the step finished into save staging (bounded) and puts them in the backgr
 from __future__ import annotations
 
 import logging
+import sys
 from collections import deque
 
 import torch
@@ -62,6 +63,18 @@ class WorkerSide:
         self.loads: deque[dict] = deque(maxlen=RECORDS)  # the latest load records (tests, demo)
         self.saves: deque[dict] = deque(maxlen=RECORDS)
         self.stats = LoadSaveStats(reg.chunk_bytes)  # vLLM's metrics (get_kv_connector_stats)
+        self._switch_interval = self._shorten_switch_interval(cfg.gil_switch_interval_s if self.load_async else None)
+
+    @staticmethod
+    def _shorten_switch_interval(interval: float | None) -> tuple[float, float] | None:
+        """Set the interpreter's switch interval to `interval` if that is shorter (never longer: another
+        part of the process may have chosen a short one); (what it was, what we set) to put it back."""
+        before = sys.getswitchinterval()
+        if interval is None or interval >= before:
+            return None
+        sys.setswitchinterval(interval)
+        log.info("BSR: Python switch interval %.2g s -> %.2g s while background loads run", before, interval)
+        return before, sys.getswitchinterval()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv = destinations(self.reg, kv_caches)
@@ -176,3 +189,8 @@ class WorkerSide:
         if self.saver is not None:
             self.saver.close(timeout)
             self._drain_saves()
+        if self._switch_interval is not None:
+            before, ours = self._switch_interval
+            self._switch_interval = None
+            if sys.getswitchinterval() == ours:  # unless someone set another since
+                sys.setswitchinterval(before)
