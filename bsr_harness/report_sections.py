@@ -115,6 +115,16 @@ _SECTIONS = [
         {"rows": ["model", "prompt_tokens", "restored_chunks", "window_chunks", "cold_ttft_s", "restored_ttft_s",
                   "cold_vs_restored_ttft", "restore_s", "standalone_restore_s", "engine_vs_standalone_restore",
                   "peak_staging_bytes", "tokens_identical", "max_logprob_diff"]}, _vllm_engine),
+    Section("restore_beside_busy_thread", "A restore beside a thread that runs Python", (
+        "A filesystem-tier restore (W = 32) alone and beside a thread running pure Python (what the engine's step "
+        "thread does while a background load runs), interleaved in one run: the tier reading one object at a time "
+        "(per_object), a window's objects per native call (batched), and batched with a 0.5 ms switch interval "
+        "(the connector's `gil_switch_interval_s`). `busy_over_alone_*`: the slowdown beside the busy thread."),
+        "Inside vLLM",
+        {"rows": ["tokens", "mib", "restore_alone_per_object_ms", "restore_alone_batched_ms",
+                  "restore_busy_per_object_ms", "restore_busy_batched_ms", "restore_busy_batched_short_switch_ms",
+                  "busy_over_alone_per_object", "busy_over_alone_batched", "busy_short_switch_over_alone",
+                  "probe_busy_per_object_ms", "probe_busy_batched_ms"]}),
     Section("vllm_stall", "A co-running request while a prefix restores", (
         "One engine per load mode: request A decodes 120 tokens; after its 20th, request B arrives whose prefix "
         "is resident in vLLM's prefix cache (the floor), restored by BSR on the step thread (sync) or in the "
