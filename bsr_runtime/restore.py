@@ -31,7 +31,7 @@ from .keys import KeySpace, PrefixKeys
 from .plan import Window, count_windows, plan_windows, slot_sizes
 from .tiers.base import FETCH_HEADROOM, FetchHandle, Tier
 from .validation import check_int, check_optional_int, check_timeout
-from .window_loop import LoopStats, WindowFailed, WindowLoop
+from .window_loop import InPlaceSource, LoopStats, WindowFailed, WindowLoop
 
 MAX_WINDOW_CHUNKS = 1 << 16  # an absurd W is a configuration error, not a huge allocation
 
@@ -313,12 +313,15 @@ class BoundedRestorer:
     def _run(self, req: RestoreRequest, tier: Tier, num_chunks: int, installer: WindowInstaller,
              report: RestoreReport) -> RestoreReport:
         """The windows through the loop; every failure becomes a fail-closed report."""
-        if self.arena is not None:
-            return self._run_shared(req, tier, num_chunks, installer, report)
         reg, cfg = self.reg, self.config
+        keys = PrefixKeys(req.keyspace, req.tokens, reg.chunk_tokens)
+        in_place = tier.window_source(keys, cfg.fetch_timeout_s)
+        if in_place is not None:
+            return self._run_in_place(req, num_chunks, installer, report, in_place)
+        if self.arena is not None:
+            return self._run_shared(req, tier, keys, num_chunks, installer, report)
         w = cfg.window_chunks
         t0 = time.perf_counter()
-        keys = PrefixKeys(req.keyspace, req.tokens, reg.chunk_tokens)
         pool = self.pool or self._new_pool(num_chunks)
         pool.reset_peak()
         loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=len(pool.slots),
@@ -346,13 +349,40 @@ class BoundedRestorer:
             report.total_s = time.perf_counter() - t0
         return report
 
-    def _run_shared(self, req: RestoreRequest, tier: Tier, num_chunks: int, installer: WindowInstaller,
-                    report: RestoreReport) -> RestoreReport:
+    def _run_in_place(self, req: RestoreRequest, num_chunks: int, installer: WindowInstaller,
+                      report: RestoreReport, source: InPlaceSource) -> RestoreReport:
+        """The windows through the loop from the tier's own source (Tier.window_source): installed from
+        where the tier holds them, no staging of ours leased. The admission still reserves each window's
+        W*c (a byte budget or arena bounds what the windows pin); the report's staging figures are what
+        the source pinned for this restore. Every failure becomes a fail-closed report."""
+        reg, cfg = self.reg, self.config
+        t0 = time.perf_counter()
+        loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=cfg.pipeline_depth,
+                          admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
+        try:
+            with self.admission.admitted(cfg.admission_timeout_s):
+                try:
+                    loop.restore(plan_windows(num_chunks, cfg.window_chunks, cfg.pipeline_depth), source,
+                                 installer.install)
+                    report.ok = True
+                    report.committed_tokens = num_chunks * reg.chunk_tokens
+                except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
+                    cause = e.cause if isinstance(e, WindowFailed) else e
+                    report.error = f"{type(cause).__name__}: {cause}"
+                    report.failed_window = loop.stats.failed_window
+        finally:
+            _copy_stats(report, loop.stats, reg.chunk_bytes)
+            report.peak_staging_bytes = source.peak_bytes
+            report.header_room_bytes = source.peak_room_bytes
+            report.total_s = time.perf_counter() - t0
+        return report
+
+    def _run_shared(self, req: RestoreRequest, tier: Tier, keys: PrefixKeys, num_chunks: int,
+                    installer: WindowInstaller, report: RestoreReport) -> RestoreReport:
         """The windows through the loop, staging leased from the shared arena (the caller registered
         its buffer with the tiers); every failure becomes a fail-closed report."""
         reg, cfg, arena = self.reg, self.config, self.arena
         t0 = time.perf_counter()
-        keys = PrefixKeys(req.keyspace, req.tokens, reg.chunk_tokens)
         loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=cfg.pipeline_depth,
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:

@@ -10,8 +10,9 @@
                               -> transfer (gather) -> synchronize -> put -> release -> advance
 
 Where the bytes come from is plugged in as an object the loop calls: a `WindowSource` whose
-`fetch(window, reservation)` starts one window's fetch (a tier into staging: restore.TierSource;
-LMCache's L1: integrations/lmcache), or, for a store, a `WindowSink` whose `stage(...)` leases where
+`fetch(window, reservation)` starts one window's fetch (a tier into staging: restore.TierSource; or
+a tier's own source installed from where it holds the bytes, `Tier.window_source`: LMCache's L1,
+integrations/lmcache/l1_source.py), or, for a store, a `WindowSink` whose `stage(...)` leases where
 the window is gathered to. Making a source or a sink starts nothing.
 
 The loop owns the order of the steps and the clean-up: on every path out (an exception of any type
@@ -81,6 +82,19 @@ class WindowSource(Protocol):
     def fetch(self, window: Window, reservation: WindowReservation) -> FetchedWindow:
         """Start fetching the window's objects (into `reservation.lease` when the admission hands
         staging out); on failure nothing of the window is held."""
+
+
+class InPlaceSource(WindowSource, Protocol):
+    """A tier's own source (Tier.window_source): its windows are installed from where the tier holds
+    the bytes (LMCache's L1), not from BSR's staging; it measures what it pins for the restore."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most chunk bytes the restore's windows pinned at once (the report's peak staging)."""
+
+    @property
+    def peak_room_bytes(self) -> int:
+        """Auxiliary bytes beside them (alignment padding; the report's header room)."""
 
 
 class StoreWindow(Protocol):

@@ -11,8 +11,13 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..keys import PrefixKeys
+    from ..window_loop import WindowSource
 
 # Scratch a restore's staging leaves before each chunk (StagingPool headroom): a tier whose objects
 # carry a header of up to this size (Mooncake's is 128 B) lands each object whole, by one transfer.
@@ -125,6 +130,12 @@ class Tier(ABC):
         to the install (DMA, one page-cache reader thread); 1 where the fetch itself keeps the cores
         busy (MooncakeTier over tcp)."""
         return 2
+
+    def window_source(self, keys: PrefixKeys, timeout_s: float) -> WindowSource | None:
+        """A WindowSource whose windows the restore installs from where this tier holds the bytes
+        (LMCache's L1), or None (the default): the restore fetches each window into its staging
+        (restore.TierSource). `timeout_s`: per window, from its fetch."""
+        return None
 
     def delete(self, keys: Sequence[str]) -> None:  # pragma: no cover - optional
         raise NotImplementedError

@@ -8,12 +8,15 @@ $LMCACHE_BSR_CONFIG_FILE, then LMCACHE_* variables; config.py) with an FS or Moo
 
 - probe: L1 (a prefetch served from L1 only, read locks returned at once) and every L2 adapter's
   lookup-and-lock, unlocked at once (probe.py); holds nothing.
-- fetch: one window: `submit_prefetch_task` of its keys (L2 -> L1), wait (deadline), every key must
-  hit, `read_prefetched_results`, copy each object from L1 into the BSR staging slot,
-  `finish_read_prefetched`, delete the L2-loaded objects from L1 (unless the prefetch policy is known
-  to keep none: `l2_loads_are_temporary`). LMCache's L1 holds at most this window's objects during
-  the fetch, BSR's staging the window: both bounded by W. A whole-plan restore (W = 0) is one
-  prefetch of every key: LMCache's all-or-nothing L1 reservation, as its own lookup.
+- restore (window_source, l1_source.py): each window prefetched into L1 (`submit_prefetch_task` of
+  its keys, L2 -> L1), waited for (deadline), every key required to hit, and installed straight from
+  the L1 objects (read-locked from then until the window's release: one copy per byte), then
+  `finish_read_prefetched` and the L2-loaded objects deleted from L1 (unless the prefetch policy is
+  known to keep none: `l2_loads_are_temporary`). LMCache's L1 holds at most the windows in flight,
+  bounded by W. A whole-plan restore (W = 0) is one prefetch of every key: LMCache's all-or-nothing
+  L1 reservation, as its own lookup.
+- fetch: the same prefetch for one window, copied from L1 into the caller's views (the Tier contract;
+  the restore does not take this road).
 - put: `reserve_write` -> copy into the reserved L1 objects -> `finish_write`; LMCache's store
   controller writes them to the L2 adapters; the put waits until an L2 adapter holds them and
   deletes them from L1 (l1_writes.py). A key it cannot reserve is an error. `overwrites` is False
@@ -39,6 +42,7 @@ from lmcache.v1.distributed.storage_manager import StorageManager
 from bsr_kernels import Registration
 
 from ...config_schema import parse
+from ...keys import PrefixKeys
 from ...tiers.base import (
     CorruptObjectError,
     FetchHandle,
@@ -48,6 +52,7 @@ from ...tiers.base import (
     TierError,
 )
 from .config import align_up, build_storage_manager, fs_l2_config, load_adapter_config, mooncake_l2_config
+from .l1_source import L1Source
 from .l1_usage import L1UsageTracker
 from .l1_writes import abort_writes, delete_everywhere, flush_l1, wait_in_l2
 from .objects import _owners, chunk_layout, model_name, object_keys
@@ -131,6 +136,11 @@ class LMCacheTier(Tier):
             for i, h in enumerate(row):
                 hit[i] = hit[i] or h
         return hit
+
+    def window_source(self, keys: PrefixKeys, timeout_s: float) -> L1Source:
+        """A restore's windows installed straight from the L1 objects LMCache prefetched (l1_source.py),
+        not copied into BSR's staging first."""
+        return L1Source(self, keys, timeout_s)
 
     def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float, *,
               headroom: int = 0) -> FetchHandle:

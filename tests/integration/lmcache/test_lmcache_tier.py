@@ -510,3 +510,99 @@ def test_lmcache_tier_fetch_leaves_l2_loads_to_the_default_policy(tmp_path, temp
     with LMCacheTier.create(REG, 8 * OBJ_4K, [fs_l2_config(str(tmp_path))], config()) as made:
         assert made.l2_loads_are_temporary
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The restore installs from LMCache's L1 objects (no copy into BSR's staging first)
+# ---------------------------------------------------------------------------------------------
+class RecordingInstaller(WindowInstaller):
+    """Records where each install reads from: (first byte address, last byte address + 1)."""
+
+    reads: list[tuple[int, int]] = []
+
+    def install(self, view, first, count):
+        last = view[-1] if view.dim() == 2 else view[-C:]
+        type(self).reads.append((view.data_ptr(), last.data_ptr() + C))
+        return super().install(view, first, count)
+
+
+@pytest.mark.parametrize("w", [8, 0])
+def test_restore_installs_straight_from_l1(stored, w, monkeypatch):
+    """Every install reads LMCache's L1 arena, never BSR's staging pool (which is never leased), and the
+    report counts the L1 objects the restore made LMCache load for a window: W*c, their padding as room."""
+    monkeypatch.setattr(RecordingInstaller, "reads", [])
+    with LMCacheTier.create(REG, N * OBJ_4K, [fs_l2_config(stored.base)], config()) as tier:
+        l1 = tier.sm.l1_memory_desc
+        req = stored.request(seed=130 + w, rid=f"inplace{w}")
+        cfg = RestoreConfig(window_chunks=w, pipeline_depth=1)
+        with BoundedRestorer(REG, cfg, make_installer=RecordingInstaller) as restorer:
+            rep = restorer.restore(req, tier, N)
+            assert rep.ok, rep.error
+            assert restorer.pool is None or restorer.pool.peak_bytes == 0  # no staging slot ever leased
+        assert state_hash(REG, req.kv, req.block_tables, N) == stored.hash[N]
+        reads = RecordingInstaller.reads
+        assert len(reads) >= (-(-N // w) if w else 1)  # one install or more per window
+        assert all(l1.ptr <= lo < hi <= l1.ptr + l1.size for lo, hi in reads), (reads, l1.ptr, l1.size)
+        objects = w or N
+        assert rep.peak_staging_bytes == objects * C and rep.header_room_bytes == objects * (OBJ_4K - C)
+        assert tier.l1_usage()[0] == 0
+
+
+def test_damaged_l2_object_fails_closed_with_nothing_installed(stored, small):
+    """A flipped payload byte in chunk 3's FS object (its header keeps the old CRC): the plugin's check
+    refuses it, the first window fails, no destination byte changes, L1 and the budget come back."""
+    from bsr_runtime.integrations.lmcache.fs_l2_object import HEADER_SIZE
+
+    path = object_path(small, stored.space, stored.tokens, 3)
+    with open(path, "rb") as f:
+        original = f.read()
+    damaged = bytearray(original)
+    damaged[HEADER_SIZE + C // 2] ^= 0xFF
+    budget = ByteBudget(8 * C)
+    base = small.sm.get_l1_usage()[0]
+    req = stored.request(seed=140, rid="damaged-l2")
+    try:
+        with open(path, "wb") as f:
+            f.write(damaged)
+        with BoundedRestorer(REG, RestoreConfig(window_chunks=8, pipeline_depth=1), admission=budget) as restorer:
+            rep = restorer.restore(req, small, N)
+    finally:
+        with open(path, "wb") as f:
+            f.write(original)
+    assert not rep.ok and rep.committed_tokens == 0 and "MissingObjectError" in rep.error
+    assert rep.failed_window == 0 and rep.windows_installed == 0
+    assert all(bool((t.view(torch.uint8) == POISON).all()) for t in req.kv)  # nothing installed
+    assert small.sm.get_l1_usage()[0] == base and budget.used_bytes == 0
+
+
+class ShortObject:
+    raw_tensor = torch.zeros(C - 1, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("damage", ["absent", "short"])
+def test_damaged_l1_object_fails_closed_with_nothing_installed(stored, small, damage, monkeypatch):
+    """LMCache hands back one object of the first window absent or shorter than a chunk: the window fails
+    before any of its objects is installed, its read locks and loads are returned, and the next restore
+    through the same L1 succeeds."""
+    sm = small.sm
+    read = sm.read_prefetched_results
+
+    @contextmanager
+    def one_damaged(keys, owners=None):
+        with read(keys, owners) as objs:
+            if objs is not None and keys[0] == chunk_keys(small, stored.space, stored.tokens, 0, 1)[0]:
+                objs = list(objs)
+                objs[2] = None if damage == "absent" else ShortObject()
+            yield objs
+
+    base = sm.get_l1_usage()[0]
+    req = stored.request(seed=150, rid=f"damaged-l1-{damage}")
+    monkeypatch.setattr(sm, "read_prefetched_results", one_damaged)
+    rep = restore(small, req, N, 8)
+    monkeypatch.setattr(sm, "read_prefetched_results", read)
+    assert not rep.ok and rep.committed_tokens == 0 and "CorruptObjectError" in rep.error
+    assert rep.failed_window == 0 and rep.windows_installed == 0
+    assert all(bool((t.view(torch.uint8) == POISON).all()) for t in req.kv)  # nothing installed
+    assert sm.get_l1_usage()[0] == base
+    ok = stored.request(seed=151, rid="after-damage")
+    assert restore(small, ok, N, 8).ok and state_hash(REG, ok.kv, ok.block_tables, N) == stored.hash[N]
