@@ -24,16 +24,23 @@ MAX_WINDOW = 1 << 16  # = bsr_runtime.restore.MAX_WINDOW_CHUNKS (kept import-fre
 MAX_COUNT = 1 << 20  # --repeat, --rounds, --load-concurrency: anything above is a typo
 
 
-TIER_CHOICES = ("fs", "mooncake", "lmcache-fs", "lmcache-mooncake")  # = bsr_harness.tier_setup.TIER_NAMES
+# = bsr_harness.tier_setup.TIER_NAMES and bsr_runtime.tiers.specs.TIER_TYPE_ALIASES (kept import-free for --help)
+TIER_CHOICES = ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
+TIER_ALIASES = {"fs": "filesystem", "lmcache-fs": "lmcache-filesystem"}  # earlier names, still read
 
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
 
 
+def add_notice(parser: argparse.ArgumentParser, namespace: argparse.Namespace, text: str) -> None:
+    """Keep a one-line notice in `args.notices` (printed once the command line parsed, so a refusal
+    stays one line), prefixed with the program's name."""
+    namespace.notices = [*(getattr(namespace, "notices", None) or []), f"{parser.prog.split()[0]}: {text}"]
+
+
 class EarlierName(argparse.Action):
-    """An option's earlier spelling: parsed as the current one; a one-line notice is kept in
-    `args.notices` (printed once the command line parsed, so a refusal stays one line)."""
+    """An option's earlier spelling: parsed as the current one, with a one-line notice (add_notice)."""
 
     def __init__(self, option_strings, dest, current: str, **kw) -> None:
         super().__init__(option_strings, dest, **kw)
@@ -41,8 +48,18 @@ class EarlierName(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         setattr(namespace, self.dest, values)
-        notices = getattr(namespace, "notices", None) or []
-        namespace.notices = [*notices, f"bsr: {option_string} is deprecated, use {self.current}"]
+        add_notice(parser, namespace, f"{option_string} is deprecated, use {self.current}")
+
+
+class TierList(argparse.Action):
+    """--tier: a tier's earlier name (TIER_ALIASES) is read as its current one, with a one-line notice."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        names = values.split(",")
+        for old in dict.fromkeys(n for n in names if n in TIER_ALIASES):
+            add_notice(parser, namespace,
+                       f"{option_string} {old} is deprecated, use {option_string} {TIER_ALIASES[old]}")
+        setattr(namespace, self.dest, ",".join(TIER_ALIASES.get(n, n) for n in names))
 
 
 def add_window_chunks(p: argparse.ArgumentParser, *, default: int, help: str, type=None,
@@ -140,11 +157,11 @@ def output_file(text: str) -> str:
 
 
 def tier_list(text: str) -> str:
-    """--tier: auto, or a comma-separated list of tier names."""
+    """--tier: auto, or a comma-separated list of tier names (current or earlier: TierList reads them)."""
     names = text.split(",")
     if text != "auto":
         for n in names:
-            if n not in TIER_CHOICES:
+            if n not in TIER_CHOICES and n not in TIER_ALIASES:
                 raise argparse.ArgumentTypeError(f"unknown tier {n!r}; choose from {', '.join(TIER_CHOICES)} or auto")
     return text
 
@@ -187,7 +204,7 @@ def load_registration(name: str, scale: float):
         raise CliError(str(e)) from None
 
 
-def add_common(p: argparse.ArgumentParser, *, tier_default: str = "fs") -> None:
+def add_common(p: argparse.ArgumentParser, *, tier_default: str = "filesystem") -> None:
     g = p.add_argument_group("state and tier")
     g.add_argument("--registration", default="dsv4-flash", metavar="NAME|FILE",
                    help="dsv4-flash (167 tensors), dsv4-flash-mtp (170), llama-like, or a JSON/YAML file "
@@ -196,12 +213,14 @@ def add_common(p: argparse.ArgumentParser, *, tier_default: str = "fs") -> None:
     g.add_argument("--scale", type=scale_type, default=DEFAULT_SCALE,
                    help="shrink preset entry widths so long prefixes fit in memory here (default 1/64; "
                         "1 = the real widths); ignored for registration files")
-    g.add_argument("--tier", type=tier_list, default=tier_default, metavar="fs|mooncake|lmcache-fs|lmcache-mooncake",
-                   help=f"where the state is stored and restored from (default {tier_default})")
-    g.add_argument("--root", help="fs tier: keep the objects in this existing directory (default: a temporary "
-                                  "directory, removed afterwards)")
+    g.add_argument("--tier", type=tier_list, action=TierList, default=tier_default,
+                   metavar="filesystem|mooncake|lmcache-filesystem|lmcache-mooncake",
+                   help=f"where the state is stored and restored from, a comma-separated list (default "
+                        f"{tier_default}; the earlier names fs, lmcache-fs are still read)")
+    g.add_argument("--root", help="filesystem tiers: keep the objects in this existing directory (default: a "
+                                  "temporary directory, removed afterwards)")
     g.add_argument("--load-concurrency", type=count_int, default=None,
-                   help="fs tier: parallel object reads (default $LMCACHE_FS_LOAD_CONCURRENCY or 1)")
+                   help="filesystem tiers: parallel object reads (default $LMCACHE_FS_LOAD_CONCURRENCY or 1)")
     g.add_argument("--mooncake-master", metavar="HOST:PORT",
                    help="use an existing mooncake_master (default: start one on 127.0.0.1 and stop it after)")
     g.add_argument("--metadata-server", metavar="URL",
@@ -234,7 +253,7 @@ def tier_names(args) -> list[str]:
     if args.tier != "auto":
         names = args.tier.split(",")
     else:
-        names = ["fs"]
+        names = ["filesystem"]
         with contextlib.suppress(ImportError, OSError):
             import mooncake.store  # noqa: F401
 

@@ -27,7 +27,7 @@ def engine_demo(args) -> dict | None:
         return None
     from bsr_harness.tiny_model import VOCAB, build_tiny_llama
 
-    names = tier_names(args) if args.tier != "auto" else ["fs"]
+    names = tier_names(args) if args.tier != "auto" else ["filesystem"]
     use_mooncake = "mooncake" in names or (args.tier == "auto" and "mooncake" in tier_names(args))
     rng = random.Random(0)
     tokens = [rng.randrange(3, VOCAB) for _ in range(args.engine_tokens)]

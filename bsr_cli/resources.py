@@ -72,7 +72,7 @@ def tier_bytes(reg, tier_names: list[str], num_chunks: int, l1_chunks: int = 0) 
 
 
 def require_tier_disk(reg, tier_names: list[str], num_chunks: int, root: str | None) -> None:
-    if any(name.endswith("fs") for name in tier_names):
+    if any(name.endswith("filesystem") for name in tier_names):
         require_disk("this run", root, num_chunks * (reg.chunk_bytes + 4096))
 
 

@@ -221,6 +221,12 @@ def _setting(**want) -> Callable[[dict], bool]:
     return lambda rec: all(rec.get("settings", {}).get(k) == v for k, v in want.items())
 
 
+def _sweep_of(*names: str) -> Callable[[dict], bool]:
+    """A `bsr sweep --baseline` record of a tier under any of its `names`: its current one, then the
+    earlier ones older records were written with (fs, lmcache-fs: history, kept as written)."""
+    return lambda rec: rec.get("settings", {}).get("tier") in names and rec["settings"].get("baseline") is True
+
+
 def _span(values: list[float]) -> str:
     lo, hi = min(values), max(values)
     return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}"
@@ -291,14 +297,14 @@ def _stall(f: dict) -> str | None:
 
 HEADLINES = [
     Headline("bsr_demo", "peak staging", lambda rec: True, _peaks),
-    Headline("bsr_sweep", "restore time, BSR / whole plan, filesystem tier", _setting(tier="fs", baseline=True),
+    Headline("bsr_sweep", "restore time, BSR / whole plan, filesystem tier", _sweep_of("filesystem", "fs"),
              _ratios),
-    Headline("bsr_sweep", "restore time, BSR / whole plan, Mooncake store host over tcp",
-             _setting(tier="mooncake", baseline=True), _ratios),
+    Headline("bsr_sweep", "restore time, BSR / whole plan, Mooncake store host over tcp", _sweep_of("mooncake"),
+             _ratios),
     Headline("bsr_sweep", "restore time, BSR / whole plan, through LMCache (FS L2)",
-             _setting(tier="lmcache-fs", baseline=True), _ratios),
+             _sweep_of("lmcache-filesystem", "lmcache-fs"), _ratios),
     Headline("bsr_sweep", "restore time, BSR / whole plan, through LMCache (Mooncake L2)",
-             _setting(tier="lmcache-mooncake", baseline=True), _ratios),
+             _sweep_of("lmcache-mooncake"), _ratios),
     Headline("lmcache_ladder", "LMCache L1 needed to restore", lambda rec: True, _ladder),
     Headline("bsr_demo", "real vLLM engine, restored by a fresh engine", lambda rec: True, _engine),
     Headline("vllm_stall", "a co-running request's largest gap while a prefix restores / resident prefix",

@@ -1,17 +1,22 @@
 """Open a tier by name for the CLI and the benchmarks, starting what it needs and stopping it after.
 
-- fs: a FilesystemTier under --root (or a temporary directory removed afterwards)
+- filesystem: a FilesystemTier under --root (or a temporary directory removed afterwards)
 - mooncake: a MooncakeTier; with --mooncake-master it talks to an existing master, otherwise a
   mooncake_master and a standalone store host (mooncake_client) are started on 127.0.0.1 and
   stopped afterwards, so restored bytes cross TCP as from an external store host.
-- lmcache-fs / lmcache-mooncake: LMCache's own storage stack (StorageManager with a DRAM L1 and
+- lmcache-filesystem / lmcache-mooncake: LMCache's own storage stack (StorageManager with a DRAM L1 and
   the filesystem or Mooncake L2 adapter) as a tier: bsr_runtime.integrations.lmcache's LMCacheTier,
   opened from its tier spec as the vLLM connector opens it (open_lmcache_tier).
+
+The earlier names fs and lmcache-fs are read as filesystem and lmcache-filesystem
+(TIER_TYPE_ALIASES, with a one-line notice); result records keep the name they were written with.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import shutil
 import socket
 import tempfile
@@ -22,16 +27,18 @@ from pathlib import Path
 from bsr_kernels import Registration
 from bsr_runtime.tiers.base import Tier, TierUnavailableError
 from bsr_runtime.tiers.factory import make_tier
+from bsr_runtime.tiers.specs import TIER_TYPE_ALIASES
 
 from .native_log import redirected
 
-TIER_NAMES = ("fs", "mooncake", "lmcache-fs", "lmcache-mooncake")
+TIER_NAMES = ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class TierOptions:
-    name: str = "fs"
-    root: str | None = None  # fs: keep objects here instead of a temporary directory
+    name: str = "filesystem"
+    root: str | None = None  # filesystem tiers: keep objects here instead of a temporary directory
     load_concurrency: int | None = None
     mooncake_master: str | None = None  # HOST:PORT of an existing master
     metadata_server: str | None = None  # its metadata server URL (default http://HOST:8080/metadata)
@@ -55,10 +62,11 @@ def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0,
               l1_bytes: int | None = None) -> Iterator[Tier]:
     """Yield a ready tier; everything started or written here is stopped/removed on exit. `l1_bytes`:
     LMCache's L1 (lmcache-*; default the tier spec's)."""
+    opts = current_name(opts)
     if opts.name.startswith("lmcache-"):
         with _lmcache_tier(opts, reg, l1_bytes, capacity_bytes) as tier:
             yield tier
-    elif opts.name == "fs":
+    elif opts.name == "filesystem":
         tmp = None
         root = opts.root
         if root is None:
@@ -87,6 +95,15 @@ def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0,
         raise ValueError(f"unknown tier {opts.name!r}; choose one of {', '.join(TIER_NAMES)}")
 
 
+def current_name(opts: TierOptions) -> TierOptions:
+    """`opts` under the tier's current name: an earlier spelling (fs, lmcache-fs) is read as it, with a
+    one-line deprecation notice."""
+    if opts.name not in TIER_TYPE_ALIASES:
+        return opts
+    log.warning("tier %r is deprecated, read as %r", opts.name, TIER_TYPE_ALIASES[opts.name])
+    return dataclasses.replace(opts, name=TIER_TYPE_ALIASES[opts.name])
+
+
 @contextlib.contextmanager
 def _mooncake_endpoints(opts: TierOptions, capacity_bytes: int) -> Iterator[tuple[str, str, int]]:
     """(master address, metadata server, client segment bytes): an existing master, or one we
@@ -106,15 +123,15 @@ def _mooncake_endpoints(opts: TierOptions, capacity_bytes: int) -> Iterator[tupl
 
 @contextlib.contextmanager
 def _lmcache_tier(opts: TierOptions, reg: Registration, l1_bytes: int | None, capacity_bytes: int) -> Iterator[Tier]:
-    """An LMCacheTier with the filesystem ("lmcache-fs") or Mooncake ("lmcache-mooncake") L2 adapter."""
+    """An LMCacheTier with the filesystem ("lmcache-filesystem") or Mooncake ("lmcache-mooncake") L2 adapter."""
     from bsr_runtime.integrations.lmcache.tier import open_lmcache_tier
 
     with contextlib.ExitStack() as stack:
         options: dict = {} if l1_bytes is None else {"l1_bytes": l1_bytes}
-        if opts.name == "lmcache-fs":
+        if opts.name == "lmcache-filesystem":
             root = opts.root
             if root is None:
-                root = tempfile.mkdtemp(prefix="bsr-lmcache-fs-")
+                root = tempfile.mkdtemp(prefix="bsr-lmcache-filesystem-")
                 stack.callback(shutil.rmtree, root, True)
             elif not Path(root).is_dir():
                 raise ValueError(f"filesystem tier root {root} does not exist or is not a directory")

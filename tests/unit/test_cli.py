@@ -55,6 +55,30 @@ def test_the_earlier_window_flag_parses_as_window_chunks_with_a_notice(command, 
         assert old.notices == ["bsr: --engine-window is deprecated, use --engine-window-chunks"]
 
 
+@pytest.mark.parametrize(("given", "read", "notices"), [
+    ("filesystem", "filesystem", []),
+    ("fs", "filesystem", ["bsr: --tier fs is deprecated, use --tier filesystem"]),
+    ("lmcache-fs,mooncake,fs,fs", "lmcache-filesystem,mooncake,filesystem,filesystem",
+     ["bsr: --tier lmcache-fs is deprecated, use --tier lmcache-filesystem",
+      "bsr: --tier fs is deprecated, use --tier filesystem"]),
+])
+def test_the_earlier_tier_names_parse_as_the_current_ones_with_a_notice(given, read, notices):
+    from bsr_cli import build_parser
+
+    args = build_parser().parse_args(["sweep", "--tier", given])
+    assert args.tier == read and (getattr(args, "notices", None) or []) == notices
+    assert build_parser().parse_args(["sweep"]).tier == "filesystem"
+
+
+@pytest.mark.parametrize("typo", ["filesytem", "lmcache-filesytem", "fs,lmcache"])
+def test_a_tier_name_typo_is_refused_in_one_line(typo, capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["sweep", "--tier", typo, "--quiet"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "unknown tier" in err and "choose from filesystem, mooncake, lmcache-filesystem, lmcache-mooncake" in err
+
+
 def test_the_earlier_window_flag_runs_with_one_notice_line(tmp_path, capsys):
     js = tmp_path / "rows.json"
     rc, _, err = run(["sweep", "--tokens", "2048", "--window", "4", "--quiet", "--json", str(js)], capsys)
@@ -193,7 +217,7 @@ def test_faults_unknown_scenario(capsys):
     assert rc == 2 and "unknown scenarios" in err
 
 
-@pytest.mark.parametrize("tier", [pytest.param("lmcache-fs", marks=pytest.mark.lmcache),
+@pytest.mark.parametrize("tier", [pytest.param("lmcache-filesystem", marks=pytest.mark.lmcache),
                                   pytest.param("lmcache-mooncake", marks=[pytest.mark.lmcache, pytest.mark.mooncake])])
 def test_sweep_through_lmcache(tier, tmp_path, capsys):
     if tier == "lmcache-mooncake":

@@ -25,7 +25,7 @@ from bsr_cli import main
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-TINY = ["--tokens", "512", "--window-chunks", "1", "--quiet", "--tier", "fs"]
+TINY = ["--tokens", "512", "--window-chunks", "1", "--quiet", "--tier", "filesystem"]
 
 
 def run_cli(args: list[str]) -> tuple[int, str, str]:
@@ -118,7 +118,7 @@ def test_work_that_cannot_fit_is_refused_before_allocating(args):
     ("--scale", "1/0"), ("--tokens", "1e3"), ("--tokens", "-512"), ("--depth", "3"),
 ])
 def test_bad_numeric_flags(flag, value):
-    rc, out, err = run_cli(["sweep", "--quiet", "--tier", "fs", "--tokens", "512", flag, value])
+    rc, out, err = run_cli(["sweep", "--quiet", "--tier", "filesystem", "--tokens", "512", flag, value])
     assert rc == 2, err
     assert_accepted_or_refused(rc, out, err)
 
@@ -213,7 +213,7 @@ def test_fuzz_cli_arguments(a, picks):
         picks = picks - {"--tokens"}  # wlaw takes one length
     args = [cmd, "--quiet"] if cmd != "bench" else [cmd, "--device", "cpu"]
     if cmd != "bench":
-        args += ["--tier", "fs"]
+        args += ["--tier", "filesystem"]
         if "--tokens" not in picks:
             args += ["--tokens", "512"]
     if cmd == "bench" and "--windows" not in picks:

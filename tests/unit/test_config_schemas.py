@@ -183,7 +183,22 @@ def test_json_output_that_is_a_fifo_is_refused_not_blocked_on(tmp_path, capsys):
 
 
 def test_cli_tier_names_are_the_harness_tiers():
-    from bsr_cli.args import TIER_CHOICES
+    from bsr_cli.args import TIER_ALIASES, TIER_CHOICES
     from bsr_harness.tier_setup import TIER_NAMES
+    from bsr_runtime.tiers.specs import TIER_TYPE_ALIASES
 
-    assert TIER_CHOICES == TIER_NAMES
+    assert TIER_CHOICES == TIER_NAMES == ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
+    assert TIER_ALIASES == TIER_TYPE_ALIASES == {"fs": "filesystem", "lmcache-fs": "lmcache-filesystem"}
+
+
+def test_the_harness_opens_the_earlier_tier_name_fs_as_filesystem_with_a_notice(caplog):
+    from bsr_harness.tier_setup import TierOptions, open_tier
+    from bsr_kernels import presets
+
+    reg = presets.llama_like()
+    with caplog.at_level("WARNING"), open_tier(TierOptions(name="fs"), reg) as tier:
+        assert type(tier).__name__ == "FilesystemTier"
+    assert [r.getMessage() for r in caplog.records] == ["tier 'fs' is deprecated, read as 'filesystem'"]
+    with pytest.raises(ValueError, match="unknown tier 'filesytem'; choose one of filesystem, mooncake"):
+        with open_tier(TierOptions(name="filesytem"), reg):
+            pass

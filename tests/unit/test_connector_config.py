@@ -77,10 +77,10 @@ def test_tier_specs_are_checked_by_their_schema(tiers, needle):
 
 
 @pytest.mark.parametrize("spec,needle", [
-    ({"type": "lmcache-fs"}, "tiers[0].root: missing"),
-    ({"type": "lmcache-fs", "root": "/x", "l1_bytes": "256"}, "tiers[0].l1_bytes:"),
-    ({"type": "lmcache-fs", "root": "/x", "load_concurency": 2}, "tiers[0].load_concurency: unknown key"),
-    ({"type": "lmcache-fs", "root": "/x", "read_ahead_size": 0}, "tiers[0].read_ahead_size:"),
+    ({"type": "lmcache-filesystem"}, "tiers[0].root: missing"),
+    ({"type": "lmcache-filesystem", "root": "/x", "l1_bytes": "256"}, "tiers[0].l1_bytes:"),
+    ({"type": "lmcache-filesystem", "root": "/x", "load_concurency": 2}, "tiers[0].load_concurency: unknown key"),
+    ({"type": "lmcache-filesystem", "root": "/x", "read_ahead_size": 0}, "tiers[0].read_ahead_size:"),
     ({"type": "lmcache-mooncake", "master_address": "h:1", "metadata_server": "m", "num_workers": 0},
      "tiers[0].num_workers:"),
     ({"type": "lmcache-mooncake", "master_address": "h:1", "metadata_server": "m", "register_l1": "ture"},
@@ -127,3 +127,20 @@ def test_the_earlier_tier_type_fs_reads_as_filesystem_with_a_notice(caplog):
     with caplog.at_level("WARNING"):
         assert TierSpec.from_dict({"type": "filesystem", "root": "/y"}).type == "filesystem"
     assert not caplog.records
+
+
+@pytest.mark.lmcache
+def test_the_earlier_tier_type_lmcache_fs_reads_as_lmcache_filesystem_with_a_notice(caplog):
+    pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
+    with caplog.at_level("WARNING"):
+        spec = TierSpec.from_dict({"type": "lmcache-fs", "root": "/y", "load_concurrency": 2})
+    assert (spec.type, spec.options) == ("lmcache-filesystem", {"root": "/y", "load_concurrency": 2})
+    assert [r.getMessage() for r in caplog.records] == [
+        "BSR connector: tier type 'lmcache-fs' is deprecated, read as 'lmcache-filesystem'"]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert TierSpec.from_dict({"type": "lmcache-filesystem", "root": "/y"}).type == "lmcache-filesystem"
+    assert not caplog.records
+    with pytest.raises(ValueError, match="unknown tier type 'lmcache-filesytem'; choose one of filesystem, mooncake, "
+                                         "lmcache-filesystem, lmcache-mooncake"):
+        TierSpec.from_dict({"type": "lmcache-filesytem", "root": "/y"})

@@ -75,14 +75,14 @@ def test_the_checker_sees_a_shadowing_export(tmp_path):
 
 def test_sweep_over_the_same_lmcache_tier_twice(tmp_path):
     """The member issue 27 found: once LMCache had loaded the FS plugin, `fs_l2` was the module, and the
-    second `--tier lmcache-fs` failed with `'module' object is not callable`."""
+    second `--tier lmcache-fs` (now lmcache-filesystem) failed with `'module' object is not callable`."""
     pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
     import json
 
     from bsr_cli import main
 
     js = tmp_path / "rows.json"
-    assert main(["sweep", "--tier", "lmcache-fs,lmcache-fs", "--tokens", "512", "--window-chunks", "1",
+    assert main(["sweep", "--tier", "lmcache-filesystem,lmcache-filesystem", "--tokens", "512", "--window-chunks", "1",
                  "--registration", "llama-like", "--quiet", "--json", str(js)]) == 0
     rows = json.loads(js.read_text())
-    assert [r["tier"] for r in rows] == ["lmcache-fs", "lmcache-fs"] and all(r["state_hash_ok"] for r in rows)
+    assert [r["tier"] for r in rows] == ["lmcache-filesystem"] * 2 and all(r["state_hash_ok"] for r in rows)

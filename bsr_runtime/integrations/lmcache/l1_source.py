@@ -17,21 +17,38 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
-from lmcache.v1.distributed.api import ObjectKey, PrefetchHandle
+from lmcache.v1.distributed.api import (
+    GroupedObjectKeys,
+    MemoryLayoutDesc,
+    ObjectKey,
+    PrefetchHandle,
+    PrefetchTaskSpec,
+)
+from lmcache.v1.distributed.storage_manager import StorageManager
 
 from ...keys import PrefixKeys
 from ...plan import Window
 from ...tiers.base import CorruptObjectError, FetchTimeoutError, MissingObjectError
-from .objects import _owners
-from .prefetch import WINDOW_TAG, evict_l2_loaded, release_result
-
-if TYPE_CHECKING:
-    from .tier import LMCacheTier
+from .objects import _owners, object_keys
+from .prefetch import WINDOW_TAG, LatePrefetches, evict_l2_loaded, release_result
 
 _PREFETCHING, _LOCKED, _READING, _DONE = range(4)
+
+
+@dataclass(frozen=True)
+class L1Reads:
+    """What reading windows from LMCache's L1 needs of the tier (LMCacheTier.window_source)."""
+
+    sm: StorageManager
+    late: LatePrefetches  # where a prefetch that missed its deadline is settled
+    layout: MemoryLayoutDesc  # one BSR object
+    model: str  # the objects' LMCache model name
+    chunk_bytes: int
+    object_bytes: int  # what LMCache allocates per object: align_up(c, L1 align_bytes)
+    evict_l2_loads: bool  # delete the L2-loaded objects after the read (a retaining prefetch policy keeps them)
 
 
 class L1Source:
@@ -44,27 +61,27 @@ class L1Source:
     not counted. `peak_room_bytes` is their alignment padding (LMCache allocates align_up(c, align)):
     auxiliary state, like a staging pool's header room."""
 
-    def __init__(self, tier: LMCacheTier, keys: PrefixKeys, timeout_s: float) -> None:
-        self.tier, self.keys, self.timeout_s = tier, keys, timeout_s
+    def __init__(self, l1: L1Reads, keys: PrefixKeys, timeout_s: float) -> None:
+        self.l1, self.keys, self.timeout_s = l1, keys, timeout_s
         self.live_objects = 0
         self.peak_objects = 0
 
     @property
     def peak_bytes(self) -> int:
-        return self.peak_objects * self.tier.chunk_bytes
+        return self.peak_objects * self.l1.chunk_bytes
 
     @property
     def peak_room_bytes(self) -> int:
-        return self.peak_objects * (self.tier.l1_object_bytes - self.tier.chunk_bytes)
+        return self.peak_objects * (self.l1.object_bytes - self.l1.chunk_bytes)
 
     def fetch(self, window: Window, reservation=None) -> L1Window:
         """Submit the window's prefetch (the reservation, if any, is the loop's to return)."""
-        tier = self.tier
+        l1 = self.l1
         keys = self.keys.window(window.first_chunk, window.num_chunks)
-        okeys = tier._object_keys(keys)
+        okeys = object_keys(keys, l1.model)
         deadline = time.monotonic() + self.timeout_s
-        handle = tier.sm.submit_prefetch_task(tier._spec(okeys, num_kv_readers=1, fetching_policy="prefix"),
-                                              external_request_id=WINDOW_TAG)
+        spec = PrefetchTaskSpec([GroupedObjectKeys(okeys, 0, l1.layout)], num_kv_readers=1, fetching_policy="prefix")
+        handle = l1.sm.submit_prefetch_task(spec, external_request_id=WINDOW_TAG)
         return L1Window(self, keys, okeys, handle, deadline)
 
     def _hold(self, objects: int) -> None:
@@ -81,15 +98,16 @@ class L1Window:
     def __init__(self, source: L1Source, bsr_keys: list[str], keys: list[ObjectKey], handle: PrefetchHandle,
                  deadline: float) -> None:
         self.source, self.bsr_keys, self.keys, self.handle, self.deadline = source, bsr_keys, keys, handle, deadline
-        self.sm = source.tier.sm
+        self.l1 = source.l1
+        self.sm = source.l1.sm
         self.result = self.owners = self._read = None
         self._held = 0
         self._state = _PREFETCHING
 
     def require_complete(self) -> list[tuple[int, int, torch.Tensor]]:
-        tier, n = self.source.tier, len(self.keys)
-        result = tier.late.wait(self.handle, self.keys, max(0.001, self.deadline - time.monotonic()))
-        if result is None:  # the late result is released by tier.late when it lands
+        l1, n = self.l1, len(self.keys)
+        result = l1.late.wait(self.handle, self.keys, max(0.001, self.deadline - time.monotonic()))
+        if result is None:  # the late result is released by l1.late when it lands
             self._state = _DONE
             raise FetchTimeoutError(f"LMCache prefetch of {n} objects missed its deadline")
         self.result, self._state = result, _LOCKED
@@ -106,7 +124,7 @@ class L1Window:
         self._read, self._state = read, _READING
         if objs is None:
             raise CorruptObjectError("LMCache: prefetched objects not readable in L1")
-        return list(l1_runs(objs, tier.chunk_bytes, tier.l1_object_bytes))
+        return list(l1_runs(objs, l1.chunk_bytes, l1.object_bytes))
 
     def synchronize(self, stream) -> None:
         """The installs read L1 memory: wait for them before the objects are unpinned."""
@@ -124,8 +142,7 @@ class L1Window:
         try:
             self._read.__exit__(None, None, None)
             self.sm.finish_read_prefetched(self.keys, read_locks=1, l1_owners=self.owners)
-            tier = self.source.tier
-            if tier.config.evict_retained and not tier.l2_loads_are_temporary:
+            if self.l1.evict_l2_loads:
                 evict_l2_loaded(self.sm, self.result, self.keys)
         finally:
             self._unhold()
@@ -136,7 +153,7 @@ class L1Window:
         state, self._state = self._state, _DONE
         try:
             if state == _PREFETCHING:  # still LMCache's: released whenever its result lands
-                self.source.tier.late.settle(self.handle, self.keys)
+                self.l1.late.settle(self.handle, self.keys)
             elif state == _LOCKED:
                 release_result(self.sm, self.result, self.keys, evict_loaded=True)
             elif state == _READING:

@@ -2,7 +2,7 @@
 the LMCache tier specs a connector lists (bsr_runtime/config_schema.py: strict types, ranges,
 unknown keys refused, one error naming every bad key).
 
-    {"type": "lmcache-fs", "root": "/ssd/lmcache", "load_concurrency": 4, "l1_bytes": 268435456,
+    {"type": "lmcache-filesystem", "root": "/ssd/lmcache", "load_concurrency": 4, "l1_bytes": 268435456,
      "config_file": null, ...FSL2Options}
     {"type": "lmcache-mooncake", "master_address": "H:50051", "metadata_server": "http://H:8080/metadata",
      "l1_bytes": 268435456, "config_file": null, ...MooncakeL2Params}
@@ -65,7 +65,7 @@ class LMCacheTierOptions(Schema):
 
 
 class LMCacheFSTierSpec(LMCacheTierOptions, FSL2Options):
-    type: Literal["lmcache-fs"] = "lmcache-fs"
+    type: Literal["lmcache-filesystem"] = "lmcache-filesystem"
     root: Name
 
 
@@ -74,5 +74,5 @@ class LMCacheMooncakeTierSpec(LMCacheTierOptions, MooncakeL2Params):
     global_segment_size: Size = 0  # an engine mounts no segment by default: objects live on the store hosts
 
 
-LMCACHE_TIER_SPECS: dict[str, type[Schema]] = {"lmcache-fs": LMCacheFSTierSpec,
+LMCACHE_TIER_SPECS: dict[str, type[Schema]] = {"lmcache-filesystem": LMCacheFSTierSpec,
                                                "lmcache-mooncake": LMCacheMooncakeTierSpec}

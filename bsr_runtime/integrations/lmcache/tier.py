@@ -30,6 +30,7 @@ plugins (fs_l2.py, mooncake_l2.py) add the BSR header and CRC.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -51,14 +52,17 @@ from ...tiers.base import (
     Tier,
     TierError,
 )
+from ...tiers.specs import TIER_TYPE_ALIASES
 from .config import align_up, build_storage_manager, fs_l2_config, load_adapter_config, mooncake_l2_config
-from .l1_source import L1Source
+from .l1_source import L1Reads, L1Source
 from .l1_usage import L1UsageTracker
 from .l1_writes import abort_writes, delete_everywhere, flush_l1, wait_in_l2
 from .objects import _owners, chunk_layout, model_name, object_keys
 from .prefetch import WINDOW_TAG, LatePrefetches, evict_l2_loaded, fold_window_lines, release_result
 from .probe import L2Lookups, probe_l1
 from .specs import LMCACHE_TIER_SPECS, LMCacheFSTierSpec
+
+log = logging.getLogger(__name__)
 
 
 class LMCacheTier(Tier):
@@ -140,7 +144,9 @@ class LMCacheTier(Tier):
     def window_source(self, keys: PrefixKeys, timeout_s: float) -> L1Source:
         """A restore's windows installed straight from the L1 objects LMCache prefetched (l1_source.py),
         not copied into BSR's staging first."""
-        return L1Source(self, keys, timeout_s)
+        evict = self.config.evict_retained and not self.l2_loads_are_temporary
+        reads = L1Reads(self.sm, self.late, self.layout, self._model, self.chunk_bytes, self.l1_object_bytes, evict)
+        return L1Source(reads, keys, timeout_s)
 
     def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float, *,
               headroom: int = 0) -> FetchHandle:
@@ -251,12 +257,16 @@ class LMCacheTier(Tier):
 
 @contextlib.contextmanager
 def open_lmcache_tier(reg: Registration, kind: str, options: Mapping) -> Iterator[LMCacheTier]:
-    """An LMCacheTier with LMCache's FS ("lmcache-fs": `root`, `load_concurrency`, ...) or Mooncake
-    ("lmcache-mooncake": `master_address`, `metadata_server`, `protocol`, `global_segment_size`, ...)
-    L2 adapter, an L1 of `l1_bytes`, and the adapter config loaded the LMCache way (`config_file`,
-    then LMCACHE_* variables). The options are checked first (specs.py: one error naming every bad key)."""
+    """An LMCacheTier with LMCache's FS ("lmcache-filesystem", earlier "lmcache-fs": `root`,
+    `load_concurrency`, ...) or Mooncake ("lmcache-mooncake": `master_address`, `metadata_server`,
+    `protocol`, `global_segment_size`, ...) L2 adapter, an L1 of `l1_bytes`, and the adapter config
+    loaded the LMCache way (`config_file`, then LMCACHE_* variables). The options are checked first
+    (specs.py: one error naming every bad key)."""
+    if kind in TIER_TYPE_ALIASES:
+        log.warning("LMCache tier type %r is deprecated, read as %r", kind, TIER_TYPE_ALIASES[kind])
+        kind = TIER_TYPE_ALIASES[kind]
     if kind not in LMCACHE_TIER_SPECS:
-        raise ValueError(f"{kind!r} is not an LMCache tier (lmcache-fs | lmcache-mooncake)")
+        raise ValueError(f"{kind!r} is not an LMCache tier ({' | '.join(LMCACHE_TIER_SPECS)})")
     spec = parse(LMCACHE_TIER_SPECS[kind], {"type": kind, **options}, f"{kind} tier spec")
     config = load_adapter_config(spec.config_file)
     l2_params = spec.model_dump(exclude={"type", "l1_bytes", "config_file", "root"}, exclude_defaults=True)

@@ -2,7 +2,7 @@
 
     {"tiers": [{"type": "filesystem", "root": "/ssd/bsr"},
                {"type": "mooncake", "master_address": "H:50051", "metadata_server": "http://H:8080/metadata"},
-               {"type": "lmcache-fs", "root": "/ssd/lmcache"}],
+               {"type": "lmcache-filesystem", "root": "/ssd/lmcache"}],
      "window_chunks": 32, "pipeline_depth": null, "fetch_timeout_s": 30, "salt": "", "model_id": null,
      "load_mode": "async", "restore_budget_bytes": null, "max_concurrent_restores": 8,
      "save": true, "save_staging_chunks": null, "report_path": null}
@@ -48,11 +48,11 @@ from ...diagnostics import report_writer
 from ...restore import MAX_WINDOW_CHUNKS, RestoreConfig
 from ...tiers.base import Tier
 from ...tiers.factory import make_tier
-from ...tiers.specs import TIER_SPECS
+from ...tiers.specs import TIER_SPECS, TIER_TYPE_ALIASES
 
-TIER_TYPES = ("filesystem", "mooncake", "lmcache-fs", "lmcache-mooncake")
+TIER_TYPES = ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
 log = logging.getLogger(__name__)
-_ALIASES = {"fs": "filesystem"}  # earlier tier type names, still read (with a one-line notice)
+_ALIASES = TIER_TYPE_ALIASES  # earlier tier type names, still read (with a one-line notice)
 WHAT = "BSR connector: kv_connector_extra_config"
 
 Window = Annotated[int, Field(ge=0, le=MAX_WINDOW_CHUNKS)]  # W in chunks; 0 = the whole plan
@@ -74,7 +74,7 @@ class TierSpec(Schema):
     factory (bsr_runtime.tiers.specs) or of the LMCache tier (integrations/lmcache/config.py),
     checked by that tier type's schema."""
 
-    type: Literal["filesystem", "mooncake", "lmcache-fs", "lmcache-mooncake"]
+    type: Literal["filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake"]
     save: bool | None = None  # None: the first tier saves, the others do not
     options: dict[str, Any] = Field(default_factory=dict)
 
@@ -88,7 +88,7 @@ class TierSpec(Schema):
         if kind != raw:
             log.warning("BSR connector: tier type %r is deprecated, read as %r", raw, kind)
         if kind not in TIER_TYPES:
-            return None, [f"{where}.type: unknown tier type {raw!r}; choose one of {', '.join(TIER_TYPES)} (or fs)"]
+            return None, [f"{where}.type: unknown tier type {raw!r}; choose one of {', '.join(TIER_TYPES)}"]
         options = {k: v for k, v in d.items() if k not in ("type", "save")}
         if kind == "mooncake":
             # an engine mounts no segment by default: objects live on the store hosts and outlive the engine
