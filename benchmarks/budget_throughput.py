@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from bsr_cli.args import add_window_chunks, parse_with_notices
 from bsr_harness.experiments import Destinations, make_source, store_source
 from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import presets
@@ -94,14 +95,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-chunks", type=int, default=12)
-    ap.add_argument("--window", type=int, default=4)
+    add_window_chunks(ap, default=4, help="W (chunks) of each restore")
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--load-concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--out", default=None, help="also write the output (and the command) to this file")
     add_record_options(ap)
-    args = ap.parse_args(argv)
+    args = parse_with_notices(ap, argv)
 
     reg = presets.dsv4_flash(scale=1 / 64)
     c = reg.chunk_bytes

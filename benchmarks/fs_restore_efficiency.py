@@ -1,7 +1,7 @@
 """Restore efficiency of the filesystem tier from a warm page cache, against a floor measured in
 the same run.
 
-    python benchmarks/fs_restore_efficiency.py --scale 0.0625 --chunks 256 --window 32 --rounds 3
+    python benchmarks/fs_restore_efficiency.py --scale 0.0625 --chunks 256 --window-chunks 32 --rounds 3
 
 restore: BoundedRestorer.restore of the whole prefix (W chunks per window, pipeline depth 2,
          install backend --backend) from a FilesystemTier whose object files are in the page cache.
@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from bsr_cli.args import add_window_chunks, parse_with_notices
 from bsr_harness.records import add_record_options, record_script
 from bsr_harness.testdata import block_tables, poison
 from bsr_kernels import presets
@@ -53,13 +54,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scale", type=float, default=1 / 16)
     ap.add_argument("--chunks", type=int, default=256)
-    ap.add_argument("--window", type=int, default=32)
+    add_window_chunks(ap, default=32, help="W (chunks)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--load-concurrency", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--root", default=None)
     add_record_options(ap)
-    a = ap.parse_args()
+    a = parse_with_notices(ap)
     reg = presets.dsv4_flash(scale=a.scale)
     n, c = a.chunks, reg.chunk_bytes
     gen = torch.Generator().manual_seed(0)

@@ -4,7 +4,7 @@
 
 Cold reads drop the object files from the page cache first (FilesystemTier.drop_page_cache,
 which fdatasyncs then POSIX_FADV_DONTNEED). Fetches go window by window into one StagingPool
-slot of `--window` chunks, like a bounded restore. Also reports the checksum cost. Appends a record
+slot of `--window-chunks` chunks, like a bounded restore. Also reports the checksum cost. Appends a record
 to benchmarks/results/fs_tier_throughput.jsonl (bsr_harness.records).
 """
 
@@ -17,6 +17,7 @@ import zlib
 
 import torch
 
+from bsr_cli.args import add_window_chunks, parse_with_notices
 from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import StagingPool
 from bsr_runtime.tiers import FilesystemTier
@@ -81,11 +82,11 @@ def main() -> None:
     ap.add_argument("--root", default=None)
     ap.add_argument("--objects", type=int, default=256)
     ap.add_argument("--mib", type=float, default=1.0)
-    ap.add_argument("--window", type=int, default=32)
+    add_window_chunks(ap, default=32, help="W: chunks per fetch (one staging slot)")
     ap.add_argument("--conc", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--checksum", nargs="+", default=["auto"])
     add_record_options(ap)
-    a = ap.parse_args()
+    a = parse_with_notices(ap)
     chunk = int(a.mib * (1 << 20)) // 16 * 16
     with tempfile.TemporaryDirectory(dir=a.root) as root:
         print(f"root {root}: {a.objects} objects x {chunk:,} B, window {a.window}")

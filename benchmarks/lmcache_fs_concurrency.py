@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 
+from bsr_cli.args import add_window_chunks, parse_with_notices
 from bsr_harness.experiments import Destinations, make_source, store_source
 from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import presets
@@ -41,9 +42,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=524032)
     ap.add_argument("--scale", type=float, default=1 / 64)
-    ap.add_argument("--window", type=int, default=32)
+    add_window_chunks(ap, default=32, help="W (chunks)")
     add_record_options(ap)
-    args = ap.parse_args(argv)
+    args = parse_with_notices(ap, argv)
     reg = presets.dsv4_flash(scale=args.scale)
     n = args.tokens // reg.chunk_tokens
     lines = [f"{reg.describe()}; {n} chunks, W = {args.window}; LMCache FS L2, page cache dropped before each run"]

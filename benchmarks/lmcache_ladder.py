@@ -11,7 +11,7 @@ Then, per prefix length:
 - BSR through LMCache (W = 32, the same tier): one StorageManager with L1 fixed at 32 objects (32*c
   plus LMCache's alignment padding of each object), the same for every length.
 
-    python benchmarks/lmcache_ladder.py [--scale 0.015625] [--tokens 32768,65536,131072,262144] [--window 32]
+    python benchmarks/lmcache_ladder.py [--scale 0.015625] [--tokens 32768,65536,131072,262144] [--window-chunks 32]
 
 Prints `tokens, chunk_bytes, first_passing_rung_bytes, bsr_capacity_bytes, bsr_pass` (plus the
 whole-plan bytes, BSR's measured L1 peak above baseline and both times) and appends a record to
@@ -27,6 +27,7 @@ import time
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # read by LMCache's loggers when they are created
 
+from bsr_cli.args import add_window_chunks, parse_with_notices  # noqa: E402
 from bsr_harness.experiments import Destinations, make_source, store_source  # noqa: E402
 from bsr_harness.records import add_record_options, record_script  # noqa: E402
 from bsr_kernels import presets  # noqa: E402
@@ -61,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=float, default=1 / 64, help="dsv4_flash entry-width scale (default 1/64)")
     ap.add_argument("--tokens", default="32768,65536,131072,262144", help="prefix lengths, comma separated")
-    ap.add_argument("--window", type=int, default=32, help="BSR window W (chunks)")
+    add_window_chunks(ap, default=32, help="BSR window W (chunks)")
     ap.add_argument("--first-rung", type=int, default=1 << 20, help="first whole-plan L1 rung in bytes")
     ap.add_argument("--max-rungs", type=int, default=16)
     ap.add_argument("--workdir", default=None, help="where the FS L2 objects go (default: a temp dir)")
     add_record_options(ap)
-    args = ap.parse_args(argv)
+    args = parse_with_notices(ap, argv)
 
     reg = presets.dsv4_flash(scale=args.scale)
     c = reg.chunk_bytes

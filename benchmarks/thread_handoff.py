@@ -22,6 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from bsr_cli.args import add_window_chunks, parse_with_notices
 from bsr_harness.records import add_record_options, record_script
 
 
@@ -93,9 +94,9 @@ def main() -> None:
     ap.add_argument("--trips", type=int, default=2000, help="round trips per round")
     ap.add_argument("--reps", type=int, default=7, help="rounds per kind (interleaved), the median is printed")
     ap.add_argument("--chunks", type=int, default=2047, help="N: chunks of the retrieve the estimate is for")
-    ap.add_argument("--window", type=int, default=32, help="W of that retrieve")
+    add_window_chunks(ap, default=32, help="W of that retrieve")
     add_record_options(ap)
-    args = ap.parse_args()
+    args = parse_with_notices(ap)
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     for _ in range(args.reps):
         for name, fn in KINDS.items():

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bsr_cli.args import add_window_chunks, parse_with_notices
 from bsr_harness.records import add_record_options, record_script
 
 MODELS = {
@@ -36,12 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="4096,8192,16384", help="prompt lengths (whole chunks; +37 tokens each)")
     ap.add_argument("--models", default="tiny,small")
-    ap.add_argument("--window", type=int, default=4, help="W (default 4)")
+    add_window_chunks(ap, default=4, help="W (default 4)")
     ap.add_argument("--batched-tokens", type=int, default=2048, help="max_num_batched_tokens (default 2048)")
     ap.add_argument("--repeat", type=int, default=3, help="best of N for every timing (default 3)")
     ap.add_argument("--out", help="write the table here (and JSON beside it)")
     add_record_options(ap)
-    args = ap.parse_args(argv)
+    args = parse_with_notices(ap, argv)
 
     import torch
 

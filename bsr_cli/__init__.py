@@ -20,6 +20,7 @@ from .args import (
     output_file,
     parse_tokens,
     parse_windows,
+    parse_with_notices,
     positive_int,
     positive_window,
 )
@@ -133,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")  # LMCache logs every prefetch at INFO
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    for notice in getattr(args, "notices", None) or ():
-        print(notice, file=sys.stderr)
+    args = parse_with_notices(parser, argv)
     args.argv, args.environ = argv, dict(os.environ)  # the command line of the provenance record (--record)
     from bsr_harness.mooncake_launcher import MooncakeMasterError
     from bsr_runtime.tiers.base import TierError

@@ -62,6 +62,14 @@ class TierList(argparse.Action):
         setattr(namespace, self.dest, ",".join(TIER_ALIASES.get(n, n) for n in names))
 
 
+def parse_with_notices(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """parse_args, then each deprecation notice (an earlier flag or tier name) as one line on stderr."""
+    args = parser.parse_args(argv)
+    for notice in getattr(args, "notices", None) or ():
+        print(notice, file=sys.stderr)
+    return args
+
+
 def add_window_chunks(p: argparse.ArgumentParser, *, default: int, help: str, type=None,
                       flag: str = "--window-chunks", earlier: str = "--window", dest: str = "window") -> None:
     """W in chunks as `flag`, still accepted under its `earlier` spelling."""
