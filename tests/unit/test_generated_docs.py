@@ -9,6 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from bsr_harness import records, report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +39,27 @@ def test_a_new_record_makes_the_pages_stale(tmp_path):
         f.write(json.dumps(fs) + "\n")
     assert set(report.stale_pages(results, readme, performance)) == {readme, performance}
     assert report.main(["--check", "--results", str(results)]) == 1  # the repository's pages, against these
+
+
+@pytest.mark.parametrize(("earlier", "current"), [("fs", "filesystem"), ("lmcache-fs", "lmcache-filesystem")])
+def test_the_sweep_headline_reads_records_under_either_tier_name(earlier, current):
+    """Records before the rename say fs / lmcache-fs, later ones the current name: the README's sweep
+    headline takes the latest record under either."""
+    recs = {k: list(v) for k, v in records.all_records().items()}
+    latest_earlier = [r for r in recs["bsr_sweep"] if r["settings"]["tier"] == earlier][-1]
+    newer = json.loads(json.dumps(latest_earlier))
+    newer["settings"]["tier"] = current
+    newer["commit"] = "f" * 40
+    for row in newer["figures"]["rows"]:
+        row["tier"] = current
+        if row["window_chunks"]:
+            row["seconds"] *= 3
+    before = report.render_readme_table(recs)
+    assert f"`{latest_earlier['commit'][:12]}`" in before
+    recs["bsr_sweep"].append(newer)
+    after = report.render_readme_table(recs)
+    (line,) = [line for line in after.splitlines() if "`ffffffffffff`" in line]
+    assert "BSR / whole plan" in line and after != before
 
 
 def test_every_record_names_its_commit_command_and_machine():
