@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 REG = presets.dsv4_flash(scale=1 / 1024)
 C = REG.chunk_bytes
 _MOONCAKE = [pytest.mark.mooncake]
-KINDS = ["memory", "filesystem", pytest.param("mooncake", marks=_MOONCAKE), "lmcache-fs",
+KINDS = ["memory", "filesystem", pytest.param("mooncake", marks=_MOONCAKE), "lmcache-filesystem",
          pytest.param("lmcache-mooncake", marks=_MOONCAKE)]
 
 
@@ -42,7 +42,7 @@ def tier(request, tmp_path):
             pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
             from bsr_runtime.integrations.lmcache.tier import open_lmcache_tier
 
-            if kind == "lmcache-fs":
+            if kind == "lmcache-filesystem":
                 options = {"root": str(tmp_path / "l2")}
             else:
                 m = request.getfixturevalue("mooncake_master")
@@ -107,7 +107,7 @@ def test_a_tier_that_overwrites_replaces_on_a_plain_put(tier):
     assert all(torch.equal(a, b) for a, b in zip(fetched(tier, ks), data, strict=True))
 
 
-@pytest.mark.parametrize("kind", ["lmcache-fs", pytest.param("lmcache-mooncake", marks=_MOONCAKE)])
+@pytest.mark.parametrize("kind", ["lmcache-filesystem", pytest.param("lmcache-mooncake", marks=_MOONCAKE)])
 def test_a_put_that_cannot_write_raises(kind, request, tmp_path):
     """LMCache: a key already resident in L1 (another writer's object, kept there by LMCache's default
     store policy) cannot be reserved for the write: the put raises, never reports a success it did not
@@ -115,7 +115,7 @@ def test_a_put_that_cannot_write_raises(kind, request, tmp_path):
     pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
     from bsr_runtime.integrations.lmcache import LMCacheTier, fs_l2_config, load_adapter_config, mooncake_l2_config
 
-    if kind == "lmcache-fs":
+    if kind == "lmcache-filesystem":
         l2 = fs_l2_config(str(tmp_path / "l2"))
     else:
         m = request.getfixturevalue("mooncake_master")
