@@ -162,6 +162,10 @@ _SECTIONS = [
     Section("lmcache_ladder", "Capacity ladder through LMCache's L1", (
         "LMCache 0.5.6's storage stack with an FS L2: the whole plan (LMCache's own prefetch) needs L1 for the "
         "whole prefix; BSR through LMCache restores every length with L1 fixed at W objects."), "Through LMCache"),
+    Section("lmcache_restore_road", "LMCache: installed from L1 against the copy road", (
+        "BoundedRestorer through LMCache (FS L2, warm page cache) at W and as the whole plan, by both roads in "
+        "turn: installed straight from the L1 objects (the tier's WindowSource) and copied L1 -> staging -> "
+        "blocks (the tier's fetch); medians, copy / in place and BSR / whole plan per road."), "Through LMCache"),
     Section("lmcache_fs_concurrency", "LMCache FS L2 load concurrency", (
         "BSR through LMCache's FS L2 at load concurrency 1 and 4, page cache dropped before each run; L1 peak "
         "must not change."), "Through LMCache"),

@@ -12,7 +12,7 @@ from bsr_cli import args as cli_args
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = ["lmcache_ladder", "budget_throughput", "fs_tier_throughput", "fs_restore_efficiency",
-           "lmcache_fs_concurrency", "thread_handoff", "vllm_engine"]
+           "lmcache_fs_concurrency", "thread_handoff", "vllm_engine", "lmcache_restore_road"]
 
 
 class Parsed(Exception):
@@ -37,7 +37,7 @@ def parsed(script: str, argv: list[str]):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_takes_window_chunks_and_the_earlier_window_with_a_notice(script, capsys):
-    if script == "lmcache_ladder" or script == "lmcache_fs_concurrency":
+    if script.startswith("lmcache_"):
         pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
     assert parsed(script, ["--window-chunks", "3"]).window == 3
     assert "deprecated" not in capsys.readouterr().err  # (stderr may hold LMCache's import-time log lines)

@@ -606,3 +606,35 @@ def test_damaged_l1_object_fails_closed_with_nothing_installed(stored, small, da
     assert sm.get_l1_usage()[0] == base
     ok = stored.request(seed=151, rid="after-damage")
     assert restore(small, ok, N, 8).ok and state_hash(REG, ok.kv, ok.block_tables, N) == stored.hash[N]
+
+
+def test_concurrent_restores_over_a_shared_arena_install_from_l1(stored):
+    """The connector's road (a StagingArena of B = 2 windows shared by concurrent restores): three
+    restores at once through one LMCache tier, each window still reserves its W*c of B (so B bounds
+    what the windows pin in L1) and installs from L1; every restore is hash-equal, B and L1 come back."""
+    from bsr_kernels.staging_arena import StagingArena
+
+    w = 4
+    arena = StagingArena(C, 2 * w)
+    cfg = RestoreConfig(window_chunks=w, pipeline_depth=1)
+    reqs = [stored.request(seed=160 + i, rid=f"arena{i}") for i in range(3)]
+    reps = [None] * 3
+    with LMCacheTier.create(REG, 2 * w * OBJ_4K, [fs_l2_config(stored.base)], config()) as tier, \
+            BoundedRestorer(REG, cfg, arena=arena) as restorer:
+
+        def run(i):
+            reps[i] = restorer.restore(reqs[i], tier, N)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        with Sampler(tier.sm) as s:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        for rep, req in zip(reps, reqs):
+            assert rep.ok, rep.error
+            assert state_hash(REG, req.kv, req.block_tables, N) == stored.hash[N]
+            assert rep.peak_staging_bytes <= w * C  # depth 1: one window of this restore at a time
+        assert s.peak <= 2 * w * OBJ_4K and arena.peak_bytes <= 2 * w * C
+        assert arena.live_bytes == 0 and tier.l1_usage()[0] == 0
+    arena.close()
