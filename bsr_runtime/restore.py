@@ -7,7 +7,10 @@ the W * c of staging and is reported as header_room_bytes), wait for
 complete presence (a missing key or timeout fails the restore), install into the window's
 destination blocks with one kernel launch, record the slot's event, and release the slot
 only after that install completed (synchronize-then-release). W = 0 keeps the legacy
-whole-plan path (the whole plan staged at once) as the baseline.
+whole-plan path (the whole plan staged at once) as the baseline. A tier that offers its own
+WindowSource (`Tier.window_source`: LMCache's L1) is restored from it instead: its windows are
+installed from where the tier holds them, no staging slot is leased, and the report's staging
+figures are what that source pinned.
 
 Concurrent restores (an engine's background loader) share one StagingArena of B bytes: each
 window leases its staging from it (ArenaAdmission), so all their live staging stays within B.
