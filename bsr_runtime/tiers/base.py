@@ -17,7 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..keys import PrefixKeys
-    from ..window_loop import WindowSource
+    from ..window_loop import InPlaceSource
 
 # Scratch a restore's staging leaves before each chunk (StagingPool headroom): a tier whose objects
 # carry a header of up to this size (Mooncake's is 128 B) lands each object whole, by one transfer.
@@ -131,10 +131,11 @@ class Tier(ABC):
         busy (MooncakeTier over tcp)."""
         return 2
 
-    def window_source(self, keys: PrefixKeys, timeout_s: float) -> WindowSource | None:
+    def window_source(self, keys: PrefixKeys, timeout_s: float) -> InPlaceSource | None:
         """A WindowSource whose windows the restore installs from where this tier holds the bytes
-        (LMCache's L1), or None (the default): the restore fetches each window into its staging
-        (restore.TierSource). `timeout_s`: per window, from its fetch."""
+        (LMCache's L1), measuring what it pins (window_loop.InPlaceSource); or None (the default):
+        the restore fetches each window into its staging (restore.TierSource). `timeout_s`: per
+        window, from its fetch. Called once per restore."""
         return None
 
     def delete(self, keys: Sequence[str]) -> None:  # pragma: no cover - optional
