@@ -10,7 +10,9 @@ both roads in turn, in alternating order, `--repeat` times:
   blocks: what a tier without a source of its own does), forced here by hiding the tier's source.
 
 Prints the median seconds of each (prefix, W, road), the ratio copy / in place, and BSR / whole plan
-for each road; every restore must reproduce the source's state hash. Appends a record to
+for each road, wall clock and CPU time of the process (all its threads, LMCache's included: less
+sensitive than the wall clock to other work on a shared machine); every restore must reproduce the
+source's state hash. Appends a record to
 benchmarks/results/lmcache_restore_road.jsonl (bsr_harness.records).
 
     python benchmarks/lmcache_restore_road.py [--tokens 32768,131072] [--window-chunks 32] [--repeat 3]
@@ -23,6 +25,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # read by LMCache's loggers when they are created
 
@@ -38,17 +41,21 @@ ROADS = ("in_place", "copy")
 
 
 def restore_once(tier: LMCacheTier, restorer: BoundedRestorer, road: str, src, dst: Destinations, n: int,
-                 expected: str) -> tuple[float, bool, int]:
-    """(seconds, state hash reproduced, peak staging bytes) of one restore of n chunks by `road`."""
+                 expected: str) -> tuple[float, float, bool, int]:
+    """(seconds, CPU seconds of the process, state hash reproduced, peak staging bytes) of one restore of
+    n chunks by `road`."""
     if road == "copy":
         tier.window_source = lambda keys, timeout_s: None  # the restore falls back to TierSource
     try:
         dst.poison()
+        cpu = time.process_time()
         rep = restorer.restore(RestoreRequest(f"road-{road}-{n}", src.tokens, src.keyspace, dst.kv, dst.tables),
                                tier, n)
+        cpu = time.process_time() - cpu
     finally:
         tier.__dict__.pop("window_source", None)
-    return rep.total_s, rep.ok and state_hash(src.reg, dst.kv, dst.tables, n) == expected, rep.peak_staging_bytes
+    good = rep.ok and state_hash(src.reg, dst.kv, dst.tables, n) == expected
+    return rep.total_s, cpu, good, rep.peak_staging_bytes
 
 
 def main(argv=None) -> int:
@@ -76,29 +83,34 @@ def main(argv=None) -> int:
                 n = tokens // reg.chunk_tokens
                 expected = state_hash(reg, src.kv, src.block_tables, n)
                 times = {(x, road): [] for x in (w, 0) for road in ROADS}
+                cpus = {(x, road): [] for x in (w, 0) for road in ROADS}
                 peaks = {}
                 for i in range(args.repeat):
                     for road in ROADS if i % 2 == 0 else ROADS[::-1]:  # neither road always goes first
                         for x in (w, 0):
-                            s, good, peak = restore_once(tier, restorers[x], road, src, dst, n, expected)
+                            s, cpu, good, peak = restore_once(tier, restorers[x], road, src, dst, n, expected)
                             ok = ok and good
                             times[(x, road)].append(s)
+                            cpus[(x, road)].append(cpu)
                             peaks[(x, road)] = peak
-                med = {k: statistics.median(v) for k, v in times.items()}
                 row = {"tokens": tokens, "chunks": n, "window_chunks": w}
+                for clock, runs in (("s", times), ("cpu_s", cpus)):
+                    med = {k: statistics.median(v) for k, v in runs.items()}
+                    for road in ROADS:
+                        row[f"{road}_{clock}"] = round(med[(w, road)], 4)
+                        row[f"{road}_whole_{clock}"] = round(med[(0, road)], 4)
+                        row[f"{road}_bsr_vs_whole_{clock}"] = round(med[(w, road)] / med[(0, road)], 3)
+                    row[f"copy_vs_in_place_{clock}"] = round(med[(w, "copy")] / med[(w, "in_place")], 3)
+                    row[f"copy_vs_in_place_whole_{clock}"] = round(med[(0, "copy")] / med[(0, "in_place")], 3)
+                    print(f"  {tokens:>7} tokens, {'wall' if clock == 's' else 'CPU '}: W={w} in place "
+                          f"{row[f'in_place_{clock}']:.3f} s, copy {row[f'copy_{clock}']:.3f} s (copy / in place "
+                          f"{row[f'copy_vs_in_place_{clock}']:.2f}); whole plan in place "
+                          f"{row[f'in_place_whole_{clock}']:.3f} s, copy {row[f'copy_whole_{clock}']:.3f} s "
+                          f"({row[f'copy_vs_in_place_whole_{clock}']:.2f}); BSR / whole: in place "
+                          f"{row[f'in_place_bsr_vs_whole_{clock}']:.2f}, copy {row[f'copy_bsr_vs_whole_{clock}']:.2f}")
                 for road in ROADS:
-                    row[f"{road}_s"] = round(med[(w, road)], 4)
-                    row[f"{road}_whole_s"] = round(med[(0, road)], 4)
-                    row[f"{road}_bsr_vs_whole"] = round(med[(w, road)] / med[(0, road)], 3)
                     row[f"{road}_peak_staging_bytes"] = peaks[(w, road)]
-                row["copy_vs_in_place"] = round(med[(w, "copy")] / med[(w, "in_place")], 3)
-                row["copy_vs_in_place_whole"] = round(med[(0, "copy")] / med[(0, "in_place")], 3)
                 rows.append(row)
-                print(f"  {tokens:>7} tokens: W={w} in place {row['in_place_s']:.3f} s, copy {row['copy_s']:.3f} s "
-                      f"(copy / in place {row['copy_vs_in_place']:.2f}); whole plan in place "
-                      f"{row['in_place_whole_s']:.3f} s, copy {row['copy_whole_s']:.3f} s "
-                      f"({row['copy_vs_in_place_whole']:.2f}); BSR / whole: in place "
-                      f"{row['in_place_bsr_vs_whole']:.2f}, copy {row['copy_bsr_vs_whole']:.2f}")
         finally:
             for r in restorers.values():
                 r.close()
