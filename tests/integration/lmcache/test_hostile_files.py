@@ -193,12 +193,12 @@ def test_filesystem_tier_close_is_bounded_with_a_stuck_read(tmp_path, monkeypatc
     tier.put(["k"], [torch.ones(C, dtype=torch.uint8)])
     release, started = threading.Event(), threading.Event()
 
-    def stuck_read(key, dst):  # a read the kernel does not return from (a hung network filesystem)
+    def stuck_read(keys, dsts, begin, end):  # reads the kernel does not return from (a hung network filesystem)
         started.set()
         release.wait(60)
         raise OSError("released")
 
-    monkeypatch.setattr(tier, "_read_into", stuck_read)
+    monkeypatch.setattr(tier, "_read_range", stuck_read)  # what each fetch worker calls, batched or not
     handle = tier.fetch(["k"], [torch.zeros(C, dtype=torch.uint8)], time.monotonic() + 60)
     try:
         assert started.wait(10)
