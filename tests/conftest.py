@@ -5,6 +5,7 @@ library's copies with normal or non-temporal stores (`nt_stores`). Markers from 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,29 @@ def nt_stores(request):
     yield request.param
     for into, nbytes in was.items():
         cpu_backend.stream_bytes(nbytes, into=into)
+
+
+@pytest.fixture(scope="session")
+def cuda_first_use_build(tmp_path_factory) -> tuple[Path, float, Path]:
+    """(library, seconds, cache dir): csrc/ compiled by the CUDA backend's first-use build for sm_90
+    (kernel_util.first_use_on_sm90), once per test run: the cache dir is shared by the run's xdist
+    workers (the build is atomic: a worker finding it there loads it). Skips without nvcc."""
+    import time
+
+    from kernel_util import first_use_on_sm90
+
+    from bsr_kernels import cuda_backend
+
+    if cuda_backend.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # basetemp is <run dir>/popen-gwN
+        run_dir = run_dir.parent
+    cache = run_dir / "bsr-cuda-first-use"
+    t0 = time.monotonic()
+    with first_use_on_sm90(cache):
+        path = cuda_backend._cached_build(cuda_backend.source_dir())
+    return path, time.monotonic() - t0, cache
 
 
 @pytest.fixture(scope="module")
