@@ -43,8 +43,8 @@ WARMUP = 20
 RSS_MARGIN = 64 << 20
 FAULTS = [None, None, "corrupt", "missing", "drop_after_probe", "unavailable", "fail_fetch", "install", "delay",
           "timeout"]
-DELAY_S = 0.008
-TIMEOUT_S = 0.002
+DELAY_S = 0.02
+TIMEOUT_S = 0.005
 SETTLE_S = 10.0  # late completions (timer threads) of the last cycles finish well within this
 
 
