@@ -275,8 +275,8 @@ def test_silent_master_port_times_out(mooncake_master):
         port = srv.getsockname()[1]
         t0 = time.monotonic()
         with pytest.raises(TierUnavailableError):
-            MooncakeTier(C, FP, f"127.0.0.1:{port}", mooncake_master.metadata_server, connect_timeout_s=1)
-        assert time.monotonic() - t0 < 2.5
+            MooncakeTier(C, FP, f"127.0.0.1:{port}", mooncake_master.metadata_server, connect_timeout_s=3)
+        assert time.monotonic() - t0 < 4.5
 
 
 def test_master_stopped_fails_in_bounded_time(mooncake_tier_factory, pool):
