@@ -100,9 +100,13 @@ def cuda_first_use_build(tmp_path_factory) -> tuple[Path, float, Path]:
     return path, time.monotonic() - t0, cache
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mooncake_master():
-    """One mooncake_master per test module, stopped (and reaped) at teardown."""
+    """One mooncake_master per test process (an xdist worker), started by the first test that asks for
+    it and stopped (and reaped) at the end: a start and stop take ~2 s. The modules sharing it keep
+    apart as their clients do: every object lives in a client's segment (or a store host's), gone
+    when that client closes (module fixtures close theirs before the session ends). A test that
+    stops, restarts or breaks a master starts one of its own (MooncakeMaster)."""
     _require_mooncake()
     from bsr_harness.mooncake_launcher import MooncakeMaster
 
@@ -130,7 +134,7 @@ def _tier_maker(default_master, made: list):
 
 @pytest.fixture
 def mooncake_tier_factory(mooncake_master):
-    """make(chunk_bytes, fingerprint, **kw) -> MooncakeTier against the module's master
+    """make(chunk_bytes, fingerprint, **kw) -> MooncakeTier against the shared master
     (or `master=` another MooncakeMaster); every tier made is closed at teardown."""
     made: list = []
     yield _tier_maker(mooncake_master, made)
