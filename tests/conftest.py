@@ -1,5 +1,6 @@
-"""Shared fixtures. Mooncake: a real `mooncake_master` on 127.0.0.1 and real store clients. The CPU
-library's copies with normal or non-temporal stores (`nt_stores`). Markers from where a test lives
+"""Shared fixtures. Mooncake: a real `mooncake_master` on 127.0.0.1 (one per test process) and real
+store clients. The CPU library's copies with normal or non-temporal stores (`nt_stores`). The CUDA
+library compiled once per run (`cuda_first_use_build`). Markers from where a test lives
 (ARCHITECTURE.md, "Tests")."""
 
 from __future__ import annotations
