@@ -1,10 +1,12 @@
-"""Shared fixtures. Mooncake: a real `mooncake_master` on 127.0.0.1 and real store clients. The CPU
-library's copies with normal or non-temporal stores (`nt_stores`). Markers from where a test lives
+"""Shared fixtures. Mooncake: a real `mooncake_master` on 127.0.0.1 (one per test process) and real
+store clients. The CPU library's copies with normal or non-temporal stores (`nt_stores`). The CUDA
+library compiled once per run (`cuda_first_use_build`). Markers from where a test lives
 (ARCHITECTURE.md, "Tests")."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -76,9 +78,36 @@ def nt_stores(request):
         cpu_backend.stream_bytes(nbytes, into=into)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
+def cuda_first_use_build(tmp_path_factory) -> tuple[Path, float, Path]:
+    """(library, seconds, cache dir): csrc/ compiled by the CUDA backend's first-use build for sm_90
+    (kernel_util.first_use_on_sm90), once per test run: the cache dir is shared by the run's xdist
+    workers (the build is atomic: a worker finding it there loads it). Skips without nvcc."""
+    import time
+
+    from kernel_util import first_use_on_sm90
+
+    from bsr_kernels import cuda_backend
+
+    if cuda_backend.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # basetemp is <run dir>/popen-gwN
+        run_dir = run_dir.parent
+    cache = run_dir / "bsr-cuda-first-use"
+    t0 = time.monotonic()
+    with first_use_on_sm90(cache):
+        path = cuda_backend._cached_build(cuda_backend.source_dir())
+    return path, time.monotonic() - t0, cache
+
+
+@pytest.fixture(scope="session")
 def mooncake_master():
-    """One mooncake_master per test module, stopped (and reaped) at teardown."""
+    """One mooncake_master per test process (an xdist worker), started by the first test that asks for
+    it and stopped (and reaped) at the end: a start and stop take ~2 s. The modules sharing it keep
+    apart as their clients do: every object lives in a client's segment (or a store host's), gone
+    when that client closes (module fixtures close theirs before the session ends). A test that
+    stops, restarts or breaks a master starts one of its own (MooncakeMaster)."""
     _require_mooncake()
     from bsr_harness.mooncake_launcher import MooncakeMaster
 
@@ -106,7 +135,7 @@ def _tier_maker(default_master, made: list):
 
 @pytest.fixture
 def mooncake_tier_factory(mooncake_master):
-    """make(chunk_bytes, fingerprint, **kw) -> MooncakeTier against the module's master
+    """make(chunk_bytes, fingerprint, **kw) -> MooncakeTier against the shared master
     (or `master=` another MooncakeMaster); every tier made is closed at teardown."""
     made: list = []
     yield _tier_maker(mooncake_master, made)

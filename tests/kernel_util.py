@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import strategies as st
 
@@ -288,3 +291,14 @@ def untouched_outside_window(case: Case, kv: list[torch.Tensor]) -> None:
         for blk in range(t.shape[0]):
             if blk not in touched:
                 assert bool((t[blk].view(torch.uint8) == POISON).all()), f"{spec.name} block {blk} written"
+
+
+@contextlib.contextmanager
+def first_use_on_sm90(cache_dir: Path):
+    """The CUDA backend as on a GPU machine of compute capability 9.0 without an installed library:
+    its first-use build compiles csrc/ into `cache_dir` (BSR_CACHE_DIR)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BSR_CACHE_DIR", str(cache_dir))
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        mp.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+        yield

@@ -58,6 +58,24 @@ def cold_output(model: str, tokens, **kw):
         shutdown(llm)
 
 
+def forget_local_kv(llm) -> None:
+    """Make an engine that saved a prompt restore it as a fresh engine would: vLLM's prefix cache reset
+    (no local hit) and every KV block poisoned, so a block the restore did not write holds garbage
+    instead of the saving request's state (vLLM reuses freed blocks without clearing them). What the
+    next request of that prompt gets, it can only get from the tiers."""
+    from bsr_harness.testdata import poison
+
+    assert llm.reset_prefix_cache(), "vLLM kept its prefix cache (a request still running?)"
+    poison(worker_connector().worker.kv)
+
+
+def lmcache_l1_holds_no_object() -> bool:
+    """No LMCache tier of the worker holds a whole object in its L1 (a save flushes its objects from L1
+    once an L2 adapter holds them, a fetch evicts what it loaded): a restore must read the L2 store."""
+    return all(t.l1_usage()[0] < t.l1_object_bytes for t in worker_connector().worker.tiers
+               if hasattr(t, "l1_usage"))
+
+
 def prompt(n_tokens: int, seed: int = 1) -> list[int]:
     import random
 

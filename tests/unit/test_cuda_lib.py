@@ -8,7 +8,6 @@ import ctypes
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from kernel_util import (
     KV_LAYOUTS,
     STRIDES,
     Case,
+    first_use_on_sm90,
     kv_pair_layout,
     kv_registration,
     make_case,
@@ -50,23 +50,17 @@ OLD_EXPORTS = ("bsr_install", "bsr_gather", "bsr_host_install", "bsr_host_gather
 
 # -- the library -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def built_lib(tmp_path_factory) -> tuple[Path, float]:
-    nvcc = cuda_backend.find_nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    out = tmp_path_factory.mktemp("bsr_cuda") / "libbsr_cuda.so"
-    t0 = time.monotonic()
-    proc = subprocess.run([nvcc, *NVCC_FLAGS, "-o", str(out), str(CSRC / "bsr_install.cu")],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return out, time.monotonic() - t0
+def built_lib(cuda_first_use_build) -> tuple[Path, float, Path]:
+    """(library, build seconds, cache dir): csrc/ compiled once per run by the first-use build
+    (conftest), whose nvcc command for sm_90 is setup.py's (test_library_builds_and_loads)."""
+    return cuda_first_use_build
 
 
 @pytest.fixture(scope="module")
 def lib(request) -> ctypes.CDLL:
     """The library freshly built from csrc/ here; without nvcc, the installed one."""
     if cuda_backend.find_nvcc() is not None:
-        path, _ = request.getfixturevalue("built_lib")
+        path, _, _ = request.getfixturevalue("built_lib")
         return cuda_backend.load(path)
     installed = cuda_backend.library()
     if installed is None:
@@ -75,7 +69,10 @@ def lib(request) -> ctypes.CDLL:
 
 
 def test_library_builds_and_loads(built_lib):
-    path, seconds = built_lib
+    path, seconds, _ = built_lib
+    # the first-use build for sm_90 runs setup.py's command (NVCC_FLAGS: test_setup_py_uses_the_same_flags)
+    assert [*cuda_backend.NVCC_FLAGS, "-gencode", "arch=compute_90,code=sm_90",
+            "-gencode", "arch=compute_90,code=compute_90"] == NVCC_FLAGS
     assert path.stat().st_size > 0
     lib = cuda_backend.load(path)
     assert lib.bsr_abi_version() == cuda_backend.abi().versions["cuda"]
@@ -370,17 +367,17 @@ def test_zero_copy_needs_pinned_staging():
         cuda_backend._device_staging("install", args, torch.device("cuda", 0), True, reg.chunk_bytes)
 
 
-def test_first_use_build(monkeypatch, tmp_path):
-    """Without an installed library, a GPU machine compiles csrc/ into the cache at first use."""
-    if cuda_backend.find_nvcc() is None:
-        pytest.skip("nvcc not found")
-    monkeypatch.setenv("BSR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    path = cuda_backend._cached_build(cuda_backend.source_dir())
+def test_first_use_build(built_lib):
+    """Without an installed library, a GPU machine compiles csrc/ into the cache at first use (the
+    run's build, conftest's cuda_first_use_build), and finds it there the next time."""
+    path, _, cache = built_lib
     assert path is not None and path.is_file() and path.parent.name.endswith("-sm90")
+    assert path.parent.parent == cache
     assert cuda_backend.load(path).bsr_abi_version() == cuda_backend.abi().versions["cuda"]
-    assert cuda_backend._cached_build(cuda_backend.source_dir()) == path  # cached: no rebuild
+    built_at = path.stat().st_mtime_ns
+    with first_use_on_sm90(cache):
+        assert cuda_backend._cached_build(cuda_backend.source_dir()) == path  # cached: no rebuild
+    assert path.stat().st_mtime_ns == built_at
 
 
 # -- strided destinations: the host emulation against the entry-by-entry oracle ---------------

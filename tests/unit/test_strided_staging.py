@@ -14,7 +14,6 @@ view made with as_strided.
 from __future__ import annotations
 
 import functools
-import subprocess
 
 import pytest
 import torch
@@ -73,21 +72,16 @@ PRESETS = {
 
 
 @pytest.fixture(scope="module")
-def cuda_lib(tmp_path_factory):
-    """The CUDA library built here from csrc/ (its host emulation runs on CPU tensors); without
-    nvcc, the installed one."""
-    nvcc = cuda_backend.find_nvcc()
-    if nvcc is None:
+def cuda_lib(request):
+    """The CUDA library built from csrc/ (its host emulation runs on CPU tensors) by the run's
+    first-use build (conftest: cuda_first_use_build); without nvcc, the installed one."""
+    if cuda_backend.find_nvcc() is None:
         lib = cuda_backend.library()
         if lib is None:
             pytest.skip(f"no nvcc and no CUDA library: {cuda_backend.load_error()}")
         return lib
-    src = cuda_backend.source_dir()
-    out = tmp_path_factory.mktemp("bsr_cuda_strided") / "libbsr_cuda.so"
-    proc = subprocess.run([nvcc, *cuda_backend.NVCC_FLAGS, "-gencode", "arch=compute_90,code=sm_90",
-                           "-o", str(out), str(src / "bsr_install.cu")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return cuda_backend.load(out)
+    path, _, _ = request.getfixturevalue("cuda_first_use_build")
+    return cuda_backend.load(path)
 
 
 class Runner:

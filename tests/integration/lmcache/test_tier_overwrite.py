@@ -7,7 +7,6 @@ put reported success, and a damaged object failed every load forever."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 
@@ -28,30 +27,51 @@ KINDS = ["memory", "filesystem", pytest.param("mooncake", marks=_MOONCAKE), "lmc
          pytest.param("lmcache-mooncake", marks=_MOONCAKE)]
 
 
+@pytest.fixture(scope="module")
+def shared_mooncake_tier(mooncake_module_tier_factory):
+    """One Mooncake client for the module's tests (each under keys of its own): a close takes ~2 s."""
+    return mooncake_module_tier_factory(C, REG.fingerprint)
+
+
+def _lmcache_tier(kind: str, options: dict):
+    pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
+    from bsr_runtime.integrations.lmcache.tier import open_lmcache_tier
+
+    return open_lmcache_tier(REG, kind, {"l1_bytes": 16 << 20, **options})
+
+
+@pytest.fixture(scope="module")
+def shared_lmcache_filesystem_tier(tmp_path_factory):
+    """One LMCache tier (filesystem L2) for the module's tests (each under keys of its own)."""
+    with _lmcache_tier("lmcache-filesystem", {"root": str(tmp_path_factory.mktemp("lmcache-fs") / "l2")}) as t:
+        yield t
+
+
+@pytest.fixture(scope="module")
+def shared_lmcache_mooncake_tier(mooncake_master):
+    """One LMCache tier (Mooncake L2) for the module's tests, closed before its master stops."""
+    options = {"master_address": mooncake_master.master_address, "metadata_server": mooncake_master.metadata_server,
+               "global_segment_size": 64 << 20}
+    with _lmcache_tier("lmcache-mooncake", options) as t:
+        yield t
+
+
 @pytest.fixture(params=KINDS)
 def tier(request, tmp_path):
+    """A tier of each kind; the Mooncake and LMCache ones are shared by the module (closing one takes
+    1-3 s), the tests keep apart by their keys (`keys`)."""
     kind = request.param
-    with contextlib.ExitStack() as stack:
-        if kind == "memory":
-            t = MemoryTier(C, REG.fingerprint)
-        elif kind == "filesystem":
-            t = FilesystemTier(tmp_path, C, REG.fingerprint)
-        elif kind == "mooncake":
-            t = request.getfixturevalue("mooncake_tier_factory")(C, REG.fingerprint)
-        else:
-            pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
-            from bsr_runtime.integrations.lmcache.tier import open_lmcache_tier
-
-            if kind == "lmcache-filesystem":
-                options = {"root": str(tmp_path / "l2")}
-            else:
-                m = request.getfixturevalue("mooncake_master")
-                options = {"master_address": m.master_address, "metadata_server": m.metadata_server,
-                           "global_segment_size": 64 << 20}
-            t = stack.enter_context(open_lmcache_tier(REG, kind, {"l1_bytes": 16 << 20, **options}))
-        if kind in ("memory", "filesystem"):
-            stack.callback(t.close)
+    if kind == "memory":
+        t = MemoryTier(C, REG.fingerprint)
+    elif kind == "filesystem":
+        t = FilesystemTier(tmp_path, C, REG.fingerprint)
+    else:
+        yield request.getfixturevalue(f"shared_{kind.replace('-', '_')}_tier")
+        return
+    try:
         yield t
+    finally:
+        t.close()
 
 
 def payloads(n: int, seed: int) -> list[torch.Tensor]:

@@ -281,7 +281,7 @@ def test_silent_master_port_times_out(mooncake_master):
 
 def test_master_stopped_fails_in_bounded_time(mooncake_tier_factory, pool):
     with MooncakeMaster() as m:
-        t = mooncake_tier_factory(C, FP, master=m, rpc_timeout_s=3)
+        t = mooncake_tier_factory(C, FP, master=m, rpc_timeout_s=1)
         t.register_staging(pool.buffer)
         keys = keys_for(2, seed=19)
         data = payloads(2, seed=19)

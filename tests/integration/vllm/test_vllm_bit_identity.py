@@ -29,17 +29,17 @@ def test_bit_identity_needs_the_prefix_to_end_on_a_prefill_step(tmp_path):
     prompts = {k: U.prompt(n, seed) for k, (n, seed) in PROMPTS.items()}
     kv = U.kv_transfer([{"type": "filesystem", "root": str(tmp_path / "fs")}], window_chunks=4)
     cold, local = {}, {}
-    llm = U.make_llm(model, kv, max_num_batched_tokens=M)  # engine A: cold prefill (saved), then a local hit
+    llm = U.make_llm(model, kv, max_num_batched_tokens=M)
     try:
-        for k, tokens in prompts.items():
+        worker = U.worker_connector().worker
+        for k, tokens in prompts.items():  # a cold prefill (saved), then a local hit
             cold[k] = U.generate(llm, tokens)
             local[k] = U.generate(llm, tokens)  # vLLM's own prefix cache, no load
-        assert len(U.worker_connector().worker.loads) == 0
-    finally:
-        U.shutdown(llm)
-    llm = U.make_llm(model, kv, max_num_batched_tokens=M)  # engine B: restores both prefixes
-    try:
+        assert len(worker.loads) == 0
+        assert worker.wait_saves(60)
+        U.forget_local_kv(llm)  # the engine restores both prefixes as a fresh one would
         restored = {k: U.generate(llm, tokens) for k, tokens in prompts.items()}
+        assert len(worker.loads) == len(prompts) and all(r["committed"] for r in worker.loads)
     finally:
         U.shutdown(llm)
     for k, (n, _) in PROMPTS.items():

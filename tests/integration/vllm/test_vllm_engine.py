@@ -4,13 +4,15 @@ default) from a filesystem tier.
 
 Engines run in this process one at a time (vLLM keeps one KV connector per process): consecutive tests
 share one engine (`Engines`), each request under its own salt or after a reset of vLLM's prefix cache.
-The cold reference outputs and the saved objects are module fixtures.
+The cold reference outputs and the saved objects are module fixtures; the engine that saved them
+restores them once it has forgotten its own copy (vllm_util.forget_local_kv: no prefix-cache hit,
+every KV block poisoned), as a fresh engine would (fresh engines restore in test_vllm_tiers,
+test_mooncake_deployment and test_vllm_repair).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 
@@ -74,22 +76,23 @@ def _kv(root, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def store(engines, model, prompts, cold, tmp_path_factory):
-    """Engine A prefills every prompt (and p1 as tenant "alice") and saves it into a filesystem tier."""
+    """The engine prefills every prompt (and p1 as tenant "alice") and saves it into a filesystem tier,
+    then forgets its own copy (U.forget_local_kv): the tests' restores read the tier."""
     root = tmp_path_factory.mktemp("bsr-fs")
     llm = engines.get(model, _kv(root), max_num_seqs=16)
     outs = {k: U.generate(llm, t) for k, t in prompts.items() if k != "a"}
     outs["alice"] = U.generate(llm, prompts["p1"], cache_salt="alice")
     worker = U.worker_connector().worker
     assert worker.wait_saves(60)
+    U.forget_local_kv(llm)
     return {"root": str(root), "outs": outs, "saves": list(worker.saves), "c": worker.reg.chunk_bytes}
 
 
 @pytest.fixture(scope="module")
-def served(store, tmp_path_factory):
-    """A copy of the stored objects for the restoring engine (the fault tests damage some of them)."""
-    root = tmp_path_factory.mktemp("bsr-fs-served") / "fs"
-    shutil.copytree(store["root"], root)
-    return root
+def served(store):
+    """The tier the restoring engine reads: the saving engine's (Engines hands the same engine on);
+    the fault tests damage some of its objects, and the recomputes rewrite them."""
+    return store["root"]
 
 
 def _restoring(engines, model, served):
@@ -127,10 +130,13 @@ def test_save_after_prefill(store, cold):
 
 
 def test_restore_fs_windowed(engines, model, served, cold, prompts):
-    """A fresh engine restores 12 chunks in the background with W=2: identical output, staging W*c; tenants."""
+    """The engine restores 12 chunks in the background with W=2 (what it saved, its own copy forgotten:
+    `store`): identical output, staging W*c; tenants."""
     llm = _restoring(engines, model, served)
-    got = U.generate(llm, prompts["p1"])
     worker = U.worker_connector().worker
+    loads_before, saves_before = len(worker.loads), len(worker.saves)
+    got = U.generate(llm, prompts["p1"])
+    assert len(worker.loads) == loads_before + 1
     load = worker.loads[-1]
     assert got[2] == 12 * U.CHUNK  # num_cached_tokens: the restored chunks
     _same(got, cold["p1"])
@@ -140,7 +146,8 @@ def test_restore_fs_windowed(engines, model, served, cold, prompts):
     assert load["peak_staging_bytes"] == W * C
     t = load["timings"]  # where the time went
     assert t["probe_s"] > 0 and t["total_s"] >= t["restore_s"] >= t["fetch_s"] + t["install_s"] > 0
-    assert worker.wait_saves(60) and all(s["stored"] == 0 for s in worker.saves)  # the tier holds it all
+    assert worker.wait_saves(60)
+    assert all(s["stored"] == 0 for s in list(worker.saves)[saves_before:])  # the tier holds it all
     # tenants: bob never hits alice's objects, alice does
     n_loads = len(worker.loads)
     bob = U.generate(llm, prompts["p1"], cache_salt="bob")

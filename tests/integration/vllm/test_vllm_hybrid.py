@@ -32,6 +32,9 @@ def tokens():
 
 
 def test_hybrid_two_groups_restore_and_collapse(model, tokens, tmp_path):
+    """One engine saves the prompt, forgets its own copy (U.forget_local_kv: no prefix-cache hit, every
+    KV block poisoned) and restores both groups; then one object is damaged inside the sliding-window
+    group's segment, and the next restore collapses as a whole and recomputes."""
     cold = U.cold_output(model, tokens)
     kv = U.kv_transfer([{"type": "filesystem", "root": str(tmp_path)}], window_chunks=W)
     llm = U.make_llm(model, kv)
@@ -48,36 +51,30 @@ def test_hybrid_two_groups_restore_and_collapse(model, tokens, tmp_path):
         assert all(s["ok"] for s in saves), [s.get("error") for s in saves]
         assert sum(s["stored"] for s in saves) == N
         keys = U.prefix_keys(sched, tokens, N)
-    finally:
-        U.shutdown(llm)
-    assert a[0] == cold[0] and a[1] == cold[1]
+        assert a[0] == cold[0] and a[1] == cold[1]
 
-    llm = U.make_llm(model, kv)
-    try:
+        U.forget_local_kv(llm)
+        assert len(worker.loads) == 0
         got = U.generate(llm, tokens)
-        load = U.worker_connector().worker.loads[-1]
-    finally:
-        U.shutdown(llm)
-    assert load["committed"] and load["num_chunks"] == N and got[2] == N * U.CHUNK
-    full_blocks = N * U.CHUNK // U.BLOCK_SIZE
-    assert load["total_blocks"] > full_blocks  # blocks of both groups were written
-    assert got[0] == cold[0] and got[1] == cold[1]
+        (load,) = worker.loads
+        assert load["committed"] and load["num_chunks"] == N and got[2] == N * U.CHUNK
+        full_blocks = N * U.CHUNK // U.BLOCK_SIZE
+        assert load["total_blocks"] > full_blocks  # blocks of both groups were written
+        assert got[0] == cold[0] and got[1] == cold[1]
 
-    # damage one object inside the segment of the sliding-window group only: the whole prefix collapses
-    from bsr_runtime.tiers.filesystem import FilesystemTier
+        # damage one object inside the segment of the sliding-window group only: the whole prefix collapses
+        from bsr_runtime.tiers.filesystem import FilesystemTier
 
-    spec_i = next(i for i, s in enumerate(reg.specs) if s.sliding_window)
-    with FilesystemTier(str(tmp_path), reg.chunk_bytes, reg.fingerprint) as tier:
-        path = tier.path_of(keys[N - 1])
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - reg.chunk_bytes + reg.segment_offsets[spec_i] + 100)
-        f.write(b"\x01\x02\x03")
-    llm = U.make_llm(model, kv)
-    try:
-        sched = U.scheduler_connector(llm).scheduler
+        spec_i = next(i for i, s in enumerate(reg.specs) if s.sliding_window)
+        with FilesystemTier(str(tmp_path), reg.chunk_bytes, reg.fingerprint) as tier:
+            path = tier.path_of(keys[N - 1])
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) - reg.chunk_bytes + reg.segment_offsets[spec_i] + 100)
+            f.write(b"\x01\x02\x03")
+        U.forget_local_kv(llm)
         got = U.generate(llm, tokens)
-        worker = U.worker_connector().worker
-        load = worker.loads[0]
+        assert len(worker.loads) == 2
+        load = worker.loads[1]
         rid = load["request_id"]
         events = [e for e, r in sched.events if r == rid]
     finally:
@@ -110,10 +107,7 @@ def test_chunks_whose_sliding_window_blocks_were_freed_are_not_saved(tmp_path_fa
         q = p[: saved * U.CHUNK] + U.prompt(100, seed=42)  # shares exactly the saved prefix
         cold = U.generate(llm, q, cache_salt="cold")  # another tenant: neither the local copy nor the tier's
         assert cold[2] == 0
-    finally:
-        U.shutdown(llm)
-    llm = U.make_llm(model, kv, **steps)
-    try:
+        U.forget_local_kv(llm)  # the engine restores the saved prefix as a fresh one would
         got = U.generate(llm, q)
     finally:
         U.shutdown(llm)

@@ -2,7 +2,7 @@
 
 - A damaged object is repaired by the recompute's overwrite save in every tier, here through LMCache's
   StorageManager with the FS L2 plugin: the load fails closed, the request recomputes (cold output), the
-  save rewrites the chunks, and a fresh engine restores the prefix. Before, the plugin skipped a key whose
+  save rewrites the chunks, and the next request restores the prefix. Before, the plugin skipped a key whose
   file existed, the tier reported the save done, and the prefix failed every load forever.
 - Diagnostics never stop the engine: with `report_path` set, its directory removed, loads and saves
   carry on (the failed report lines are counted). Before, start_load_kv raised FileNotFoundError and the
@@ -64,8 +64,10 @@ def _flip_payload_byte(path: str) -> None:
 
 
 def test_lmcache_fs_damaged_object_is_repaired_by_the_recompute(model, tokens, cold, tmp_path):
+    # save staging for the whole prompt: no save (or rewrite) is skipped for want of staging while a busy
+    # machine's puts run
     tiers = [{"type": "lmcache-fs", "root": str(tmp_path / "lmcache")}]
-    a = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, salt="repair"))
+    a = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, save_staging_chunks=N, salt="repair"))
     try:
         _same(U.generate(a, tokens), cold)
         worker = U.worker_connector().worker
@@ -74,7 +76,7 @@ def test_lmcache_fs_damaged_object_is_repaired_by_the_recompute(model, tokens, c
     finally:
         U.shutdown(a)
 
-    b = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, salt="repair"))
+    b = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, save_staging_chunks=N, salt="repair"))
     try:
         path = _lmcache_object_path(b, tokens, 5)
         _flip_payload_byte(path)
@@ -91,44 +93,47 @@ def test_lmcache_fs_damaged_object_is_repaired_by_the_recompute(model, tokens, c
         assert rewrites and all(s["ok"] for s in rewrites), rewrites
         assert sum(s["stored"] for s in rewrites) == N  # every chunk rewritten, the damaged one included
         assert open(path, "rb").read() != damaged  # really replaced on disk
+        # the next request restores the whole prefix from the rewritten objects: nothing of them in
+        # LMCache's L1, the engine's own copy forgotten (no prefix-cache hit, every KV block poisoned)
+        assert U.lmcache_l1_holds_no_object()
+        U.forget_local_kv(b)
+        loads_before = len(worker.loads)
+        got = U.generate(b, tokens)
+        assert len(worker.loads) == loads_before + 1
+        assert worker.loads[-1]["committed"] and got[2] == N * U.CHUNK
+        _same(got, cold)
     finally:
         U.shutdown(b)
 
-    c = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, salt="repair"))
-    try:
-        got = U.generate(c, tokens)
-        load = U.worker_connector().worker.loads[-1]
-        assert load["committed"] and got[2] == N * U.CHUNK  # the next request restores the whole prefix
-        _same(got, cold)
-    finally:
-        U.shutdown(c)
-
 
 def test_engine_keeps_serving_when_the_report_directory_is_removed(model, tokens, cold, tmp_path):
+    """One engine saves (with its report lines), loses its report directory, forgets its own copy of the
+    prompt (U.forget_local_kv: the filesystem tier keeps no cache, so the next request is a real load)
+    and restores it, then serves a miss that saves: each writes a report line that fails, counted."""
     from bsr_runtime.diagnostics import report_writer
 
     root = str(tmp_path / "fs")
     reports = tmp_path / "reports"
     reports.mkdir()
     report = str(reports / "bsr.jsonl")
-    a = U.make_llm(model, U.kv_transfer([{"type": "filesystem", "root": root}], window_chunks=W, report_path=report))
+    llm = U.make_llm(model, U.kv_transfer([{"type": "filesystem", "root": root}], window_chunks=W,
+                                          report_path=report))
     try:
-        _same(U.generate(a, tokens), cold)  # saves, with their report lines
-        assert U.worker_connector().worker.wait_saves(60)
-        assert [r["event"] for r in U.read_report(report)].count("save") >= 1
-    finally:
-        U.shutdown(a)
-
-    b = U.make_llm(model, U.kv_transfer([{"type": "filesystem", "root": root}], window_chunks=W, report_path=report))
-    try:
-        shutil.rmtree(reports)  # the report's directory goes away while the engine runs
-        got = U.generate(b, tokens)  # a load (start_load_kv) and saves, each writing a report line
+        _same(U.generate(llm, tokens), cold)  # saves, with their report lines
         worker = U.worker_connector().worker
+        assert worker.wait_saves(60)
+        assert [r["event"] for r in U.read_report(report)].count("save") >= 1
+        failures = report_writer(report).failures
+        U.forget_local_kv(llm)
+        shutil.rmtree(reports)  # the report's directory goes away while the engine runs
+        loads_before = len(worker.loads)
+        got = U.generate(llm, tokens)  # a load (start_load_kv), writing a report line
+        assert len(worker.loads) == loads_before + 1
         assert worker.loads[-1]["committed"] and got[2] == N * U.CHUNK
         _same(got, cold)
-        again = U.generate(b, tokens, cache_salt="other-tenant")  # a miss and a save: still served
+        again = U.generate(llm, tokens, cache_salt="other-tenant")  # a miss and a save: still served
         _same(again, cold)
         assert worker.wait_saves(60)
-        assert report_writer(report).failures >= 2  # counted, not raised
+        assert report_writer(report).failures >= failures + 2  # counted, not raised
     finally:
-        U.shutdown(b)
+        U.shutdown(llm)
