@@ -66,7 +66,7 @@ def _flip_payload_byte(path: str) -> None:
 def test_lmcache_fs_damaged_object_is_repaired_by_the_recompute(model, tokens, cold, tmp_path):
     # save staging for the whole prompt: no save (or rewrite) is skipped for want of staging while a busy
     # machine's puts run
-    tiers = [{"type": "lmcache-fs", "root": str(tmp_path / "lmcache")}]
+    tiers = [{"type": "lmcache-filesystem", "root": str(tmp_path / "lmcache")}]
     a = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, save_staging_chunks=N, salt="repair"))
     try:
         _same(U.generate(a, tokens), cold)
