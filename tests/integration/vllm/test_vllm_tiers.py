@@ -148,8 +148,8 @@ def test_fallback_mooncake_fails_filesystem_serves(model, tokens, cold, mooncake
 
 def test_lmcache_fs_tier(model, tokens, cold, tmp_path):
     """(c) LMCache's StorageManager with its FS L2 adapter as the tier."""
-    load = _save_then_restore_in_one_engine(model, tokens, cold, [{"type": "lmcache-filesystem", "root": str(tmp_path)}],
-                                            salt="lmc")
+    tiers = [{"type": "lmcache-filesystem", "root": str(tmp_path)}]
+    load = _save_then_restore_in_one_engine(model, tokens, cold, tiers, salt="lmc")
     assert load["served_by"].startswith("lmcache")
 
 
