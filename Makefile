@@ -15,9 +15,8 @@ VLLM_DIST := packaging/vllm-cpu-dist
 PYTEST_ARGS ?=
 # pytest-xdist workers, whole files each (module fixtures: one Mooncake master, one engine per file):
 # a worker waiting on a Mooncake close, a master or an engine start leaves the core to the other.
-# Files go out in collection order, the longest first (tests/conftest.py, _START_ORDER).
 TEST_WORKERS ?= 2
-PYTEST := TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST := TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: all setup vllm-dist demo test test-fast lint clean-venv
 

@@ -47,25 +47,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, where[1]))
         if any(item.get_closest_marker(part) for part in INTEGRATION_PARTS):
             item.add_marker(pytest.mark.integration)
-    items.sort(key=_start_rank)  # stable: each file keeps its order
-
-
-# Files start longest first (`make test` runs xdist with --dist loadfile --no-loadscope-reorder, which hands
-# files out in collection order): engine and process-group files take 20-60 s each, and one that starts
-# last is the run's tail while the other worker idles; many short unit files fill the end instead.
-_START_ORDER = ("integration/vllm/test_vllm_tp.py", "integration/vllm/test_vllm_serve.py",
-                "integration/vllm/test_vllm_tiers.py", "integration/vllm", "integration/tp",
-                "integration/mooncake", "integration/lmcache", "unit/test_strided_staging.py",
-                "unit/test_install.py", "unit/test_tier_contract.py", "unit/test_cli.py", "unit/test_cuda_lib.py",
-                "unit/test_soak.py")
-
-
-def _start_rank(item: pytest.Item) -> int:
-    try:
-        where = "/".join(item.path.resolve().relative_to(TESTS).parts)
-    except ValueError:
-        return len(_START_ORDER)
-    return next((i for i, p in enumerate(_START_ORDER) if where.startswith(p)), len(_START_ORDER))
 
 
 HAVE_MOONCAKE = (
