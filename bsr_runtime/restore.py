@@ -364,15 +364,7 @@ class BoundedRestorer:
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:
             with self.admission.admitted(cfg.admission_timeout_s):
-                try:
-                    loop.restore(plan_windows(num_chunks, cfg.window_chunks, cfg.pipeline_depth), source,
-                                 installer.install)
-                    report.ok = True
-                    report.committed_tokens = num_chunks * reg.chunk_tokens
-                except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
-                    cause = e.cause if isinstance(e, WindowFailed) else e
-                    report.error = f"{type(cause).__name__}: {cause}"
-                    report.failed_window = loop.stats.failed_window
+                self._windows(loop, num_chunks, source, installer, report)
         finally:
             _copy_stats(report, loop.stats, reg.chunk_bytes)
             report.peak_staging_bytes = source.peak_bytes
@@ -389,20 +381,27 @@ class BoundedRestorer:
         loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=cfg.pipeline_depth,
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:
-            loop.restore(plan_windows(num_chunks, cfg.window_chunks, cfg.pipeline_depth),
-                         TierSource(tier, keys, arena, cfg.fetch_timeout_s), installer.install)
-            report.ok = True
-            report.committed_tokens = num_chunks * reg.chunk_tokens
-        except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
-            cause = e.cause if isinstance(e, WindowFailed) else e
-            report.error = f"{type(cause).__name__}: {cause}"
-            report.failed_window = loop.stats.failed_window
+            self._windows(loop, num_chunks, TierSource(tier, keys, arena, cfg.fetch_timeout_s), installer, report)
         finally:
             _copy_stats(report, loop.stats, reg.chunk_bytes)
             report.peak_staging_bytes = loop.stats.peak_bytes
             report.header_room_bytes = (loop.stats.peak_bytes // reg.chunk_bytes) * arena.headroom
             report.total_s = time.perf_counter() - t0
         return report
+
+    def _windows(self, loop: WindowLoop, num_chunks: int, source, installer: WindowInstaller,
+                 report: RestoreReport) -> None:
+        """Every window of the plan from `source` through the loop into the report: committed, or failed
+        closed (any exception) with the cause and the window it failed in."""
+        cfg = self.config
+        try:
+            loop.restore(plan_windows(num_chunks, cfg.window_chunks, cfg.pipeline_depth), source, installer.install)
+            report.ok = True
+            report.committed_tokens = num_chunks * self.reg.chunk_tokens
+        except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
+            cause = e.cause if isinstance(e, WindowFailed) else e
+            report.error = f"{type(cause).__name__}: {cause}"
+            report.failed_window = loop.stats.failed_window
 
     def _retire(self, pool: StagingPool) -> None:
         """A late read may still land in `pool`: never hand it out again."""
