@@ -359,6 +359,23 @@ def test_fs_load_concurrency_same_bits_and_bytes(stored):
     assert results[1][1] == results[4][1]
 
 
+def _restore_at_once(tier, reqs, restore_one):
+    """Each request restored on a thread of its own, all started together: their reports, and the peak
+    of LMCache's L1 usage meanwhile."""
+    reps = [None] * len(reqs)
+
+    def run(i):
+        reps[i] = restore_one(reqs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+    with Sampler(tier.sm) as s:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return reps, s.peak
+
+
 def test_admission_serializes_concurrent_restores(stored):
     """Two requests at once on an L1 of one window: the byte budget B = W*c admits one window at a
     time, so both restore (without it the second prefetch would find L1 full)."""
@@ -367,22 +384,16 @@ def test_admission_serializes_concurrent_restores(stored):
     cfg = RestoreConfig(window_chunks=w, pipeline_depth=1)
     with LMCacheTier.create(REG, w * OBJ_4K, [fs_l2_config(stored.base)], config()) as tier:
         reqs = [stored.request(seed=90 + i, rid=f"c{i}") for i in range(2)]
-        reps = [None, None]
 
-        def run(i):
+        def restore_one(req):
             with BoundedRestorer(REG, cfg, admission=budget) as restorer:
-                reps[i] = restorer.restore(reqs[i], tier, N)
+                return restorer.restore(req, tier, N)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        with Sampler(tier.sm) as s:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+        reps, l1_peak = _restore_at_once(tier, reqs, restore_one)
         for rep, req in zip(reps, reqs):
             assert rep.ok, rep.error
             assert state_hash(REG, req.kv, req.block_tables, N) == stored.hash[N]
-        assert s.peak <= w * OBJ_4K and budget.peak_bytes <= w * C and tier.l1_usage()[0] == 0
+        assert l1_peak <= w * OBJ_4K and budget.peak_bytes <= w * C and tier.l1_usage()[0] == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -620,23 +631,13 @@ def test_concurrent_restores_over_a_shared_arena_install_from_l1(stored):
     arena = StagingArena(C, w)
     cfg = RestoreConfig(window_chunks=w, pipeline_depth=1)
     reqs = [stored.request(seed=160 + i, rid=f"arena{i}") for i in range(3)]
-    reps = [None] * 3
     with LMCacheTier.create(REG, w * OBJ_4K, [fs_l2_config(stored.base)], config()) as tier, \
             BoundedRestorer(REG, cfg, arena=arena) as restorer:
-
-        def run(i):
-            reps[i] = restorer.restore(reqs[i], tier, N)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-        with Sampler(tier.sm) as s:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+        reps, l1_peak = _restore_at_once(tier, reqs, lambda req: restorer.restore(req, tier, N))
         for rep, req in zip(reps, reqs):
             assert rep.ok, rep.error
             assert state_hash(REG, req.kv, req.block_tables, N) == stored.hash[N]
             assert rep.peak_staging_bytes == w * C
-        assert s.peak <= w * OBJ_4K and arena.peak_bytes == w * C
+        assert l1_peak <= w * OBJ_4K and arena.peak_bytes == w * C
         assert arena.live_bytes == 0 and tier.l1_usage()[0] == 0
     arena.close()
