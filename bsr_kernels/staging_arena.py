@@ -56,6 +56,7 @@ class StagingArena(StagingBuffer):
     def __init__(self, chunk_bytes: int, capacity_chunks: int, *, headroom: int = 0,
                  device: str | torch.device = "cpu", pin_memory: bool | None = None) -> None:
         super().__init__("staging arena", chunk_bytes, capacity_chunks, headroom, device, pin_memory)
+        self.prefault()  # shared by every restore of a worker for its lifetime
         self._free = bytearray(b"\x01") * capacity_chunks  # 1: chunk free
         self._quarantined = 0
         self._live = 0

@@ -141,8 +141,11 @@ class StagingBuffer:
         self.pinned = bool(pin_memory)
         self.buffer = torch.empty(capacity_chunks * self.chunk_stride, dtype=torch.uint8, device=self.device,
                                   pin_memory=self.pinned)
+
+    def prefault(self) -> None:
+        """Touch host memory now (a long-lived buffer, at start-up): else the first restore that uses it
+        pays a page fault per page. Pinned and device memory are resident already."""
         if self.device.type == "cpu" and not self.pinned:
-            # touched now, at start-up: else the first restore pays a page fault per page of its staging
             self.buffer.zero_()
 
     @property

@@ -223,6 +223,8 @@ class BoundedRestorer:
                 raise ValueError(f"a window of {slot} chunks ({slot * reg.chunk_bytes:,} B) exceeds the staging "
                                  f"budget B = {arena.capacity_bytes:,} B")
         self.pool = self._new_pool(w, self.config.pipeline_depth) if w > 0 and arena is None else None
+        if self.pool is not None:
+            self.pool.prefault()  # the restorer's for its lifetime (a whole-plan pool per restore is not)
         self._registered: dict[tuple[int, int], tuple[Tier, torch.Tensor]] = {}
         self._busy = threading.Lock()  # taken without blocking by restore(): one restore at a time
 

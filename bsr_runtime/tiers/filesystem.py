@@ -168,7 +168,7 @@ class FilesystemTier(Tier):
         self._root_fd = os.open(self.root, DIR_FLAGS)
         self._openat2 = openat2_works(self._root_fd)
         # a window's objects per native call (one GIL hand-off, not several per object)
-        self._native = bool(PROBE_FLAGS & getattr(os, "O_PATH", 0)) and fs_native.available()
+        self._native = hasattr(os, "O_PATH") and fs_native.available()
         self._pool = ThreadPoolExecutor(max_workers=load_concurrency, thread_name_prefix="bsr-fs")
         self._lock = threading.Lock()
         self._inflight: set[_FetchState] = set()
