@@ -200,6 +200,12 @@ class MooncakeMaster:
     def metrics_url(self) -> str:
         return f"http://{HOST}:{self.metrics_port}/metrics"
 
+    def segments(self) -> set[str]:
+        """The segments the master has mounted now (its /get_all_segments: "host:port" per line)."""
+        url = f"http://{HOST}:{self.metrics_port}/get_all_segments"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return set(r.read().decode().split())
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
@@ -375,7 +381,7 @@ class MooncakeStoreHost:
     """
 
     def __init__(self, master: MooncakeMaster, segment_bytes: int, *, port: int | None = None,
-                 start_timeout_s: float = 20.0, settle_s: float = 0.5) -> None:
+                 start_timeout_s: float = 20.0, settle_s: float = 0.5, forget_timeout_s: float = 20.0) -> None:
         beside = Path(sys.executable).parent / "mooncake_client"
         self.binary = str(beside) if beside.is_file() else shutil.which("mooncake_client")
         if not self.binary:
@@ -387,11 +393,14 @@ class MooncakeStoreHost:
         self.port = _check_port("port", port) or free_port()
         self.start_timeout_s = _check_seconds("start_timeout_s", start_timeout_s)
         self.settle_s = settle_s
+        self.forget_timeout_s = _check_seconds("forget_timeout_s", forget_timeout_s)
+        self.segments: set[str] = set()  # what this host mounted on the master (learnt at start)
         self._proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
         self._workdir: Path | None = None
 
     def start(self) -> MooncakeStoreHost:
+        before = self._master_segments()
         self._workdir = Path(tempfile.mkdtemp(prefix="bsr-mooncake-host-"))
         args = [
             self.binary, f"--global_segment_size={self.segment_bytes // (1 << 20)}MB", f"--host={HOST}",
@@ -412,9 +421,32 @@ class MooncakeStoreHost:
                 raise MooncakeMasterError(f"mooncake_client store host did not start\n{tail}")
             time.sleep(0.05)
         time.sleep(self.settle_s)  # the segment is mounted right after the service port opens
+        after = self._master_segments()
+        self.segments = after - before if before is not None and after is not None else set()
         return self
 
+    def _master_segments(self) -> set[str] | None:
+        try:
+            return self.master.segments()
+        except (OSError, ValueError):  # a master without the HTTP endpoint, or not answering
+            return None
+
+    def _wait_forgotten(self) -> None:
+        """Wait (at most forget_timeout_s) until the master no longer lists this host's segment. A host
+        that exits does not unmount: the master keeps the segment until its client TTL (10 s by default)
+        passes, and a put it places there meanwhile fails (TRANSFER_FAIL). So a client of the same
+        master that starts after stop() returned never meets the dead segment."""
+        deadline = time.monotonic() + self.forget_timeout_s
+        while self.segments and time.monotonic() < deadline:
+            now = self._master_segments()
+            if now is None or not (self.segments & now):
+                break
+            time.sleep(0.2)
+        self.segments = set()
+
     def stop(self) -> None:
+        """Stop the host, then wait until the master forgot its segment (see _wait_forgotten)."""
+        exited = self._proc is not None
         if self._proc is not None:
             if self._proc.poll() is None:
                 self._proc.terminate()
@@ -430,6 +462,8 @@ class MooncakeStoreHost:
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
+        if exited and self.master.running():
+            self._wait_forgotten()
 
     def __enter__(self) -> MooncakeStoreHost:
         return self.start()

@@ -422,3 +422,19 @@ def test_close_fails_queued_fetches(mooncake_tier_factory, pool):
         with pytest.raises(TierUnavailableError):
             h.wait()
     pool.release(lease)
+
+
+def test_a_stopped_store_host_is_forgotten_before_stop_returns(mooncake_master, tier):
+    """A store host that exits does not unmount its segment: the master keeps it until the client TTL
+    passes, and a put placed there meanwhile fails (TRANSFER_FAIL). stop() returns once the master
+    forgot it, so the puts of a client of the same master made right after all land."""
+    from bsr_harness.mooncake_launcher import MooncakeStoreHost
+
+    host = MooncakeStoreHost(mooncake_master, 64 << 20).start()
+    mine = set(host.segments)
+    assert mine and mine <= mooncake_master.segments()  # the host's segment, learnt at start
+    host.stop()
+    assert not mine & mooncake_master.segments()
+    keys = keys_for(24, salt="after-host")
+    tier.put(keys, payloads(24, seed=5))
+    assert tier.probe(keys) == [True] * 24
