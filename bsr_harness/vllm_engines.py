@@ -158,9 +158,12 @@ def _best(repeat: int, fn, llm) -> float:
     return best
 
 
-def _standalone_restore(worker, tokens: Sequence[int], num_chunks: int, repeat: int = 3) -> float:
+def _standalone_restore(worker, tokens: Sequence[int], num_chunks: int, repeat: int = 3, busy=None) -> float:
     """Best of `repeat` BoundedRestorer restores of the engine's objects into a fresh cache of the
-    engine's layout (same registration, tier, keys, W and pipeline depth), outside vLLM."""
+    engine's layout (same registration, tier, keys, W and pipeline depth), outside vLLM. With `busy`,
+    busy(stop) runs on a thread throughout each restore (from before it starts until after it returns)."""
+    import threading
+
     import torch
 
     from bsr_runtime.integrations.vllm.registration import cpu_kv_views
@@ -180,7 +183,17 @@ def _standalone_restore(worker, tokens: Sequence[int], num_chunks: int, repeat: 
     best = float("inf")
     with BoundedRestorer(reg, worker.restore_config) as r:
         for _ in range(repeat):
-            rep = r.restore(req, tier, num_chunks)
+            stop, thread = threading.Event(), None
+            if busy is not None:
+                thread = threading.Thread(target=busy, args=(stop,), name="bsr-standalone-busy", daemon=True)
+                thread.start()
+                time.sleep(0.2)  # the busy work is under way before the restore starts
+            try:
+                rep = r.restore(req, tier, num_chunks)
+            finally:
+                stop.set()
+                if thread is not None:
+                    thread.join()
             assert rep.ok, rep.error
             best = min(best, rep.total_s)
     return best
