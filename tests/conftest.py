@@ -48,25 +48,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, where[1]))
         if any(item.get_closest_marker(part) for part in INTEGRATION_PARTS):
             item.add_marker(pytest.mark.integration)
-    items.sort(key=_start_rank)  # stable: every other file keeps its place
-
-
-# The order files start in. `make test` runs xdist with --dist loadfile, which hands out files with the most
-# tests first and, among files of as many tests, in collection order. The engine, TP and `vllm serve`
-# files have one to six tests each, so they go last; among them, the longest (55-75 s: two TP processes,
-# `vllm serve`'s three, four engines) must not be the very last, or one worker runs it while the others
-# idle. So they are collected first. (Handing out every engine file first was slower: 519-554 s against
-# 482 s, with three engines at once on two cores.)
-_LONG_FIRST = ("integration/vllm/test_vllm_tp.py", "integration/vllm/test_vllm_model_identity.py",
-               "integration/vllm/test_vllm_serve.py", "integration/vllm/test_mooncake_deployment.py")
-
-
-def _start_rank(item: pytest.Item) -> int:
-    try:
-        where = "/".join(item.path.resolve().relative_to(TESTS).parts)
-    except ValueError:
-        return len(_LONG_FIRST)
-    return _LONG_FIRST.index(where) if where in _LONG_FIRST else len(_LONG_FIRST)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
