@@ -77,7 +77,7 @@ def _stall(llm, worker, a, b, repeat: int) -> dict:
         out = measure_stall(llm, a, b, a_max_tokens=120, b_after=20)
         b_id = out["b_ids"][0]  # vLLM's own id of the request adds "-<8 hex digits>"
         out["load"] = next((r for r in reversed(worker.loads) if r["request_id"] == b_id or
-                            r["request_id"].startswith(b_id + "-")), None) if worker else None
+                            r["request_id"].startswith(b_id + "-")), None)
         if best is None or out["a_max_gap_s"] < best["a_max_gap_s"]:
             best = out
     return best

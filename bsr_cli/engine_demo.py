@@ -39,7 +39,8 @@ def engine_demo(args) -> dict | None:
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
         model = build_tiny_llama(Path(tmp) / "model")
         if use_mooncake:
-            from bsr_harness.mooncake_launcher import MooncakeMaster, MooncakeStoreHost
+            from bsr_harness.mooncake_launcher import MooncakeMaster
+            from bsr_harness.mooncake_store_host import MooncakeStoreHost
 
             master = stack.enter_context(MooncakeMaster())
             stack.enter_context(MooncakeStoreHost(master, 512 << 20))

@@ -237,7 +237,8 @@ class FaultMatrix:
 
     def _remote_for(self, scenario: str, stack: contextlib.ExitStack, sources: list[Source]):
         """(master, FaultyTier): the shared master, or a dedicated one with its own store host."""
-        from bsr_harness.mooncake_launcher import MooncakeMaster, MooncakeStoreHost
+        from bsr_harness.mooncake_launcher import MooncakeMaster
+        from bsr_harness.mooncake_store_host import MooncakeStoreHost
 
         if scenario not in DEDICATED_MASTER:
             remote = FaultyTier(self.shared_remote(), close_inner=False)

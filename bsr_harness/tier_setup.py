@@ -108,7 +108,8 @@ def current_name(opts: TierOptions) -> TierOptions:
 def _mooncake_endpoints(opts: TierOptions, capacity_bytes: int) -> Iterator[tuple[str, str, int]]:
     """(master address, metadata server, client segment bytes): an existing master, or one we
     start with a store host."""
-    from bsr_harness.mooncake_launcher import MooncakeMaster, MooncakeStoreHost
+    from bsr_harness.mooncake_launcher import MooncakeMaster
+    from bsr_harness.mooncake_store_host import MooncakeStoreHost
 
     if opts.mooncake_master:
         _check_reachable(opts.mooncake_master)

@@ -428,7 +428,7 @@ def test_a_stopped_store_host_is_forgotten_before_stop_returns(mooncake_master, 
     """A store host that exits does not unmount its segment: the master keeps it until the client TTL
     passes, and a put placed there meanwhile fails (TRANSFER_FAIL). stop() returns once the master
     forgot it, so the puts of a client of the same master made right after all land."""
-    from bsr_harness.mooncake_launcher import MooncakeStoreHost
+    from bsr_harness.mooncake_store_host import MooncakeStoreHost
 
     host = MooncakeStoreHost(mooncake_master, 64 << 20).start()
     mine = set(host.segments)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.mooncake
 @pytest.fixture(scope="module")
 def store_host(mooncake_master):
     """The external store host holding every rank's objects (ranks mount no segment)."""
-    from bsr_harness.mooncake_launcher import MooncakeStoreHost
+    from bsr_harness.mooncake_store_host import MooncakeStoreHost
 
     with MooncakeStoreHost(mooncake_master, 64 << 20) as host:
         yield host

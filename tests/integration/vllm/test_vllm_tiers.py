@@ -37,7 +37,7 @@ def cold(model, tokens):
 
 @pytest.fixture(scope="module")
 def store_host(mooncake_master):
-    from bsr_harness.mooncake_launcher import MooncakeStoreHost
+    from bsr_harness.mooncake_store_host import MooncakeStoreHost
 
     with MooncakeStoreHost(mooncake_master, 256 << 20) as host:
         yield host
