@@ -43,7 +43,7 @@ def engine_demo(args) -> dict | None:
             from bsr_harness.mooncake_store_host import MooncakeStoreHost
 
             master = stack.enter_context(MooncakeMaster())
-            stack.enter_context(MooncakeStoreHost(master, 512 << 20))
+            stack.enter_context(MooncakeStoreHost(master, 512 << 20, wait_forgotten=False))  # the master stops next
             tiers = [{"type": "mooncake", "master_address": master.master_address,
                       "metadata_server": master.metadata_server}]
         else:

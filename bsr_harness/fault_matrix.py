@@ -249,7 +249,7 @@ class FaultMatrix:
         master = MooncakeMaster()
         stack.callback(master.stop)
         master.start()
-        host = MooncakeStoreHost(master, self.segment_bytes)
+        host = MooncakeStoreHost(master, self.segment_bytes, wait_forgotten=False)  # the master stops next
         stack.callback(host.stop)
         host.start()
         remote = FaultyTier(self._mooncake(master, global_segment_size=0, rpc_timeout_s=0.5, connect_timeout_s=5.0))

@@ -28,12 +28,16 @@ class MooncakeStoreHost:
     `segment_bytes` on a master, like the paper's external store host. Objects put by clients
     without a segment of their own land here, so every restored byte crosses TCP.
 
-        with MooncakeMaster() as m, MooncakeStoreHost(m, 2 << 30):
+        with MooncakeMaster() as m, MooncakeStoreHost(m, 2 << 30, wait_forgotten=False):
             tier = MooncakeTier(c, fp, m.master_address, m.metadata_server, global_segment_size=0)
+
+    `wait_forgotten=False` where the master stops right after the host (a master of the caller's own):
+    no client can meet the dead segment then, and stop() need not wait out the master's client TTL.
     """
 
     def __init__(self, master: MooncakeMaster, segment_bytes: int, *, port: int | None = None,
-                 start_timeout_s: float = 20.0, settle_s: float = 0.5, forget_timeout_s: float = 20.0) -> None:
+                 start_timeout_s: float = 20.0, settle_s: float = 0.5, forget_timeout_s: float = 20.0,
+                 wait_forgotten: bool = True) -> None:
         beside = Path(sys.executable).parent / "mooncake_client"
         self.binary = str(beside) if beside.is_file() else shutil.which("mooncake_client")
         if not self.binary:
@@ -46,6 +50,9 @@ class MooncakeStoreHost:
         self.start_timeout_s = _check_seconds("start_timeout_s", start_timeout_s)
         self.settle_s = settle_s
         self.forget_timeout_s = _check_seconds("forget_timeout_s", forget_timeout_s)
+        if not isinstance(wait_forgotten, bool):
+            raise ValueError(f"wait_forgotten must be True or False, got {wait_forgotten!r}")
+        self.wait_forgotten = wait_forgotten
         self.segments: set[str] = set()  # what this host mounted on the master (learnt at start)
         self._proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
@@ -94,10 +101,9 @@ class MooncakeStoreHost:
             if now is None or not (self.segments & now):
                 break
             time.sleep(0.2)
-        self.segments = set()
 
     def stop(self) -> None:
-        """Stop the host, then wait until the master forgot its segment (see _wait_forgotten)."""
+        """Stop the host, then (wait_forgotten) wait until the master forgot its segment (_wait_forgotten)."""
         exited = self._proc is not None
         if self._proc is not None:
             if self._proc.poll() is None:
@@ -114,8 +120,9 @@ class MooncakeStoreHost:
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
-        if exited and self.master.running():
+        if exited and self.wait_forgotten and self.master.running():
             self._wait_forgotten()
+        self.segments = set()
 
     def __enter__(self) -> MooncakeStoreHost:
         return self.start()

@@ -117,8 +117,8 @@ def _mooncake_endpoints(opts: TierOptions, capacity_bytes: int) -> Iterator[tupl
         yield (opts.mooncake_master, opts.metadata_server or f"http://{host}:8080/metadata",
                max(opts.segment_bytes, capacity_bytes))
         return
-    with MooncakeMaster() as master, MooncakeStoreHost(master, max(opts.segment_bytes,
-                                                                   int(capacity_bytes * 1.25) + (256 << 20))):
+    segment = max(opts.segment_bytes, int(capacity_bytes * 1.25) + (256 << 20))
+    with MooncakeMaster() as master, MooncakeStoreHost(master, segment, wait_forgotten=False):  # master stops next
         yield master.master_address, master.metadata_server, 0
 
 

@@ -50,6 +50,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """LMCache's storage managers close without waiting out an eviction tick (lmcache_ticks.py)."""
+    import lmcache_ticks
+
+    lmcache_ticks.install()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The modules are imported (vLLM, torch, transformers: ~700K objects): leave them out of every later
     garbage collection: vLLM collects on every engine start and shutdown, and each pass would walk them

@@ -38,7 +38,7 @@ from bsr_runtime.tiers.base import MissingObjectError
 
 psutil = pytest.importorskip("psutil")
 
-CYCLES = 2000
+CYCLES = 1000  # issue 7 asked for 500 cycles
 WARMUP = 20
 RSS_MARGIN = 64 << 20
 FAULTS = [None, None, "corrupt", "missing", "drop_after_probe", "unavailable", "fail_fetch", "install", "delay",
@@ -68,6 +68,7 @@ def test_soak_restore_fail_cycles(tmp_path):
     reg = presets.llama_like(layers=2, kv_heads=1, head_dim=16, block_size=16)
     rng = random.Random(1234)
     proc = psutil.Process()
+    gc.collect()  # earlier tests' garbage (a loop a bounded close abandoned, say) warns here, not in the soak
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tier = FaultyTier(FilesystemTier(tmp_path, reg.chunk_bytes, reg.fingerprint, load_concurrency=2))

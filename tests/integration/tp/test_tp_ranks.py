@@ -27,11 +27,24 @@ pytestmark = pytest.mark.mooncake
 
 
 @pytest.fixture(scope="module")
+def mooncake_master():
+    """A master of this module's own (the session's is conftest's): it stops right after the store host,
+    so the host's stop need not wait until the master forgets its segment (MooncakeStoreHost)."""
+    from conftest import _require_mooncake
+
+    from bsr_harness.mooncake_launcher import MooncakeMaster
+
+    _require_mooncake()
+    with MooncakeMaster() as master:
+        yield master
+
+
+@pytest.fixture(scope="module")
 def store_host(mooncake_master):
     """The external store host holding every rank's objects (ranks mount no segment)."""
     from bsr_harness.mooncake_store_host import MooncakeStoreHost
 
-    with MooncakeStoreHost(mooncake_master, 64 << 20) as host:
+    with MooncakeStoreHost(mooncake_master, 64 << 20, wait_forgotten=False) as host:
         yield host
 
 

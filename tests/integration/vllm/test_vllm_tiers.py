@@ -36,10 +36,23 @@ def cold(model, tokens):
 
 
 @pytest.fixture(scope="module")
+def mooncake_master():
+    """A master of this module's own (the session's is conftest's): it stops right after the store host,
+    so the host's stop need not wait until the master forgets its segment (MooncakeStoreHost)."""
+    from conftest import _require_mooncake
+
+    from bsr_harness.mooncake_launcher import MooncakeMaster
+
+    _require_mooncake()
+    with MooncakeMaster() as master:
+        yield master
+
+
+@pytest.fixture(scope="module")
 def store_host(mooncake_master):
     from bsr_harness.mooncake_store_host import MooncakeStoreHost
 
-    with MooncakeStoreHost(mooncake_master, 256 << 20) as host:
+    with MooncakeStoreHost(mooncake_master, 256 << 20, wait_forgotten=False) as host:
         yield host
 
 
