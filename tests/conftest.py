@@ -51,7 +51,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """LMCache's storage managers close without waiting out an eviction tick (lmcache_ticks.py)."""
+    """LMCache's storage managers close without waiting out an eviction tick (lmcache_ticks.py): in each
+    process that runs tests (not in pytest-xdist's controller, which would import LMCache for nothing)."""
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     import lmcache_ticks
 
     lmcache_ticks.install()
