@@ -438,3 +438,26 @@ def test_a_stopped_store_host_is_forgotten_before_stop_returns(mooncake_master, 
     keys = keys_for(24, salt="after-host")
     tier.put(keys, payloads(24, seed=5))
     assert tier.probe(keys) == [True] * 24
+
+
+def test_a_store_host_stopped_before_its_master_need_not_wait():
+    """wait_forgotten=False (the master stops right after the host): stop() returns at once, while the
+    master still lists the dead segment. A master of the test's own: the shared one must not keep it."""
+    from bsr_harness.mooncake_store_host import MooncakeStoreHost
+
+    with MooncakeMaster() as m:
+        host = MooncakeStoreHost(m, 64 << 20, wait_forgotten=False).start()
+        mine = set(host.segments)
+        assert mine and mine <= m.segments()
+        host.stop()
+        assert mine <= m.segments()  # not waited for: the master forgets it only after its client TTL
+        assert host.segments == set()
+
+
+def test_a_store_host_refuses_bad_arguments(mooncake_master):
+    from bsr_harness.mooncake_store_host import MooncakeStoreHost
+
+    with pytest.raises(ValueError, match="wait_forgotten must be True or False"):
+        MooncakeStoreHost(mooncake_master, 64 << 20, wait_forgotten="no")
+    with pytest.raises(ValueError, match="segment_bytes must be an integer of at least 1 MiB"):
+        MooncakeStoreHost(mooncake_master, 1000)
