@@ -138,6 +138,18 @@ def mooncake_master():
         master.stop()
 
 
+@pytest.fixture(scope="module")
+def module_mooncake_master():
+    """A master of the module's own, for a module with a standalone store host: the master stops right
+    after the host, so the host's stop need not wait until the master forgets its segment
+    (MooncakeStoreHost(wait_forgotten=False))."""
+    _require_mooncake()
+    from bsr_harness.mooncake_launcher import MooncakeMaster
+
+    with MooncakeMaster() as master:
+        yield master
+
+
 def _tier_maker(default_master, made: list):
     """make(chunk_bytes, fingerprint, *, master=None, **kw): a MooncakeTier, appended to `made`."""
     from bsr_runtime.tiers.mooncake import MooncakeTier

@@ -1,5 +1,5 @@
 """The commit rule across TP ranks: 2 real processes in a gloo group on 127.0.0.1, each with its
-own Mooncake client on the module's real mooncake_master, its own objects and its own blocks.
+own Mooncake client on a real mooncake_master of the module's own, its own objects and its own blocks.
 
 - both healthy: committed on both, each rank's state hash equal to what it stored
 - one rank's restore faults (fetch on rank 1; install on rank 0), the other succeeds locally:
@@ -27,24 +27,11 @@ pytestmark = pytest.mark.mooncake
 
 
 @pytest.fixture(scope="module")
-def mooncake_master():
-    """A master of this module's own (the session's is conftest's): it stops right after the store host,
-    so the host's stop need not wait until the master forgets its segment (MooncakeStoreHost)."""
-    from conftest import _require_mooncake
-
-    from bsr_harness.mooncake_launcher import MooncakeMaster
-
-    _require_mooncake()
-    with MooncakeMaster() as master:
-        yield master
-
-
-@pytest.fixture(scope="module")
-def store_host(mooncake_master):
+def store_host(module_mooncake_master):
     """The external store host holding every rank's objects (ranks mount no segment)."""
     from bsr_harness.mooncake_store_host import MooncakeStoreHost
 
-    with MooncakeStoreHost(mooncake_master, 64 << 20, wait_forgotten=False) as host:
+    with MooncakeStoreHost(module_mooncake_master, 64 << 20, wait_forgotten=False) as host:
         yield host
 
 
@@ -74,8 +61,8 @@ def _spawn(mode: str, master, tmp_path, world: int = 2) -> tuple[dict[int, dict]
     return results, [p.exitcode for p in procs]
 
 
-def test_commit_needs_every_rank(mooncake_master, store_host, tmp_path):
-    res, codes = _spawn("faults", mooncake_master, tmp_path)
+def test_commit_needs_every_rank(module_mooncake_master, store_host, tmp_path):
+    res, codes = _spawn("faults", module_mooncake_master, tmp_path)
     assert codes == [0, 0] and set(res) == {0, 1}
     for r in (0, 1):
         h = res[r]["healthy"]
@@ -102,8 +89,8 @@ def test_commit_needs_every_rank(mooncake_master, store_host, tmp_path):
         assert a["committed"] and a["hash_ok"] and not res[r]["poisoned"]
 
 
-def test_hung_rank_reads_as_invalid_on_both(mooncake_master, store_host, tmp_path):
-    res, codes = _spawn("hang", mooncake_master, tmp_path)
+def test_hung_rank_reads_as_invalid_on_both(module_mooncake_master, store_host, tmp_path):
+    res, codes = _spawn("hang", module_mooncake_master, tmp_path)
     assert codes == [0, 0] and set(res) == {0, 1}
     on_time, late = res[0]["late"], res[1]["late"]
     assert on_time["local_ok"] and late["local_ok"]  # both restores succeeded locally ...
@@ -121,8 +108,8 @@ def test_hung_rank_reads_as_invalid_on_both(mooncake_master, store_host, tmp_pat
     assert res[1]["poisoned"] and res[1]["agree_after"] is False
 
 
-def test_dead_rank_reads_as_invalid(mooncake_master, store_host, tmp_path):
-    res, codes = _spawn("die", mooncake_master, tmp_path)
+def test_dead_rank_reads_as_invalid(module_mooncake_master, store_host, tmp_path):
+    res, codes = _spawn("die", module_mooncake_master, tmp_path)
     assert codes[1] == 3 and 1 not in res  # rank 1 died in its restore
     assert codes[0] == 0
     o = res[0]["late"]

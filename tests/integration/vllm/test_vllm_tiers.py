@@ -36,23 +36,10 @@ def cold(model, tokens):
 
 
 @pytest.fixture(scope="module")
-def mooncake_master():
-    """A master of this module's own (the session's is conftest's): it stops right after the store host,
-    so the host's stop need not wait until the master forgets its segment (MooncakeStoreHost)."""
-    from conftest import _require_mooncake
-
-    from bsr_harness.mooncake_launcher import MooncakeMaster
-
-    _require_mooncake()
-    with MooncakeMaster() as master:
-        yield master
-
-
-@pytest.fixture(scope="module")
-def store_host(mooncake_master):
+def store_host(module_mooncake_master):
     from bsr_harness.mooncake_store_host import MooncakeStoreHost
 
-    with MooncakeStoreHost(mooncake_master, 256 << 20, wait_forgotten=False) as host:
+    with MooncakeStoreHost(module_mooncake_master, 256 << 20, wait_forgotten=False) as host:
         yield host
 
 
@@ -121,19 +108,19 @@ def _save_then_restore_in_one_engine(model, tokens, cold, tiers, *, salt: str):
 
 
 @pytest.mark.mooncake
-def test_mooncake_master_and_store_host(model, tokens, cold, mooncake_master, store_host):
+def test_mooncake_master_and_store_host(model, tokens, cold, module_mooncake_master, store_host):
     """(b) objects put by engine A live on the store host (the engines mount no segment) and are
     restored by engine B through the master."""
-    load = _save_then_restore(model, tokens, cold, [_mooncake(mooncake_master)], salt="mooncake")
+    load = _save_then_restore(model, tokens, cold, [_mooncake(module_mooncake_master)], salt="mooncake")
     assert load["served_by"] == "mooncake"
 
 
 @pytest.mark.mooncake
-def test_fallback_mooncake_fails_filesystem_serves(model, tokens, cold, mooncake_master, store_host, tmp_path):
+def test_fallback_mooncake_fails_filesystem_serves(model, tokens, cold, module_mooncake_master, store_host, tmp_path):
     """Both tiers save; the Mooncake object of chunk 6 is evicted between the probe and the load, so the
     load fails over to the filesystem tier, which serves the whole prefix. One engine saves and, after
     forgetting its own copy (U.forget_local_kv), restores."""
-    tiers = [_mooncake(mooncake_master, save=True), {"type": "filesystem", "root": str(tmp_path), "save": True}]
+    tiers = [_mooncake(module_mooncake_master, save=True), {"type": "filesystem", "root": str(tmp_path), "save": True}]
     llm = U.make_llm(model, _kv(tiers, "fallback"))
     try:
         U.generate(llm, tokens)
@@ -167,9 +154,9 @@ def test_lmcache_fs_tier(model, tokens, cold, tmp_path):
 
 
 @pytest.mark.mooncake
-def test_lmcache_mooncake_tier(model, tokens, cold, mooncake_master, store_host):
+def test_lmcache_mooncake_tier(model, tokens, cold, module_mooncake_master, store_host):
     """(c) LMCache's StorageManager with the Mooncake L2 adapter, objects on the store host."""
-    tier = {"type": "lmcache-mooncake", "master_address": mooncake_master.master_address,
-            "metadata_server": mooncake_master.metadata_server}
+    tier = {"type": "lmcache-mooncake", "master_address": module_mooncake_master.master_address,
+            "metadata_server": module_mooncake_master.metadata_server}
     load = _save_then_restore_in_one_engine(model, tokens, cold, [tier], salt="lmc-mooncake")
     assert load["served_by"].startswith("lmcache")
