@@ -1,10 +1,7 @@
 """FilesystemTier: one file per object under a root directory (local SSD, NFS, ...).
 
-File names and the file format are in `fs_format.py`.
-
-Writes are atomic: header+payload go to a temp file `.<hash>.<pid>.<tid>.<rand>.tmp` in the
-object's directory (optionally fsync'ed), then `os.replace` onto the final name. A crash leaves
-at most a temp file, which probe and fetch never look at (`sweep_temp_files` removes stale ones).
+File names and the file format are in `fs_format.py`; atomic writes (temp file + os.replace) and
+the sweep of what a crashed writer left in `fs_write.py`.
 
 Reads are confined to the root without resolving any path (`fs_open.py`): the root directory
 is opened once, and every object is opened relative to it with one openat2 that refuses a
@@ -27,7 +24,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import stat
 import threading
 import time
@@ -39,10 +35,7 @@ import torch
 
 from . import fs_native
 from ._common import (
-    CRC32,
     CRC32C,
-    DEFAULT_CHECKSUM,
-    HAVE_CRC32C,
     SettledFetchHandle,
     check_host_views,
     crc_at,
@@ -60,13 +53,11 @@ from .base import (
 )
 from .fs_format import (  # noqa: F401 - HEADER_SIZE, HEADER_STRUCT, pack_header, key_digest: public here too
     DIR_FLAGS,
-    ENV_LOAD_CONCURRENCY,
     FILE_FLAGS,
     HEADER_SIZE,
     HEADER_STRUCT,
     O_CLOEXEC,
     SUFFIX,
-    TMP_FLAGS,
     bad_size_error,
     check_header,
     fingerprint_bytes,
@@ -76,6 +67,7 @@ from .fs_format import (  # noqa: F401 - HEADER_SIZE, HEADER_STRUCT, pack_header
     pack_header,
 )
 from .fs_open import open_dir, open_object, openat2_works
+from .fs_write import checksum_option, load_concurrency_option, sweep_temp_files, write_object
 
 # the probe opens without reading (O_PATH): what a stat sees, and no FIFO or permission stops it
 PROBE_FLAGS = getattr(os, "O_PATH", 0) | os.O_NOFOLLOW | O_CLOEXEC
@@ -131,27 +123,8 @@ class FilesystemTier(Tier):
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         super().__init__(chunk_bytes, fingerprint)
-        if load_concurrency is None:
-            env = os.environ.get(ENV_LOAD_CONCURRENCY)
-            if env is None or env.strip() == "":
-                load_concurrency = 1
-            else:
-                try:
-                    load_concurrency = int(env)
-                except ValueError:
-                    raise ValueError(f"{ENV_LOAD_CONCURRENCY}={env!r} is not an integer") from None
-        if isinstance(load_concurrency, bool) or not isinstance(load_concurrency, int) or load_concurrency < 1:
-            raise ValueError(f"load_concurrency must be an integer >= 1, got {load_concurrency!r}")
-        if checksum == "auto":
-            self.checksum = DEFAULT_CHECKSUM
-        elif checksum == "crc32":
-            self.checksum = CRC32
-        elif checksum == "crc32c":
-            if not HAVE_CRC32C:
-                raise ValueError("checksum='crc32c' needs the google-crc32c package")
-            self.checksum = CRC32C
-        else:
-            raise ValueError(f"checksum must be 'auto', 'crc32' or 'crc32c', got {checksum!r}")
+        load_concurrency = load_concurrency_option(load_concurrency)
+        self.checksum = checksum_option(checksum)
 
         root = os.fspath(root)
         if not os.path.exists(root):
@@ -394,26 +367,7 @@ class FilesystemTier(Tier):
         header = pack_header(self._fp, digest, self.chunk_bytes, self.checksum, payload_crc(self.checksum, arr))
         dfd = self._open_dir(h, create=True)
         try:
-            tmp = f".{h}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp"
-            fd = os.open(tmp, TMP_FLAGS, 0o644, dir_fd=dfd)
-            try:
-                try:
-                    n = io_full(os.pwritev, fd, [header, arr], 0)
-                    if n != self.object_size:
-                        raise TierError(f"filesystem tier: short write of {key} ({n} B)")
-                    if self.fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, h + SUFFIX, src_dir_fd=dfd, dst_dir_fd=dfd)
-            except BaseException:
-                try:
-                    os.unlink(tmp, dir_fd=dfd)
-                except OSError:
-                    pass
-                raise
-            if self.fsync:
-                os.fsync(dfd)
+            write_object(dfd, h, header, arr, self.object_size, self.fsync, key)
         finally:
             os.close(dfd)
 
@@ -461,20 +415,7 @@ class FilesystemTier(Tier):
     def sweep_temp_files(self, older_than_s: float = 3600.0) -> int:
         """Remove temp files left by writers that crashed mid-put (older than `older_than_s`)."""
         self._check("sweep_temp_files")
-        cutoff = time.time() - older_than_s
-        removed = 0
-        for dirpath, _dirnames, filenames in os.walk(self.root, followlinks=False):
-            for name in filenames:
-                if name.startswith(".") and name.endswith(".tmp"):
-                    p = os.path.join(dirpath, name)
-                    try:
-                        st = os.lstat(p)
-                        if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
-                            os.unlink(p)
-                            removed += 1
-                    except FileNotFoundError:
-                        pass
-        return removed
+        return sweep_temp_files(self.root, older_than_s)
 
     def close(self) -> None:
         """Cancel queued reads, wait for running ones (at most CLOSE_TIMEOUT_S: a read stuck in the

@@ -25,6 +25,8 @@ from bsr_runtime.tiers import (
     TierUnavailableError,
 )
 from bsr_runtime.tiers import filesystem as fsmod
+from bsr_runtime.tiers._common import CRC32
+from bsr_runtime.tiers.fs_format import ENV_LOAD_CONCURRENCY
 
 FP = "0123456789abcdef0123456789abcdef"
 FP_OTHER = "fedcba9876543210fedcba9876543210"
@@ -342,7 +344,7 @@ def test_crash_mid_write_is_not_an_object(tier):
     leaf = os.path.join(tier.root, h[:2], h[2:4])
     os.makedirs(leaf)
     tmp = os.path.join(leaf, f".{h}.1234.5678.deadbeef.tmp")
-    header = fsmod.pack_header(FP.encode(), fsmod.key_digest("k"), SMALL, fsmod.CRC32, 0)
+    header = fsmod.pack_header(FP.encode(), fsmod.key_digest("k"), SMALL, CRC32, 0)
     with open(tmp, "wb") as f:  # the writer died after half the payload
         f.write(header + d.numpy().tobytes()[: SMALL // 2])
     assert tier.probe(["k"]) == [False]
@@ -397,16 +399,16 @@ def test_load_concurrency_validated(root, bad):
 
 
 def test_load_concurrency_env(root, monkeypatch):
-    monkeypatch.delenv(fsmod.ENV_LOAD_CONCURRENCY, raising=False)
+    monkeypatch.delenv(ENV_LOAD_CONCURRENCY, raising=False)
     with FilesystemTier(root, SMALL, FP) as t:
         assert t.load_concurrency == 1
-    monkeypatch.setenv(fsmod.ENV_LOAD_CONCURRENCY, "3")
+    monkeypatch.setenv(ENV_LOAD_CONCURRENCY, "3")
     with FilesystemTier(root, SMALL, FP) as t:
         assert t.load_concurrency == 3 and t._pool._max_workers == 3
     with FilesystemTier(root, SMALL, FP, load_concurrency=2) as t:
         assert t.load_concurrency == 2
     for bad in ("0", "-2", "four"):
-        monkeypatch.setenv(fsmod.ENV_LOAD_CONCURRENCY, bad)
+        monkeypatch.setenv(ENV_LOAD_CONCURRENCY, bad)
         with pytest.raises(ValueError):
             FilesystemTier(root, SMALL, FP)
 
