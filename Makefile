@@ -15,9 +15,8 @@ VLLM_DIST := packaging/vllm-cpu-dist
 PYTEST_ARGS ?=
 # pytest-xdist workers, whole files each (module fixtures: one Mooncake master, one engine per file):
 # a worker waiting on a Mooncake close, a master or an engine start leaves the core to the other.
-# Three workers were measured too: 482-594 s against 567-581 s with two, no steadier, and a timing
-# test (the soak's fetch timeout) flaked once under the extra load; with the waits gone from the
-# Mooncake and LMCache closes, 474 s with three against 445 s with two.
+# Three workers (`make test TEST_WORKERS=3`) were no faster once the Mooncake and LMCache close waits
+# were gone (474 s against 445 s with two, one quiet run each), and a timing test flaked once with them.
 TEST_WORKERS ?= 2
 PYTEST := TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 

@@ -32,8 +32,8 @@ def make_llm(model: str, kv: dict | None = None, *, block_size: int = 64, max_nu
     if not multiprocess:
         # An in-process engine's start collects the whole heap several times, and the shutdown of the
         # one before unfroze it (vLLM's EngineCore freezes the heap at start and unfreezes it at
-        # shutdown): frozen first, those collections walk only the new engine's objects (~1 s less
-        # per engine here). vLLM's own start freezes everything moments later anyway.
+        # shutdown): frozen first, those collections walk only the new engine's objects. vLLM's own
+        # start freezes everything moments later anyway, so this holds nothing vLLM would not.
         gc.collect()
         gc.freeze()
 
