@@ -1,7 +1,9 @@
 """Object keys: one object per (chunk, TP rank).
 
 A key binds the registration fingerprint, the TP rank and world size, the chunk's position in
-a prefix hash chain (the token ids of every chunk up to and including it) and a tenant salt.
+a prefix hash chain (the token ids of every chunk up to and including it, and the multimodal
+inputs placed in each) and a tenant salt (which also carries the request's adapter identity and
+the engine's cache epoch).
 Keys are opaque strings of hex digits and a fixed prefix: safe as store keys; tiers that map
 keys to file names hash them again and never use a key as a path.
 """
@@ -31,13 +33,18 @@ class KeySpace:
     """Everything a key binds except the chunk: registration, TP geometry, tenant, model.
 
     `model` is the model identity (name and revision, or a digest of the weights): two models
-    of the same geometry (same registration fingerprint) never share objects. Empty: unbound."""
+    of the same geometry (same registration fingerprint) never share objects. Empty: unbound.
+    `features`: the request's non-token inputs placed in its prompt, (offset, length, identifier)
+    sorted by offset (vLLM's multimodal items: placeholder tokens are the same for every image, the
+    identifier is the item's content hash); each chunk they overlap hashes them, with their offset
+    relative to the chunk, into the chain, as vLLM's prefix cache does per block."""
 
     fingerprint: str
     tp_rank: int = 0
     tp_world: int = 1
     salt: str = ""
     model: str = ""
+    features: tuple[tuple[int, int, str], ...] = ()
 
     def __post_init__(self) -> None:
         _check_space(self)
@@ -100,11 +107,22 @@ class PrefixKeys:
             step = len(data) // (stop - start)
             h = self._hash
             for k in range(start, stop):
-                h = _h(h, data[(k - start) * step : (k - start + 1) * step])
+                placed = _features_in(self.space.features, k * ct, (k + 1) * ct)
+                part = data[(k - start) * step : (k - start + 1) * step]
+                h = _h(h, part, placed) if placed else _h(h, part)  # no feature: the plain chain's key
                 if k >= first_chunk:
                     out.append(f"{prefix}-{h.hex()}")
             self._cursor, self._hash = stop, h
         return out
+
+
+def _features_in(features: Sequence[tuple[int, int, str]], start: int, end: int) -> bytes:
+    """The features overlapping tokens start..end-1, each as (identifier, offset - start), framed."""
+    out = b""
+    for offset, length, ident in features:
+        if offset < end and offset + length > start:
+            out += _h(b"feature", ident.encode("utf-8", "surrogatepass"), str(offset - start).encode())
+    return out
 
 
 _BLOCK = 64  # chunks whose token ids are packed at once (transient: 64 * chunk_tokens * 8 B)

@@ -239,9 +239,10 @@ class Loader:
             if self.kv is None:
                 raise RuntimeError("load before register_kv_caches: no destination tensors")
             tables = [torch.tensor(b, dtype=torch.int64) for b in spec.block_ids]
-            keyspace = self.keyspace if spec.salt is None else dataclasses.replace(self.keyspace, salt=spec.salt)
+            keyspace = dataclasses.replace(self.keyspace, salt=self.keyspace.salt if spec.salt is None else spec.salt,
+                                           features=tuple(spec.features))
             req = RestoreRequest(spec.request_id, spec.tokens, keyspace, self.kv, tables,
-                                 should_stop=lambda: stop.is_set() or self._closed)
+                                 should_stop=lambda: stop.is_set() or self._closed, first_chunk=spec.first_chunk)
             return self.retriever.restore_local(req, spec.num_chunks, spec.plan_tier)
         except Exception as e:  # noqa: BLE001 - this load fails closed; the others go on
             return failed_local(self.reg, spec, e)

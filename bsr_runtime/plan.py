@@ -23,23 +23,26 @@ def slot_sizes(window_chunks: int, depth: int) -> list[int]:
     return [-(-window_chunks // 2), window_chunks // 2]
 
 
-def plan_windows(num_chunks: int, window_chunks: int, depth: int = 1) -> Iterator[Window]:
-    """Windows G_1..G_K over chunks 0..N-1, generated lazily (no per-plan list).
+def plan_windows(num_chunks: int, window_chunks: int, depth: int = 1, first_chunk: int = 0) -> Iterator[Window]:
+    """Windows G_1..G_K over chunks first_chunk..N-1, generated lazily (no per-plan list).
 
-    W = 0 is the whole-plan path: one window of N chunks. Slots alternate at depth 2 and each
-    window is at most its slot's size, so two live windows never exceed W chunks together.
+    `first_chunk` > 0: the chunks before it are the engine's own (a local prefix-cache hit), not
+    restored. W = 0 is the whole-plan path: one window of every chunk restored. Slots alternate at
+    depth 2 and each window is at most its slot's size, so two live windows never exceed W chunks.
     """
     if num_chunks < 0:
         raise ValueError(f"num_chunks must be >= 0, got {num_chunks}")
     if window_chunks < 0:
         raise ValueError(f"window_chunks (W) must be >= 0, got {window_chunks}")
-    if num_chunks == 0:
+    if not 0 <= first_chunk <= num_chunks:
+        raise ValueError(f"first_chunk must be in 0..{num_chunks}, got {first_chunk}")
+    if num_chunks == first_chunk:
         return
     if window_chunks == 0:
-        yield Window(0, 0, num_chunks, 0)
+        yield Window(0, first_chunk, num_chunks - first_chunk, 0)
         return
     sizes = slot_sizes(window_chunks, depth)
-    first, index = 0, 0
+    first, index = first_chunk, 0
     while first < num_chunks:
         slot = index % len(sizes)
         n = min(sizes[slot], num_chunks - first)

@@ -12,9 +12,14 @@ once the engine allocated the request's blocks. Engine-neutral; holds no staging
         engine asks again at its next step), then the answer. The caller's thread pays no key
         derivation and no tier round trip. `start_lookup(request)` starts it as the request arrives.
     allocated(request, block_ids_per_group, num_external_tokens)
-        records the load of N chunks into the request's blocks (one list per HMA group)
+        records the load of N chunks into the request's blocks (one list per HMA group): only the
+        blocks allocated for the external tokens. The chunks the engine's own cache holds are not
+        restored, and inside the chunk where that local hit ends its blocks read -1 (not written):
+        they may be shared with running requests. A failed load reports only the blocks it wrote.
     take_loads() -> [LoadSpec]     the loads recorded since the last call (shipped to the workers)
     load_failed(request_id)        sets the force-local marker: the next match answers 0
+    new_epoch()                    nothing stored before it is looked up or loaded again (the
+                                   engine's weights changed in place): a fresh nonce in every salt
     running(request_id)            admitted RUNNING: the marker is cleared
     finished(request_id)           teardown: the marker and every per-request state are dropped
 """
@@ -22,11 +27,13 @@ once the engine allocated the request's blocks. Engine-neutral; holds no staging
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +45,8 @@ from .markers import ForceLocalMarkers
 from .retrieve import ProbeDecision, TierSet
 from .tiers.base import Tier
 from .validation import check_int
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,6 +61,19 @@ class LoadSpec:
     block_ids: list[list[int]]
     salt: str | None = None  # the request's tenant salt (None: the connector's)
     probe_s: float = 0.0  # the scheduler's probe for this request (keys and tier lookups)
+    first_chunk: int = 0  # chunks before it are the engine's local hit: not loaded
+    features: tuple[tuple[int, int, str], ...] = ()  # KeySpace.features of the request
+
+
+@dataclass(frozen=True)
+class KeyInputs:
+    """What a request's keys bind beyond its token ids: its salt (tenant, `cache_salt`, adapter,
+    cache epoch) and its placed features (KeySpace.features). `refused`: why BSR cannot key the
+    request (it is then neither probed nor saved)."""
+
+    salt: str
+    features: tuple[tuple[int, int, str], ...] = ()
+    refused: str | None = None
 
 
 @dataclass
@@ -59,6 +81,8 @@ class PlannerStats:
     probes: int = 0  # lookups against the tiers
     skipped_by_marker: int = 0  # lookups not made because a force-local marker was set
     probe_s: float = 0.0
+    refused: dict[str, int] = field(default_factory=dict)  # reason -> requests BSR could not key
+    epochs: int = 0  # new_epoch() calls
 
 
 def request_id_of(request) -> str:
@@ -80,6 +104,11 @@ def request_salt(base: str, request) -> str:
     return f"{base}\0{cache_salt}" if cache_salt else base
 
 
+def salt_only(base_salt: str, request) -> KeyInputs:
+    """The default key inputs: the connector's salt and the request's `cache_salt`."""
+    return KeyInputs(request_salt(base_salt, request))
+
+
 def block_lists(blocks) -> list[list[int]]:
     """Per-group block ids from a tuple/list of lists or tensors, or anything with
     get_block_ids() (vLLM's KVCacheBlocks)."""
@@ -88,14 +117,26 @@ def block_lists(blocks) -> list[list[int]]:
     return [t.tolist() if isinstance(t, torch.Tensor) else [int(b) for b in t] for t in blocks]
 
 
+def without_local_blocks(reg: Registration, blocks: list[list[int]], local_tokens: int) -> list[list[int]]:
+    """Per group, the block ids with those wholly inside the engine's local hit (tokens
+    0..local_tokens-1) set to -1: install skips them and a failure never reports them."""
+    out = []
+    for g, ids in enumerate(blocks):
+        n = min(len(ids), local_tokens // reg.group_tokens_per_block(g))
+        out.append([-1] * n + list(ids[n:]))
+    return out
+
+
 class Planner:
     """See the module docstring. `tiers`: the ordered tiers (or a TierSet sharing their health)."""
 
     def __init__(self, reg: Registration, tiers: Sequence[Tier] | TierSet, *, tp_rank: int = 0, tp_world: int = 1,
                  salt: str = "", model: str = "", markers: ForceLocalMarkers | None = None,
                  probe_all_ranks: bool = True, agree_plan: bool = False,
-                 agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S, unavailable_cooldown_s: float = 30.0) -> None:
+                 agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S, unavailable_cooldown_s: float = 30.0,
+                 key_inputs: Callable[[str, object], KeyInputs] = salt_only) -> None:
         self.reg = reg
+        self.key_inputs = key_inputs
         self.tier_set = tiers if isinstance(tiers, TierSet) else TierSet(reg, tiers, unavailable_cooldown_s)
         self.tp_world = tp_world
         self.keyspace = KeySpace(reg.fingerprint, tp_rank, tp_world, salt, model)
@@ -109,6 +150,7 @@ class Planner:
         self._pending: dict[str, LoadSpec] = {}
         self._probing: dict[str, Future] = {}  # request -> its lookup on the probe thread
         self._probe_thread: ThreadPoolExecutor | None = None
+        self._refused: set[str] = set()  # requests counted as refused (counted once each)
 
     @property
     def tiers(self) -> list[Tier]:
@@ -164,12 +206,29 @@ class Planner:
             plan = ProbeDecision(0, None, "none")
         return plan, time.perf_counter() - t0
 
+    def inputs(self, request) -> KeyInputs:
+        """The request's key inputs in the current epoch (the key_inputs hook over this salt)."""
+        return self.key_inputs(self.keyspace.salt, request)
+
+    def refused(self, request) -> str | None:
+        """Why BSR cannot key the request (None: it can); counted once per request."""
+        why = self.inputs(request).refused
+        rid = request_id_of(request)
+        if why is not None and rid not in self._refused:
+            self._refused.add(rid)
+            self.stats.refused[why] = self.stats.refused.get(why, 0) + 1
+            log.info("BSR: request %s is neither saved nor restored: its %s cannot be keyed", rid, why)
+        return why
+
     def _quick_plan(self, request, num_computed_tokens: int) -> ProbeDecision | None:
-        """The decisions that need no lookup: a force-local marker, or nothing the engine lacks."""
+        """The decisions that need no lookup: a force-local marker, a request BSR cannot key, or
+        nothing the engine lacks."""
         ct = self.reg.chunk_tokens
         if self.markers.is_set(request_id_of(request)):
             self.stats.skipped_by_marker += 1
             return ProbeDecision(0, None, "marker")
+        if self.refused(request) is not None:
+            return ProbeDecision(0, None, "refused")
         num_tokens = getattr(request, "num_prompt_tokens", None)
         if num_tokens is None:
             num_tokens = len(tokens_of(request))
@@ -180,7 +239,10 @@ class Planner:
     def _lookup(self, request) -> ProbeDecision:
         tokens = tokens_of(request)
         max_chunks = max(0, (len(tokens) - 1) // self.reg.chunk_tokens)  # at least one token left to compute
-        keyspace = dataclasses.replace(self.keyspace, salt=request_salt(self.keyspace.salt, request))
+        inputs = self.inputs(request)
+        if inputs.refused is not None:
+            return ProbeDecision(0, None, "refused")
+        keyspace = dataclasses.replace(self.keyspace, salt=inputs.salt, features=inputs.features)
         self.stats.probes += 1
         if self.probe_all_ranks and self.tp_world > 1:
             return self._plan_all_ranks(tokens, max_chunks, keyspace)
@@ -228,8 +290,11 @@ class Planner:
             blocks = block_lists(block_ids_per_group)
             if len(blocks) != self.reg.num_groups:
                 raise ValueError(f"{len(blocks)} block lists for {self.reg.num_groups} KV-cache groups")
-            spec = LoadSpec(rid, tokens_of(request), n, plan.tier_index, blocks,
-                            request_salt(self.keyspace.salt, request), probe_s)
+            first = min(n, computed // self.reg.chunk_tokens)
+            inputs = self.inputs(request)
+            spec = LoadSpec(rid, tokens_of(request), n, plan.tier_index,
+                            without_local_blocks(self.reg, blocks, computed), inputs.salt, probe_s, first,
+                            inputs.features)
             self._pending[rid] = spec
             return spec
 
@@ -242,6 +307,17 @@ class Planner:
     def load_failed(self, request_id: str, reason: str = "external load failed") -> None:
         self.markers.set(request_id, reason)
 
+    def new_epoch(self) -> None:
+        """Forget everything stored so far, for this planner: a fresh random nonce joins the salt of
+        every later key (random, so two engines that both changed their weights never share a
+        keyspace), and lookups made under the old one are dropped. Objects stored before stay in
+        the tiers for other engines (those still holding the old weights) and are misses here."""
+        with self._lock:
+            self.keyspace = dataclasses.replace(self.keyspace, salt=f"{self.keyspace.salt}\0epoch\0{uuid.uuid4().hex}")
+            self._plans.clear()
+            self._probing.clear()
+            self.stats.epochs += 1
+
     def running(self, request_id: str) -> bool:
         """RUNNING admission: drop the marker (True if one was set)."""
         return self.markers.clear_on_running(request_id)
@@ -253,6 +329,7 @@ class Planner:
             self._plans.pop(request_id, None)
             self._pending.pop(request_id, None)
             self._probing.pop(request_id, None)
+            self._refused.discard(request_id)
         return cleared
 
     def close(self) -> None:

@@ -74,9 +74,11 @@ class RestoreRequest:
     tokens: Sequence[int]
     keyspace: KeySpace
     kv: Sequence[torch.Tensor]
-    block_tables: Sequence[torch.Tensor]  # one per group, block ids from token 0
+    block_tables: Sequence[torch.Tensor]  # one per group, block ids from token 0 (-1: not written)
     # asked at every window boundary: True stops the restore there (it then fails, as cancelled)
     should_stop: Callable[[], bool] | None = None
+    # chunks before it are the engine's own (a local prefix-cache hit): neither fetched nor written
+    first_chunk: int = 0
 
 
 @dataclass
@@ -285,16 +287,17 @@ class BoundedRestorer:
         report = RestoreReport(
             request_id=req.request_id, tier=tier.name, ok=False, num_chunks=num_chunks, committed_tokens=0,
             window_chunks=w, pipeline_depth=cfg.pipeline_depth,
-            windows=count_windows(num_chunks, w, cfg.pipeline_depth), windows_installed=0,
+            windows=count_windows(num_chunks - req.first_chunk, w, cfg.pipeline_depth), windows_installed=0,
             chunk_bytes=reg.chunk_bytes, bytes_moved=0, peak_staging_bytes=0, tiers_tried=[tier.name],
             prepare_s=prepare_s,
         )
-        if num_chunks == 0:
+        if num_chunks == req.first_chunk:
             report.ok = True
             return report
         cap = cfg.max_staging_bytes
-        if w == 0 and cap is not None and num_chunks * reg.chunk_bytes > cap:
-            report.error = (f"StagingCapacityError: whole plan of {num_chunks * reg.chunk_bytes:,} B exceeds "
+        whole = (num_chunks - req.first_chunk) * reg.chunk_bytes
+        if w == 0 and cap is not None and whole > cap:
+            report.error = (f"StagingCapacityError: whole plan of {whole:,} B exceeds "
                             f"the staging capacity {cap:,} B")
             report.failed_window = 0
             return report
@@ -305,6 +308,7 @@ class BoundedRestorer:
         if num_chunks < 0 or num_chunks * reg.chunk_tokens > len(req.tokens):
             raise ValueError(f"confirmed prefix of {num_chunks} chunks exceeds the request's "
                              f"{len(req.tokens)} tokens")
+        check_int("first_chunk", req.first_chunk, lo=0, hi=num_chunks)
         if req.keyspace.fingerprint != reg.fingerprint:
             raise ValueError("request keyspace was built for another registration "
                              f"({req.keyspace.fingerprint} != {reg.fingerprint})")
@@ -327,7 +331,7 @@ class BoundedRestorer:
             return self._run_shared(req, tier, keys, num_chunks, installer, report)
         w = cfg.window_chunks
         t0 = time.perf_counter()
-        pool = self.pool or self._new_pool(num_chunks)
+        pool = self.pool or self._new_pool(num_chunks - req.first_chunk)
         pool.reset_peak()
         loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=len(pool.slots),
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
@@ -336,7 +340,8 @@ class BoundedRestorer:
                 try:
                     self._register(tier, pool)
                     source = TierSource(tier, keys, pool, cfg.fetch_timeout_s, on_unsettled=lambda: self._retire(pool))
-                    loop.restore(plan_windows(num_chunks, w, cfg.pipeline_depth), source, installer.install)
+                    loop.restore(plan_windows(num_chunks, w, cfg.pipeline_depth, req.first_chunk), source,
+                                 installer.install)
                     report.ok = True
                     report.committed_tokens = num_chunks * reg.chunk_tokens
                 except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
@@ -366,7 +371,7 @@ class BoundedRestorer:
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:
             with self.admission.admitted(cfg.admission_timeout_s):
-                self._windows(loop, num_chunks, source, installer, report)
+                self._windows(loop, num_chunks, req.first_chunk, source, installer, report)
         finally:
             _copy_stats(report, loop.stats, reg.chunk_bytes)
             report.peak_staging_bytes = source.peak_bytes
@@ -383,7 +388,8 @@ class BoundedRestorer:
         loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=cfg.pipeline_depth,
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:
-            self._windows(loop, num_chunks, TierSource(tier, keys, arena, cfg.fetch_timeout_s), installer, report)
+            self._windows(loop, num_chunks, req.first_chunk, TierSource(tier, keys, arena, cfg.fetch_timeout_s),
+                          installer, report)
         finally:
             _copy_stats(report, loop.stats, reg.chunk_bytes)
             report.peak_staging_bytes = loop.stats.peak_bytes
@@ -391,13 +397,14 @@ class BoundedRestorer:
             report.total_s = time.perf_counter() - t0
         return report
 
-    def _windows(self, loop: WindowLoop, num_chunks: int, source, installer: WindowInstaller,
+    def _windows(self, loop: WindowLoop, num_chunks: int, first_chunk: int, source, installer: WindowInstaller,
                  report: RestoreReport) -> None:
         """Every window of the plan from `source` through the loop into the report: committed, or failed
         closed (any exception) with the cause and the window it failed in."""
         cfg = self.config
         try:
-            loop.restore(plan_windows(num_chunks, cfg.window_chunks, cfg.pipeline_depth), source, installer.install)
+            loop.restore(plan_windows(num_chunks, cfg.window_chunks, cfg.pipeline_depth, first_chunk), source,
+                         installer.install)
             report.ok = True
             report.committed_tokens = num_chunks * self.reg.chunk_tokens
         except Exception as e:  # noqa: BLE001 - any failure fails the restore closed

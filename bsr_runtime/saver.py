@@ -86,7 +86,8 @@ class Saver:
 
     # -- on the step -----------------------------------------------------------------------
     def save(self, request_id: str, tokens: Sequence[int], first_chunk: int, num_chunks: int,
-             block_ids: Sequence[Sequence[int]], salt: str, overwrite: bool = False) -> dict | None:
+             block_ids: Sequence[Sequence[int]], salt: str, overwrite: bool = False,
+             features: tuple[tuple[int, int, str], ...] = ()) -> dict | None:
         """Gather chunks first_chunk..num_chunks-1 of the request (those resident in every group) into
         save staging and queue their puts. Returns the record of a save that was skipped or had nothing
         to do at once; None when puts were queued (their record comes from take_finished)."""
@@ -104,7 +105,7 @@ class Saver:
         if end <= first:
             self._next[request_id] = first if end == num_chunks else -1
             return self._skipped(rec, "no resident chunk to save") if end < num_chunks else None
-        space = dataclasses.replace(self.keyspace, salt=salt)
+        space = dataclasses.replace(self.keyspace, salt=salt, features=tuple(features))
         tables = [torch.tensor(b, dtype=torch.int64) for b in block_ids]
         at = first
         while at < end:  # in pieces of at most the whole staging

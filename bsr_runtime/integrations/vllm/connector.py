@@ -93,6 +93,9 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool:
+        return self.scheduler.reset_cache() if self.scheduler is not None else True
+
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict) -> None:
         self.worker.register_kv_caches(kv_caches)
@@ -125,7 +128,9 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- vLLM's metrics (Prometheus, the periodic log line) ---------------------------------
     def get_kv_connector_stats(self) -> BSRConnectorStats | None:
-        return self.worker.stats.take() if self.worker is not None else None
+        if self.worker is not None:
+            return self.worker.stats.take()
+        return self.scheduler.take_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> BSRConnectorStats:

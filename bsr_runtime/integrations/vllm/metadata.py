@@ -23,6 +23,7 @@ class SaveSpec:
     salt: str
     overwrite: bool = False  # the request's load failed: rewrite the chunks (repairs damaged objects)
     first_chunk: int = 0
+    features: tuple[tuple[int, int, str], ...] = ()  # KeySpace.features of the request
 
 
 @dataclass

@@ -21,6 +21,8 @@ front end, rebuilds it there (`build_kv_connector_stats`) and hands it to `BSRPr
     vllm:bsr_saves_failed_total               saves that failed (a later miss, not an error), every rank
     vllm:bsr_saves_skipped_total              saves skipped at once for want of save staging (never waited for)
     vllm:bsr_peak_staging_bytes               gauge: the largest staging any load or save held
+    vllm:bsr_requests_unkeyed_total{reason}   requests neither saved nor restored: an input BSR cannot key
+                                              (prompt_embeds; adapter: its files unreadable), the scheduler's count
 
 Request-level counts come from rank 0 alone, since every rank reports the same agreed outcome;
 a load failed by another rank's object counts under cause "commit_rule" (that rank's own cause
@@ -72,6 +74,8 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "saves_failed": ("BSR connector: saves that failed (the prefix will miss), every TP rank.", None),
     "saves_skipped": ("BSR connector: saves skipped for want of save staging (the prefix will miss).", None),
     "load_phase_seconds": ("BSR connector: seconds of the loads spent in each phase (rank 0).", "phase"),
+    "requests_unkeyed": ("BSR connector: requests neither saved nor restored because an input of theirs "
+                         "cannot be keyed (prompt_embeds, adapter), by reason.", "reason"),
 }
 PEAK_STAGING = "peak_staging_bytes"
 RESTORE_SECONDS = "restore_seconds"

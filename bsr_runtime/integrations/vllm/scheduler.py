@@ -29,11 +29,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...planner import Planner, request_salt
+from ...planner import Planner
 from ...tiers.base import Tier
 from .config import ConnectorConfig, write_report
 from .metadata import BSRConnectorMetadata, SaveSpec
+from .metrics import BSRConnectorStats
 from .registration import block_lists
+from .request_keys import VllmKeyInputs
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class _Tracked:
     tokens: list[int]
     num_chunks: int  # complete prompt chunks
     salt: str
+    features: tuple[tuple[int, int, str], ...]
     computed: int = 0
     saved_chunks: int = 0  # chunks 0..saved_chunks-1 went out in SaveSpecs (or were loaded from a tier)
     overwrite: bool = False
@@ -55,7 +58,9 @@ class SchedulerSide:
         self.reg = reg
         self.block_ids_of = block_ids_of  # request id -> its current block ids per group (vLLM's)
         self.load_async = cfg.load_async
-        self.planner = Planner(reg, tiers, tp_world=tp_world, salt=cfg.salt, model=model, probe_all_ranks=True)
+        self.planner = Planner(reg, tiers, tp_world=tp_world, salt=cfg.salt, model=model, probe_all_ranks=True,
+                               key_inputs=VllmKeyInputs())
+        self._refused_taken: dict[str, int] = {}  # planner.stats.refused at the last take_stats()
         self.inflight: dict[str, tuple[int, set[int]]] = {}  # request -> (chunks, blocks) of its load
         self._tracked: dict[str, _Tracked] = {}
         # the latest (event, request id): probe, skip, load, marker_set, marker_cleared (tests, logs)
@@ -100,12 +105,37 @@ class SchedulerSide:
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self.planner.allocated(request, block_lists(blocks), num_external_tokens)
         rid = request.request_id
-        if self.cfg.save_tiers and rid not in self._tracked:
+        if self.cfg.save_tiers and rid not in self._tracked and self._keyable(request):
             tokens = request.prompt_token_ids or ()
             ct = self.reg.chunk_tokens
             n = len(tokens) // ct
             if n > 0:
-                self._tracked[rid] = _Tracked(list(tokens[: n * ct]), n, request_salt(self.cfg.salt, request))
+                inputs = self.planner.inputs(request)
+                self._tracked[rid] = _Tracked(list(tokens[: n * ct]), n, inputs.salt, inputs.features)
+
+    def _keyable(self, request) -> bool:
+        """False for a request whose inputs BSR cannot key (the planner counts it, once per request)."""
+        why = self.planner.refused(request)
+        if why is not None:
+            self.events.append(("refused", request.request_id))
+        return why is None
+
+    def take_stats(self) -> BSRConnectorStats | None:
+        """The scheduler's counters since the last call (vLLM adds them to the workers')."""
+        stats = BSRConnectorStats()
+        for why, n in list(self.planner.stats.refused.items()):
+            stats.add("requests_unkeyed", n - self._refused_taken.get(why, 0), why)
+            self._refused_taken[why] = n
+        return None if stats.is_empty() else stats
+
+    def reset_cache(self) -> bool:
+        """vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update: nothing stored
+        before is restored into this engine again (a new epoch in every key: Planner.new_epoch), and the
+        prompts tracked for saving are dropped (their KV may predate the change)."""
+        self.planner.new_epoch()
+        self._tracked.clear()
+        self.events.append(("epoch", str(self.planner.stats.epochs)))
+        return True
 
     # -- per step --------------------------------------------------------------------------
     def build_connector_meta(self, so) -> BSRConnectorMetadata:
@@ -149,7 +179,7 @@ class SchedulerSide:
             if done <= t.saved_chunks:
                 continue
             saves.append(SaveSpec(rid, t.tokens, done, block_lists(self.block_ids_of(rid)), t.salt, t.overwrite,
-                                  t.saved_chunks))
+                                  t.saved_chunks, t.features))
             t.saved_chunks = done
         return saves
 

@@ -158,7 +158,7 @@ class WorkerSide:
                 continue  # its blocks hold a failed load; the scheduler saves it again after the recompute
             try:
                 self.saver.save(spec.request_id, spec.tokens, spec.first_chunk, spec.num_chunks, spec.block_ids,
-                                spec.salt, spec.overwrite)
+                                spec.salt, spec.overwrite, spec.features)
             except Exception as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
                 log.warning("BSR: save of %s failed: %s: %s", spec.request_id, type(e).__name__, e)
                 self._record_save({"event": "save", "request_id": spec.request_id, "ok": False, "stored": 0,
