@@ -38,3 +38,29 @@ def build_tiny_llama(path: str | Path, seed: int = 0, *, hidden: int = 128, laye
             c["layer_types"] = layer_types
         (path / "config.json").write_text(json.dumps(c))
     return str(path)
+
+
+def build_tiny_lora(path: str | Path, seed: int = 0, *, rank: int = 8, hidden: int = 128, layers: int = 2,
+                    heads: int = 4, kv_heads: int = 2, head_dim: int = 32, scale: float = 0.5) -> str:
+    """A random PEFT LoRA adapter for build_tiny_llama's default geometry, on q_proj, k_proj and v_proj
+    (written by hand: no peft needed); returns the path. Same seed, same weights. `scale` sizes B so
+    the adapter changes the model's KV and greedy tokens."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    outs = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim}
+    tensors = {}
+    for i in range(layers):
+        for mod, out in outs.items():
+            base = f"base_model.model.model.layers.{i}.self_attn.{mod}"
+            tensors[f"{base}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.1
+            tensors[f"{base}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * scale
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
+        "target_modules": list(outs), "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+        "use_rslora": False, "use_dora": False, "base_model_name_or_path": None}))
+    return str(path)

@@ -60,15 +60,17 @@ def greedy(max_tokens: int, *, logprobs: int | None = 1):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True)
 
 
-def generate(llm, tokens: Sequence[int], *, max_tokens: int = 8, cache_salt: str | None = None):
-    """(greedy tokens, their logprobs, num_cached_tokens) of one prompt of token ids."""
+def generate(llm, tokens: Sequence[int], *, max_tokens: int = 8, cache_salt: str | None = None,
+             lora_request: Any = None):
+    """(greedy tokens, their logprobs, num_cached_tokens) of one prompt of token ids (under a LoRA
+    adapter with `lora_request`)."""
     from vllm import SamplingParams
 
     p: dict[str, Any] = {"prompt_token_ids": list(tokens)}
     if cache_salt is not None:
         p["cache_salt"] = cache_salt
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
-    out = llm.generate([p], sp, use_tqdm=False)[0]
+    out = llm.generate([p], sp, use_tqdm=False, lora_request=lora_request)[0]
     c = out.outputs[0]
     return list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)], out.num_cached_tokens
 

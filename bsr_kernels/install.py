@@ -111,7 +111,8 @@ class WindowInstaller:
     """install_window for the windows of one request, validated and prepared once.
 
     The destinations and block tables are checked for chunks 0..num_chunks-1 when the installer
-    is made (block tables are copied, so the request cannot change them underneath), and the
+    is made (`local_tokens`: the blocks of those first tokens are the engine's own, -1 here in any
+    group: never written) (block tables are copied, so the request cannot change them underneath), and the
     per-restore state is built then (prepared.py: destination views or the descriptor table);
     each window then checks only its staging and its chunk range and passes just those. Same
     results as install_window / gather_window.
@@ -119,12 +120,13 @@ class WindowInstaller:
 
     def __init__(self, reg: Registration, kv: Sequence[torch.Tensor], block_tables: Sequence[torch.Tensor],
                  num_chunks: int, *, backend: str = "auto", stream: torch.cuda.Stream | None = None,
-                 fingerprint: str | None = None, zero_copy: bool = True, cpu_threads: int = 0) -> None:
+                 fingerprint: str | None = None, zero_copy: bool = True, cpu_threads: int = 0,
+                 local_tokens: int = 0) -> None:
         check_fingerprint(reg, fingerprint)
         _, num_chunks = check_chunk_range(0, num_chunks)
         self.kv = tuple(kv)
         self._dest: PreparedDestinations = prepare(reg, self.kv, backend, resolve_backend)
-        tables = check_block_tables(reg, block_tables, 0, num_chunks, self._dest.layout)
+        tables = check_block_tables(reg, block_tables, 0, num_chunks, self._dest.layout, local_tokens)
         self.reg = reg
         self.num_chunks = num_chunks
         self.backend = self._dest.backend

@@ -61,7 +61,7 @@ class LoadSpec:
     block_ids: list[list[int]]
     salt: str | None = None  # the request's tenant salt (None: the connector's)
     probe_s: float = 0.0  # the scheduler's probe for this request (keys and tier lookups)
-    first_chunk: int = 0  # chunks before it are the engine's local hit: not loaded
+    local_tokens: int = 0  # the engine's local hit: its whole chunks are not loaded, its blocks not written
     features: tuple[tuple[int, int, str], ...] = ()  # KeySpace.features of the request
 
 
@@ -290,10 +290,10 @@ class Planner:
             blocks = block_lists(block_ids_per_group)
             if len(blocks) != self.reg.num_groups:
                 raise ValueError(f"{len(blocks)} block lists for {self.reg.num_groups} KV-cache groups")
-            first = min(n, computed // self.reg.chunk_tokens)
             inputs = self.inputs(request)
             spec = LoadSpec(rid, tokens_of(request), n, plan.tier_index,
-                            without_local_blocks(self.reg, blocks, computed), inputs.salt, probe_s, first,
+                            without_local_blocks(self.reg, blocks, computed), inputs.salt, probe_s,
+                            min(computed, n * self.reg.chunk_tokens),
                             inputs.features)
             self._pending[rid] = spec
             return spec

@@ -77,8 +77,9 @@ class RestoreRequest:
     block_tables: Sequence[torch.Tensor]  # one per group, block ids from token 0 (-1: not written)
     # asked at every window boundary: True stops the restore there (it then fails, as cancelled)
     should_stop: Callable[[], bool] | None = None
-    # chunks before it are the engine's own (a local prefix-cache hit): neither fetched nor written
-    first_chunk: int = 0
+    # tokens the engine holds already (a local prefix-cache hit, other requests may share its blocks):
+    # its whole chunks are not fetched, and no block of it is written (their ids may read -1)
+    local_tokens: int = 0
 
 
 @dataclass
@@ -279,23 +280,25 @@ class BoundedRestorer:
         t0 = time.perf_counter()
         # at depth 2 every install but the last runs while the next window's fetch uses the host: the
         # native cpu backend then keeps to one thread (depth 1: a second one from its size threshold up)
+        local = {"local_tokens": req.local_tokens} if req.local_tokens else {}
         installer = self.make_installer(reg, req.kv, req.block_tables, num_chunks, backend=cfg.backend,
                                         stream=self.stream, fingerprint=reg.fingerprint,
-                                        cpu_threads=1 if cfg.pipeline_depth == 2 else 0)
+                                        cpu_threads=1 if cfg.pipeline_depth == 2 else 0, **local)
         prepare_s = time.perf_counter() - t0
+        first = req.local_tokens // reg.chunk_tokens  # the first chunk fetched
         w = cfg.window_chunks
         report = RestoreReport(
             request_id=req.request_id, tier=tier.name, ok=False, num_chunks=num_chunks, committed_tokens=0,
             window_chunks=w, pipeline_depth=cfg.pipeline_depth,
-            windows=count_windows(num_chunks - req.first_chunk, w, cfg.pipeline_depth), windows_installed=0,
+            windows=count_windows(num_chunks - first, w, cfg.pipeline_depth), windows_installed=0,
             chunk_bytes=reg.chunk_bytes, bytes_moved=0, peak_staging_bytes=0, tiers_tried=[tier.name],
             prepare_s=prepare_s,
         )
-        if num_chunks == req.first_chunk:
+        if num_chunks == first:
             report.ok = True
             return report
         cap = cfg.max_staging_bytes
-        whole = (num_chunks - req.first_chunk) * reg.chunk_bytes
+        whole = (num_chunks - first) * reg.chunk_bytes
         if w == 0 and cap is not None and whole > cap:
             report.error = (f"StagingCapacityError: whole plan of {whole:,} B exceeds "
                             f"the staging capacity {cap:,} B")
@@ -308,7 +311,7 @@ class BoundedRestorer:
         if num_chunks < 0 or num_chunks * reg.chunk_tokens > len(req.tokens):
             raise ValueError(f"confirmed prefix of {num_chunks} chunks exceeds the request's "
                              f"{len(req.tokens)} tokens")
-        check_int("first_chunk", req.first_chunk, lo=0, hi=num_chunks)
+        check_int("local_tokens", req.local_tokens, lo=0, hi=num_chunks * reg.chunk_tokens)
         if req.keyspace.fingerprint != reg.fingerprint:
             raise ValueError("request keyspace was built for another registration "
                              f"({req.keyspace.fingerprint} != {reg.fingerprint})")
@@ -331,7 +334,8 @@ class BoundedRestorer:
             return self._run_shared(req, tier, keys, num_chunks, installer, report)
         w = cfg.window_chunks
         t0 = time.perf_counter()
-        pool = self.pool or self._new_pool(num_chunks - req.first_chunk)
+        first = req.local_tokens // reg.chunk_tokens
+        pool = self.pool or self._new_pool(num_chunks - first)
         pool.reset_peak()
         loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=len(pool.slots),
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
@@ -340,7 +344,7 @@ class BoundedRestorer:
                 try:
                     self._register(tier, pool)
                     source = TierSource(tier, keys, pool, cfg.fetch_timeout_s, on_unsettled=lambda: self._retire(pool))
-                    loop.restore(plan_windows(num_chunks, w, cfg.pipeline_depth, req.first_chunk), source,
+                    loop.restore(plan_windows(num_chunks, w, cfg.pipeline_depth, first), source,
                                  installer.install)
                     report.ok = True
                     report.committed_tokens = num_chunks * reg.chunk_tokens
@@ -371,7 +375,7 @@ class BoundedRestorer:
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:
             with self.admission.admitted(cfg.admission_timeout_s):
-                self._windows(loop, num_chunks, req.first_chunk, source, installer, report)
+                self._windows(loop, num_chunks, req.local_tokens // reg.chunk_tokens, source, installer, report)
         finally:
             _copy_stats(report, loop.stats, reg.chunk_bytes)
             report.peak_staging_bytes = source.peak_bytes
@@ -388,7 +392,8 @@ class BoundedRestorer:
         loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=cfg.pipeline_depth,
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:
-            self._windows(loop, num_chunks, req.first_chunk, TierSource(tier, keys, arena, cfg.fetch_timeout_s),
+            self._windows(loop, num_chunks, req.local_tokens // reg.chunk_tokens,
+                          TierSource(tier, keys, arena, cfg.fetch_timeout_s),
                           installer, report)
         finally:
             _copy_stats(report, loop.stats, reg.chunk_bytes)

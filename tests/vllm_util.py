@@ -137,14 +137,15 @@ def core_scheduler(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
-def add_request(llm, rid: str, tokens, *, max_tokens: int = 8, cache_salt: str | None = None) -> None:
+def add_request(llm, rid: str, tokens, *, max_tokens: int = 8, cache_salt: str | None = None,
+                lora_request=None) -> None:
     from vllm import SamplingParams
 
     prompt = {"prompt_token_ids": list(tokens)}
     if cache_salt is not None:
         prompt["cache_salt"] = cache_salt
     llm.llm_engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1,
-                                                           ignore_eos=True))
+                                                           ignore_eos=True), lora_request=lora_request)
 
 
 def internal_id(llm, rid: str) -> str:
