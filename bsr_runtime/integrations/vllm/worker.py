@@ -131,6 +131,7 @@ class WorkerSide:
         att = outcome.attempts[-1] if outcome.attempts else None
         rec = {"role": "worker", "rank": self.tp_rank, "event": "load", "request_id": outcome.request_id,
                "committed": outcome.committed, "cancelled": result.cancelled, "num_chunks": outcome.num_chunks,
+               "local_tokens": result.spec.local_tokens,
                "exposed_tokens": outcome.exposed_tokens, "served_by": outcome.served_by,
                "tiers_tried": outcome.tiers_tried, "invalid_blocks": outcome.invalid_blocks,
                "total_blocks": outcome.total_blocks,

@@ -4,10 +4,12 @@ filesystem tier): what a load may touch and what a key must cover.
 - LoRA: a base-model request never restores what an adapter request saved (vLLM keys its prefix
   cache on the adapter; so do BSR's keys), and the adapter request restores its own.
 - A load beside a running request that shares the local prefix-cache hit: the load restores from
-  the chunk where the hit ends and writes none of the shared blocks (the tier's objects are replaced
-  by other bytes first, so a write into a shared block would show in the running request's KV).
-- A failed synchronous load reports only its own blocks: the running request sharing the hit keeps
-  every token (`recompute`) and does not fail (`fail`).
+  the chunk where the hit ends and writes none of the shared blocks (the
+  tier's objects are replaced by other bytes first, so a write into a shared block would show in the
+  running request's KV).
+- A failed load reports only its own blocks: the running request sharing the hit keeps every
+  computed token (`recompute`) and does not fail (`fail`); synchronous loads (by block id) and
+  background ones (by request).
 - A weight update followed by reset_prefix_cache(reset_connector=True): nothing saved before is
   restored; the output is that of a cold prefill with the new weights.
 """
@@ -27,7 +29,9 @@ from bsr_harness.tiny_model import build_tiny_lora  # noqa: E402
 
 W = 2
 P_TOKENS = 4 * U.CHUNK + 40  # prompt of the loading request: 4 whole chunks (all restorable) and a partial one
-SHARED = 5 * U.BLOCK_SIZE  # its first 320 tokens are also the running request's: the local hit ends inside chunk 1
+# its first 384 tokens are also the running request's: the local hit ends inside chunk 1
+SHARED = 6 * U.BLOCK_SIZE
+OWN_BLOCKS = (2 * U.CHUNK - SHARED) // U.BLOCK_SIZE + 2 * U.CHUNK // U.BLOCK_SIZE  # chunk 1 past the hit, chunks 2-3
 A_MAX_TOKENS = 40
 
 
@@ -61,13 +65,17 @@ def _save_and_forget(llm, tokens) -> None:
     assert llm.reset_prefix_cache()
 
 
-def _block_ids(llm, rid: str) -> list[int]:
-    (ids,) = U.core_scheduler(llm).kv_cache_manager.get_block_ids(U.internal_id(llm, rid))
-    return list(ids)
+def _shared_blocks(llm, rid: str) -> list[list[int]]:
+    """Per KV-cache group, the request's resident blocks among those of its first SHARED tokens."""
+    reg = U.worker_connector().worker.reg
+    groups = U.core_scheduler(llm).kv_cache_manager.get_block_ids(U.internal_id(llm, rid))
+    return [[b for b in ids[: SHARED // reg.group_tokens_per_block(g)] if b != 0]  # 0: vLLM's null block
+            for g, ids in enumerate(groups)]
 
 
-def _blocks(ids) -> list[torch.Tensor]:
-    return [t[ids].clone() for t in U.worker_connector().worker.kv]
+def _blocks(shared: list[list[int]]) -> list[torch.Tensor]:
+    worker = U.worker_connector().worker
+    return [t[shared[spec.group]].clone() for t, spec in zip(worker.kv, worker.reg.specs)]
 
 
 def _replace_objects(llm, tokens, chunks: range) -> None:
@@ -91,8 +99,8 @@ def _flip_objects(llm, tokens, chunks: range) -> None:
 
 
 def _running_beside_a_load(llm, prompts, *, before_load=None):
-    """The running request A2 (prompt "a", its first 320 tokens shared with "p") decodes while B
-    (prompt "p") arrives and loads with a local hit of those 320 tokens. Returns (A1's output: the
+    """The running request A2 (prompt "a", its first SHARED tokens shared with "p") decodes while B
+    (prompt "p") arrives and loads with a local hit of those SHARED tokens. Returns (A1's output: the
     same prompt run alone before, A2's, B's, A2's shared blocks before B, the same blocks at the end)."""
     ref = U.generate(llm, prompts["a"], max_tokens=A_MAX_TOKENS)  # restores chunk 0 of "p", computes the rest
     if before_load is not None:
@@ -100,7 +108,7 @@ def _running_beside_a_load(llm, prompts, *, before_load=None):
     U.add_request(llm, "a2", prompts["a"], max_tokens=A_MAX_TOKENS)
     sched = U.core_scheduler(llm)
     U.step_until(llm, lambda: sched.requests[U.internal_id(llm, "a2")].num_output_tokens >= 2)
-    shared = _block_ids(llm, "a2")[: SHARED // U.BLOCK_SIZE]
+    shared = _shared_blocks(llm, "a2")
     before = _blocks(shared)
     U.add_request(llm, "b", prompts["p"], max_tokens=8)
     a2_id, computed = U.internal_id(llm, "a2"), []
@@ -133,6 +141,8 @@ def _load_of(rid_prefix: str) -> dict:
 
 
 def test_a_load_writes_no_block_of_the_local_hit_it_shares(engines, model, prompts, tmp_path):
+    # (one KV-cache group: in the tiny hybrid model vLLM 0.32 gave the second request no local hit
+    # beside the running one, so the per-group masking is tested in test_request_keys.py)
     llm = engines.get(model, _kv(tmp_path / "tier"))
     _save_and_forget(llm, prompts["p"])
     ref, a2, b, before, after = _running_beside_a_load(
@@ -140,15 +150,16 @@ def test_a_load_writes_no_block_of_the_local_hit_it_shares(engines, model, promp
     for t0, t1 in zip(before, after):
         assert torch.equal(t0, t1), "a load wrote into a block of the local prefix-cache hit"
     _same_output(a2, ref)
+    assert sum(t.shape[0] for t in before) > 0  # some block was shared
     load = _load_of("b")
     assert load["committed"] and load["num_chunks"] == 4
-    # chunk 0 is the engine's own (not fetched); of chunk 1, only the 3 blocks past the hit: 3 + 2 * 4 blocks
-    assert load["total_blocks"] == 3 + 2 * 4
+    assert load["local_tokens"] == SHARED, f"the load beside a local hit of {load['local_tokens']} tokens"
+    assert load["total_blocks"] == OWN_BLOCKS  # chunk 0 is the engine's own (not fetched), so is chunk 1's hit
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_a_failed_sync_load_spares_a_running_request(engines, model, prompts, tmp_path, policy):
-    llm = engines.get(model, _kv(tmp_path / "tier", policy, load_mode="sync"))
+@pytest.mark.parametrize("mode,policy", [("sync", "recompute"), ("sync", "fail"), ("async", "recompute")])
+def test_a_failed_load_spares_a_running_request(engines, model, prompts, tmp_path, mode, policy):
+    llm = engines.get(model, _kv(tmp_path / "tier", policy, load_mode=mode))
     _save_and_forget(llm, prompts["p"])
     ref, a2, b, before, after = _running_beside_a_load(
         llm, prompts, before_load=lambda: _flip_objects(llm, prompts["p"], range(1, 4)))
@@ -157,7 +168,7 @@ def test_a_failed_sync_load_spares_a_running_request(engines, model, prompts, tm
     for t0, t1 in zip(before, after):
         assert torch.equal(t0, t1)
     load = _load_of("b")
-    assert not load["committed"] and load["invalid_blocks"] == 3 + 2 * 4  # its own blocks, none of the hit
+    assert not load["committed"] and load["invalid_blocks"] == OWN_BLOCKS  # its own blocks, none of the hit
     if policy == "recompute":
         cold = U.generate(llm, prompts["p"], cache_salt="cold-reference")
         _same_output(b, cold)  # recomputed past the local hit: prefill steps off the 256-token boundaries
