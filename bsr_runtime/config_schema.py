@@ -220,20 +220,32 @@ MAX_YAML_NODES = 1 << 22  # more than any config BSR reads (a registration of 65
 
 
 def load_yaml(text: str | bytes, max_nodes: int = MAX_YAML_NODES) -> Any:
-    """The YAML document `text` (safe types only), refused with a ValueError when its aliases expand
-    it beyond `max_nodes` nodes: a few hundred bytes of nested aliases stand for billions of nodes,
+    """The YAML document `text` (safe types only); a ValueError (one line) for a syntax error, or when its
+    aliases expand it beyond `max_nodes` nodes: a few hundred bytes of nested aliases stand for billions of nodes,
     which every later walk (a check, an error message) would pay for."""
     import yaml
 
-    loader = yaml.SafeLoader(text)
     try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_expansion(node, max_nodes)
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_expansion(node, max_nodes)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as e:
+        raise ValueError(_yaml_problem(e)) from None
+
+
+def _yaml_problem(e: Exception) -> str:
+    """PyYAML's error in one line: what is wrong and where (its own text spans several, with the
+    offending line and a caret)."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return str(e)
 
 
 def _check_expansion(root: Any, max_nodes: int) -> None:
