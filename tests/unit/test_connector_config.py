@@ -205,6 +205,7 @@ def _root_refused(root: str, needle: str) -> None:
         _open([{"type": "filesystem", "root": root}])
     msg = str(ei.value)
     assert msg == f"BSR connector: kv_connector_extra_config: tiers[0].root: {needle}", msg
+    assert ei.value.__context__ is None  # no OSError traceback printed above the line
 
 
 def test_a_root_that_cannot_be_created_is_one_line_naming_the_key_and_path(tmp_path):

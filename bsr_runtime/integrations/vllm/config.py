@@ -222,10 +222,11 @@ def make_root(key: str, root: str) -> None:
     path = short_repr(root, ROOT_SHOWN_CHARS)
     try:
         os.makedirs(root, exist_ok=True)
+        problem = None if os.access(root, os.W_OK | os.X_OK) else f"the directory {path} is not writable"
     except OSError as e:
-        raise_problems(WHAT, [f"{key}: cannot create the directory {path} ({e.strerror or type(e).__name__})"])
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise_problems(WHAT, [f"{key}: the directory {path} is not writable"])
+        problem = f"cannot create the directory {path} ({e.strerror or type(e).__name__})"
+    if problem:  # raised outside the except: the OSError's traceback is not chained onto the line
+        raise_problems(WHAT, [f"{key}: {problem}"])
 
 
 def write_report(path: str | None, record: dict[str, Any]) -> None:
