@@ -37,7 +37,8 @@ MAX_FILE_BYTES = 64 << 20
 
 
 def _dtype(name: str) -> str:
-    dtype_from_name(name)  # ValueError naming the known dtypes
+    # ValueError naming the known dtypes (all short): a longer name is quoted cut, never whole
+    dtype_from_name(name if len(name) <= 32 else name[:32] + "...")
     return name
 
 

@@ -89,6 +89,13 @@ def test_bad_registration_files_are_one_line(tmp_path, data, match):
     assert_accepted_or_refused(rc, out, err)
 
 
+@pytest.mark.parametrize("tensor", [TENSOR | {"dtype": "u\n" * 500_000}, TENSOR | {"name": ["x" * 1_000_000]}])
+def test_a_huge_value_in_a_registration_file_is_shown_cut(tmp_path, tensor):
+    """Issue 35 items 8-9: the error quoted a value whole (a megabyte line)."""
+    rc, out, err = run_cli(["sweep", "--registration", _write(tmp_path, {"tensors": [tensor]}), *TINY])
+    assert rc == 2 and len(err) < 1000, err[:300]
+    assert_accepted_or_refused(rc, out, err)
+
 def test_non_utf8_registration_file(tmp_path):
     path = tmp_path / "reg.json"
     path.write_bytes(b'{"tensors": "\xff\xfe"}')
