@@ -60,10 +60,6 @@ def _existing_parent(value: str) -> str:
     return value
 
 
-Text = Annotated[str, AfterValidator(_utf8)]  # any text (may be empty)
-Name = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]  # a non-empty name or path
-HostPort = Annotated[str, AfterValidator(_host_port)]
-OutputFile = Annotated[str, Field(min_length=1), AfterValidator(_existing_parent)]  # a file BSR writes
 def physical_memory_bytes() -> int | None:
     """This machine's physical memory (None where the OS does not say)."""
     try:
@@ -73,14 +69,18 @@ def physical_memory_bytes() -> int | None:
 
 
 def _fits_in_memory(value: int) -> int:
-    # refused where it enters: a larger size passes every later check and fails in an allocator
-    # (or is prefaulted into swap) once the engine starts
+    # refused where it enters: a larger size passes every later check, then fails in an allocator or
+    # (fitting the address space, not RAM) is prefaulted at start-up until the OOM killer ends it
     total = physical_memory_bytes()
     if total is not None and value > total:
         raise ValueError(f"more than this machine's physical memory ({total} bytes = {total / 2**30:.1f} GiB)")
     return value
 
 
+Text = Annotated[str, AfterValidator(_utf8)]  # any text (may be empty)
+Name = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]  # a non-empty name or path
+HostPort = Annotated[str, AfterValidator(_host_port)]
+OutputFile = Annotated[str, Field(min_length=1), AfterValidator(_existing_parent)]  # a file BSR writes
 Count = Annotated[int, Field(ge=1)]  # threads, workers, window sizes that cannot be 0
 Size = Annotated[int, Field(ge=0)]  # bytes, where 0 means none
 Seconds = Annotated[float, Field(gt=0, le=TIMEOUT_MAX_S, allow_inf_nan=False)]  # any timeout
@@ -216,13 +216,13 @@ def short_repr(value: object, limit: int = SHOWN_CHARS) -> str:
     return one_line(text)
 
 
-MAX_YAML_NODES = 1 << 22  # more than any config BSR reads (a registration of 65536 tensors: ~1.5M)
+MAX_YAML_NODES = 1 << 22  # more than any config BSR reads (a registration of 65536 tensors: ~1.2M)
 
 
 def load_yaml(text: str | bytes, max_nodes: int = MAX_YAML_NODES) -> Any:
-    """The YAML document `text` (safe types only); a ValueError (one line) for a syntax error, or when its
-    aliases expand it beyond `max_nodes` nodes: a few hundred bytes of nested aliases stand for billions of nodes,
-    which every later walk (a check, an error message) would pay for."""
+    """The YAML document `text` (safe types only); a one-line ValueError for a syntax error, or when
+    its aliases expand it beyond `max_nodes` nodes: a few hundred bytes of nested aliases stand for
+    billions of nodes, which every later walk (a check, an error message) would pay for."""
     import yaml
 
     try:
