@@ -149,7 +149,8 @@ def seconds_type(text: str) -> float:
 
 def output_file(text: str) -> str:
     """A file the command writes at the end (--json, --plot, a log): checked when the option enters,
-    not after a long run: its directory must exist and it must not be a directory."""
+    not after a long run: its directory must exist and take a new file, and it must not be a
+    directory or a file that cannot be written."""
     import os
 
     if not text:
@@ -161,7 +162,24 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
     if os.path.exists(text) and not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a regular file (a FIFO or device would block)")
+    if not writable_dir(parent):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: its directory {parent} is read-only")
+    if os.path.exists(text) and not os.access(text, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the file is read-only")
     return text
+
+
+def writable_dir(path: str) -> bool:
+    """Whether a file can be created in the directory `path`. Tried (a nameless temporary file, gone
+    once closed) rather than asked of the permission bits: root writes through those, not into a
+    read-only mount or an immutable directory, and a network filesystem decides at create time."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
 
 
 def tier_list(text: str) -> str:
@@ -187,8 +205,12 @@ def scale_type(text: str) -> float:
 
 
 def existing_dir(text: str) -> str:
+    """--record DIR: an existing directory a record can be appended in (checked before the run, which
+    may take minutes)."""
     if not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"--record needs an existing directory, got {text!r}")
+    if not writable_dir(text):
+        raise argparse.ArgumentTypeError(f"--record needs a writable directory, {text!r} is read-only")
     return text
 
 

@@ -8,7 +8,8 @@ Every field of every tensor is checked at once (strict types, ranges, unknown ke
 error naming each bad key, e.g. `tensors.3.block_size`), then the registration's own rules
 (groups numbered 0..G-1, tokens per block agreeing within a group, chunk and entry sizes) by
 `Registration.from_dict`. The file is opened the filesystem tier's way (no symlink followed,
-regular files only, never blocking) and read up to MAX_FILE_BYTES.
+regular files only, never blocking) and read up to MAX_FILE_BYTES; a YAML file whose aliases expand
+it past what any registration holds is refused (config_schema.load_yaml).
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ from bsr_kernels.registration import (
     MAX_TENSORS,
     dtype_from_name,
 )
-from bsr_runtime.config_schema import Count, Name, Schema, problems
+from bsr_runtime.config_schema import Count, Name, Schema, load_yaml, one_line, problems
 from bsr_runtime.tiers.fs_open import read_regular
 
 MAX_FILE_BYTES = 64 << 20
 
 
 def _dtype(name: str) -> str:
-    dtype_from_name(name)  # ValueError naming the known dtypes
+    # ValueError naming the known dtypes (all short): a longer name is quoted cut, never whole
+    dtype_from_name(name if len(name) <= 32 else name[:32] + "...")
     return name
 
 
@@ -65,18 +67,16 @@ def load_registration_file(path: str) -> Registration:
     try:
         text = read_regular(p, MAX_FILE_BYTES).decode("utf-8")
         if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = load_yaml(text)  # aliases that expand it past any registration's size are refused
         else:
             data = json.loads(text)
     except Exception as e:  # noqa: BLE001 - any read or parse error is the user's file
-        raise RegistrationFileError(f"cannot parse registration file {path}: {e}") from None
+        raise RegistrationFileError(one_line(f"cannot parse registration file {path}: {e}")) from None
     bad = problems(RegistrationFile, data)
     if bad:
         many = f"{len(bad)} bad keys: " if len(bad) > 1 else ""
-        raise RegistrationFileError(f"registration file {path}: {many}{'; '.join(bad)}")
+        raise RegistrationFileError(one_line(f"registration file {path}: {many}{'; '.join(bad)}"))
     try:
         return Registration.from_dict(data, name=p.stem)
     except (KeyError, TypeError, ValueError) as e:
-        raise RegistrationFileError(f"registration file {path}: {e}") from None
+        raise RegistrationFileError(one_line(f"registration file {path}: {e}")) from None

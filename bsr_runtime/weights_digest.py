@@ -9,7 +9,9 @@ so the digest covers, for the checkpoint's top-level files:
 - each `*.safetensors` file: its size, its whole header (tensor names, dtypes, shapes, offsets and
   `__metadata__`), and of every tensor's bytes the first, middle and last SAMPLE_BYTES (the whole
   tensor when it is smaller than three samples; samples less than a page apart are read, and
-  digested, as one range);
+  digested, as one range). A file whose header is no JSON object is sampled like the other weight
+  files below; a header that places a tensor's bytes anywhere but two integers within the file
+  (a string, a float, past the end) is a ValueError naming the file and the tensor;
 - other weight files (`*.bin`, `*.pt`, `*.pth`, `*.ckpt`, `*.gguf`): their size and
   OTHER_FILE_SAMPLES evenly spaced samples of SAMPLE_BYTES, first and last included.
 
@@ -28,6 +30,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .config_schema import short_repr
 from .tiers.fs_open import open_regular
 
 CONFIG_FILES = ("config.json", "params.json")
@@ -89,7 +92,7 @@ def file_digest(path: Path) -> bytes:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             safetensors = path.name.endswith(SAFETENSORS_SUFFIX)
-            ranges = _safetensors_ranges(fd, size, h) if safetensors else _spread_ranges(size)
+            ranges = _safetensors_ranges(fd, size, h, path.name) if safetensors else _spread_ranges(size)
         for start, end in _merged(ranges):
             data = os.pread(fd, end - start, start)
             if len(data) != end - start:
@@ -114,25 +117,37 @@ def _merged(ranges: Iterator[tuple[int, int]]) -> Iterator[tuple[int, int]]:
         yield cur
 
 
-def _safetensors_ranges(fd: int, size: int, h) -> Iterator[tuple[int, int]]:
+def _safetensors_ranges(fd: int, size: int, h, name: str) -> Iterator[tuple[int, int]]:
     """Hashes the header into `h`; yields the sampled byte ranges of every tensor in file order. A
-    file that is not valid safetensors is sampled like any other weight file."""
+    file whose header is no JSON object is not safetensors and is sampled like any other weight file;
+    a header that is one but places a tensor nowhere valid is a ValueError naming the file and tensor
+    (the model identity then asks for a model_id)."""
     raw = os.pread(fd, 8, 0)
     n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
     header = os.pread(fd, n, 8) if 0 < n <= min(size - 8, MAX_SAFETENSORS_HEADER) else b""
     try:
         entries = json.loads(header) if len(header) == n else None
-        spans = sorted(tuple(v["data_offsets"]) for k, v in entries.items() if k != "__metadata__")
-    except (ValueError, TypeError, KeyError, AttributeError):
-        spans = None
-    base = 8 + n
-    if spans is None or any(not (0 <= b <= e and base + e <= size) for b, e in spans):
+    except (ValueError, RecursionError):  # RecursionError: a header nested deeper than json parses
+        entries = None
+    if not isinstance(entries, dict):
         yield from _spread_ranges(size)
         return
+    spans = sorted(_tensor_span(name, tensor, v, size - 8 - n) for tensor, v in entries.items()
+                   if tensor != "__metadata__")
     h.update(struct.pack("<Q", n))
     h.update(header)
     for b, e in spans:
-        yield from _tensor_samples(base + b, base + e)
+        yield from _tensor_samples(8 + n + b, 8 + n + e)
+
+
+def _tensor_span(name: str, tensor: str, entry: object, data_bytes: int) -> tuple[int, int]:
+    """(begin, end) of `tensor`'s bytes after the header: two integers within the file's data."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_bytes):
+        return offsets[0], offsets[1]
+    raise ValueError(f"{short_repr(name)} is not valid safetensors: tensor {short_repr(tensor)} has data_offsets "
+                     f"{short_repr(offsets)}, expected [begin, end], integers within its {data_bytes} data bytes")
 
 
 def _tensor_samples(start: int, end: int) -> Iterator[tuple[int, int]]:

@@ -415,7 +415,7 @@ class FilesystemTier(Tier):
     def sweep_temp_files(self, older_than_s: float = 3600.0) -> int:
         """Remove temp files left by writers that crashed mid-put (older than `older_than_s`)."""
         self._check("sweep_temp_files")
-        return sweep_temp_files(self.root, older_than_s)
+        return sweep_temp_files(self._root_fd, older_than_s)
 
     def close(self) -> None:
         """Cancel queued reads, wait for running ones (at most CLOSE_TIMEOUT_S: a read stuck in the

@@ -73,18 +73,20 @@ def write_object(dfd: int, digest_hex: str, header: bytes, payload: np.ndarray, 
         os.fsync(dfd)
 
 
-def sweep_temp_files(root: str, older_than_s: float) -> int:
-    """Remove temp files under `root` left by writers that crashed mid-put (older than `older_than_s`)."""
+def sweep_temp_files(root_fd: int, older_than_s: float) -> int:
+    """Remove temp files under the root directory `root_fd` left by writers that crashed mid-put
+    (older than `older_than_s`). Paths are relative to the root's descriptor, as every other I/O of
+    the tier: under a root whose path is near PATH_MAX an absolute path to a temp file is too long
+    (ENAMETOOLONG) although the tier writes and reads there."""
     cutoff = time.time() - older_than_s
     removed = 0
-    for dirpath, _dirnames, filenames in os.walk(root, followlinks=False):
+    for _dirpath, _dirnames, filenames, dfd in os.fwalk(".", dir_fd=root_fd, follow_symlinks=False):
         for name in filenames:
             if name.startswith(".") and name.endswith(".tmp"):
-                p = os.path.join(dirpath, name)
                 try:
-                    st = os.lstat(p)
+                    st = os.lstat(name, dir_fd=dfd)
                     if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
-                        os.unlink(p)
+                        os.unlink(name, dir_fd=dfd)
                         removed += 1
                 except FileNotFoundError:
                     pass

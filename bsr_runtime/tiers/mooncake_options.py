@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from ..config_schema import Count, Schema, Seconds, Size, Text
+from typing import Literal
+
+from ..config_schema import Count, HostBytes, Schema, Seconds, Text
+
+# the transports this Mooncake wheel's Python client sets up ("TCP" or "tpc" used to pass here and
+# fail in the client's setup with only "returned -1")
+MooncakeProtocol = Literal["tcp", "rdma"]
 
 
 class MooncakeTierOptions(Schema):
     """How a MooncakeTier's client connects and moves data; every field is checked on parse."""
 
-    protocol: Text = "tcp"  # "rdma" on real clusters
+    protocol: MooncakeProtocol = "tcp"  # "rdma" on real clusters
     local_hostname: Text = "127.0.0.1"
-    global_segment_size: Size = 512 << 20  # this client's segment of the store (0: a pure client)
-    local_buffer_size: Size = 16 << 20
+    global_segment_size: HostBytes = 512 << 20  # this client's segment of the store (0: a pure client)
+    local_buffer_size: HostBytes = 16 << 20
     device_name: Text = ""
     connect_timeout_s: Seconds = 10.0
     rpc_timeout_s: Seconds = 5.0

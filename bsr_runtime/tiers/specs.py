@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from ..config_schema import ConfigError, Count, HostPort, Name, Schema, parse
+from ..config_schema import ConfigError, Count, HostPort, Name, Schema, parse, short_repr
 from .mooncake_options import MooncakeTierOptions
 
 
@@ -45,7 +45,7 @@ def spec_schema(spec: object) -> type[Schema]:
         raise ConfigError(f"a tier spec must be a mapping with a 'type', got {type(spec).__name__}")
     kind = spec.get("type")
     if kind not in TIER_SPECS:
-        raise ConfigError(f"unknown tier type {kind!r}; choose one of {', '.join(TIER_TYPES)}")
+        raise ConfigError(f"unknown tier type {short_repr(kind)}; choose one of {', '.join(TIER_TYPES)}")
     return TIER_SPECS[kind]
 
 

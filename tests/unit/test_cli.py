@@ -6,8 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
+from readonly_util import read_only_dir
 
 from bsr_cli import main
 from bsr_harness.mooncake_launcher import free_port
@@ -161,6 +163,24 @@ def test_bad_arguments_are_one_line_errors(args, needle, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+
+@pytest.mark.parametrize("option", ["--json", "--record", "--plot"])
+def test_output_into_a_read_only_directory_is_refused_before_the_run(option, tmp_path, capsys):
+    """Issue 35 item 9: --json and --record into a read-only directory ran the whole sweep, then failed
+    and lost its rows. Refused where the option enters now, before anything runs."""
+    with read_only_dir(tmp_path / "ro") as ro:
+        target = str(ro if option == "--record" else ro / "out")
+        t0 = time.monotonic()
+        try:
+            rc = main(["sweep", "--tokens", "1024", "--window-chunks", "2", "--quiet", option, target])
+        except SystemExit as e:  # refused by the parser
+            rc = e.code
+        out, err = capsys.readouterr()
+        assert rc == 2 and "read-only" in err and len(err.strip().splitlines()) == 1, err
+        assert "state hash ok" not in out and time.monotonic() - t0 < 5, out  # no sweep ran
+        assert os.listdir(ro) == []
 
 
 def test_unreachable_store_is_one_line_and_bounded(capsys):

@@ -16,6 +16,7 @@ import io
 import json
 import math
 import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -88,12 +89,52 @@ def test_bad_registration_files_are_one_line(tmp_path, data, match):
     assert_accepted_or_refused(rc, out, err)
 
 
+@pytest.mark.parametrize("tensor", [TENSOR | {"dtype": "u\n" * 500_000}, TENSOR | {"name": ["x" * 1_000_000]}])
+def test_a_huge_value_in_a_registration_file_is_shown_cut(tmp_path, tensor):
+    """Issue 35 items 8-9: the error quoted a value whole (a megabyte line)."""
+    rc, out, err = run_cli(["sweep", "--registration", _write(tmp_path, {"tensors": [tensor]}), *TINY])
+    assert rc == 2 and len(err) < 1000, err[:300]
+    assert_accepted_or_refused(rc, out, err)
+
 def test_non_utf8_registration_file(tmp_path):
     path = tmp_path / "reg.json"
     path.write_bytes(b'{"tensors": "\xff\xfe"}')
     rc, out, err = run_cli(["sweep", "--registration", str(path), *TINY])
     assert rc == 2 and "cannot parse" in err
     assert_accepted_or_refused(rc, out, err)
+
+
+
+def _alias_bomb(levels: int) -> str:
+    """A YAML registration file of a few hundred bytes whose nested aliases stand for 2**levels strings."""
+    lines = ['l0: &l0 ["xxxxxxxx", "xxxxxxxx"]']
+    lines += [f"l{i}: &l{i} [*l{i - 1}, *l{i - 1}]" for i in range(1, levels)]
+    lines += [f"chunk_tokens: *l{levels - 1}", "tensors: [{name: a, dtype: uint8, entry_shape: [8], block_size: 16}]"]
+    return "\n".join(lines) + "\n"
+
+
+def test_yaml_alias_expansion_is_bounded(tmp_path):
+    """Issue 35 item 9: a 588-byte file of 24 nested aliases took 8 s and 590 MB to refuse (each level
+    doubles it: the error message repr()'d the whole value before cutting it). Refused at once now."""
+    text = _alias_bomb(24)
+    assert len(text) < 700
+    t0 = time.monotonic()
+    rc, out, err = run_cli(["sweep", "--registration", _write(tmp_path, text, ".yaml"), *TINY])
+    assert rc == 2 and "aliases expand it to more than" in err, err
+    assert time.monotonic() - t0 < 2.0
+    assert_accepted_or_refused(rc, out, err)
+    rc, out, err = run_cli(["sweep", "--registration", _write(tmp_path, "a: &a [*a]\n", ".yaml"), *TINY])
+    assert rc == 2 and "recursive" in err, err
+
+
+def test_yaml_anchors_within_the_bound_are_read(tmp_path):
+    """Anchors for tensors of one shape (merge keys) are still read."""
+    from bsr_cli.registration_file import load_registration_file
+
+    path = _write(tmp_path, "tensors:\n  - &k {name: k, dtype: uint8, entry_shape: [8], block_size: 16}\n"
+                            "  - {<<: *k, name: v}\n", ".yaml")
+    reg = load_registration_file(path)
+    assert [s.name for s in reg.specs] == ["k", "v"]
 
 
 @pytest.mark.parametrize("args", [

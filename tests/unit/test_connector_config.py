@@ -6,12 +6,16 @@ accepted, after which every load or save failed with only a log line."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import pytest
+from readonly_util import read_only_dir
 
 pytest.importorskip("vllm")
 
+from bsr_runtime.config_schema import ConfigError  # noqa: E402
 from bsr_runtime.integrations.vllm.config import ConnectorConfig, TierSpec  # noqa: E402
 
 FS = {"type": "filesystem", "root": "/x"}
@@ -71,6 +75,13 @@ def test_every_key_is_checked(key, value):
      "tiers[0].fetch_workers:"),
     ([{"type": "mooncake", "master_address": "h:1", "metadata_server": "m", "global_segment_size": "1G"}],
      "tiers[0].global_segment_size:"),
+    # issue 35 item 8: passed here and failed in the Mooncake client's setup with only "returned -1"
+    ([{"type": "mooncake", "master_address": "h:1", "metadata_server": "m", "protocol": "tpc"}],
+     "tiers[0].protocol: input should be 'tcp' or 'rdma' (got 'tpc')"),
+    ([{"type": "mooncake", "master_address": "h:1", "metadata_server": "m", "protocol": "TCP"}],
+     "tiers[0].protocol: input should be 'tcp' or 'rdma' (got 'TCP')"),
+    ([{"type": "mooncake", "master_address": "h:1", "metadata_server": "m", "global_segment_size": 1 << 50}],
+     "tiers[0].global_segment_size: more than this machine's physical memory"),
 ])
 def test_tier_specs_are_checked_by_their_schema(tiers, needle):
     assert needle in refused({"tiers": tiers}), needle
@@ -87,6 +98,10 @@ def test_tier_specs_are_checked_by_their_schema(tiers, needle):
      "tiers[0].register_l1:"),
     ({"type": "lmcache-mooncake", "master_address": "h:1", "metadata_server": "m", "key_prefix": "a@b"},
      "tiers[0].key_prefix:"),
+    ({"type": "lmcache-mooncake", "master_address": "h:1", "metadata_server": "m", "protocol": "tpc"},
+     "tiers[0].protocol: input should be 'tcp' or 'rdma' (got 'tpc')"),
+    ({"type": "lmcache-filesystem", "root": "/x", "l1_bytes": 1 << 50},
+     "tiers[0].l1_bytes: more than this machine's physical memory"),
 ])
 def test_lmcache_tier_specs_are_checked_by_their_schema(spec, needle):
     pytest.importorskip("lmcache.v1.distributed.storage_manager")
@@ -144,3 +159,65 @@ def test_the_earlier_tier_type_lmcache_fs_reads_as_lmcache_filesystem_with_a_not
     with pytest.raises(ValueError, match="unknown tier type 'lmcache-filesytem'; choose one of filesystem, mooncake, "
                                          "lmcache-filesystem, lmcache-mooncake"):
         TierSpec.from_dict({"type": "lmcache-filesytem", "root": "/y"})
+
+
+
+# -- issue 35 item 8: errors that name the user's mistake ---------------------------------------
+def test_a_restore_budget_larger_than_memory_is_refused_naming_the_key():
+    """restore_budget_bytes 2**50 passed and the worker died in torch's allocator; one that fits the
+    address space but not RAM was prefaulted at start-up. The error says what the machine has."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for budget in (1 << 50, ram + 4096):
+        msg = refused(cfg(restore_budget_bytes=budget))
+        assert (f"restore_budget_bytes: more than this machine's physical memory ({ram} bytes = "
+                f"{ram / 2**30:.1f} GiB) (got {budget})") in msg, msg
+    assert ConnectorConfig.from_extra(cfg(restore_budget_bytes=1 << 30)).restore_budget_bytes == 1 << 30
+
+
+def test_a_key_with_a_newline_is_one_line():
+    msg = refused(cfg(**{"window\nchunks": 4}))  # refused() asserts the one line
+    assert "'window\\nchunks': unknown key" in msg, msg
+    msg = refused({"tiers": [FS | {"ro\not": "/x"}]})
+    assert "tiers[0].'ro\\not': unknown key" in msg, msg
+
+
+def test_a_huge_value_is_cut_before_it_is_formatted():
+    nested: object = ["x"]
+    for _ in range(20):
+        nested = [nested, nested]  # 2**20 strings: its repr is megabytes
+    msg = refused({"tiers": nested})
+    assert len(msg) < 300, msg
+    msg = refused({"tiers": [{"type": nested}]})
+    assert "tiers[0].type: unknown tier type [[[[" in msg and len(msg) < 300, msg
+
+
+def _open(tiers: list[dict]) -> None:
+    from bsr_kernels import presets
+    from bsr_runtime.integrations.vllm.config import open_tiers
+
+    c = ConnectorConfig.from_extra({"tiers": tiers})
+    with contextlib.ExitStack() as stack:
+        open_tiers(c, presets.llama_like(layers=1, kv_heads=1, head_dim=16, block_size=16), stack)
+
+
+def _root_refused(root: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        _open([{"type": "filesystem", "root": root}])
+    msg = str(ei.value)
+    assert msg == f"BSR connector: kv_connector_extra_config: tiers[0].root: {needle}", msg
+    assert ei.value.__context__ is None  # no OSError traceback printed above the line
+
+
+def test_a_root_that_cannot_be_created_is_one_line_naming_the_key_and_path(tmp_path):
+    """A `vllm serve` root that could not be created was a raw OSError from os.makedirs (219 lines and
+    5 tracebacks in the server's output)."""
+    (tmp_path / "file").write_text("x")
+    root = str(tmp_path / "file" / "bsr")  # under a regular file: ENOTDIR, for root too
+    _root_refused(root, f"cannot create the directory {root!r} (Not a directory)")
+    with read_only_dir(tmp_path / "ro") as ro:
+        _root_refused(str(ro / "bsr"), f"cannot create the directory {str(ro / 'bsr')!r} (Permission denied)"
+                      if os.geteuid() else f"cannot create the directory {str(ro / 'bsr')!r} "
+                                           "(Operation not permitted)")
+        _root_refused(str(ro), f"the directory {str(ro)!r} is not writable")
+    _open([{"type": "filesystem", "root": str(tmp_path / "new" / "bsr")}])  # created with its parents
+    assert (tmp_path / "new" / "bsr").is_dir()

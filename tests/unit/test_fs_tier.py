@@ -354,6 +354,37 @@ def test_crash_mid_write_is_not_an_object(tier):
     assert not os.path.exists(tmp)
 
 
+
+def _long_root(base) -> str:
+    """A root whose path is 4040 characters: the tier's objects and temp files lie past PATH_MAX (4096)
+    as absolute paths, within it relative to the root's descriptor."""
+    path = str(base)
+    while len(path) < 4040:
+        path = os.path.join(path, "d" * min(200, 4040 - len(path) - 1))
+        os.mkdir(path)
+    return path
+
+
+def test_sweep_under_a_root_near_path_max(tmp_path):
+    """Issue 35 item 10: the sweep joined absolute paths ("File name too long") where the tier's I/O is
+    relative to the root's descriptor."""
+    root = _long_root(tmp_path)
+    with FilesystemTier(root, SMALL, FP) as tier:
+        keys = [f"k{i}" for i in range(3)]
+        tier.put(keys, payloads(3, SMALL))  # the tier works there
+        h = fsmod.key_digest("k0").hex()
+        leaf = os.open(os.path.join(root, h[:2], h[2:4]), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            stale = f".{h}.1234.5678.deadbeef.tmp"
+            os.close(os.open(stale, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=leaf))
+            assert len(os.path.join(root, h[:2], h[2:4], stale)) > 4096
+            assert tier.sweep_temp_files(older_than_s=3600) == 0
+            assert tier.sweep_temp_files(older_than_s=-1) == 1
+            assert stale not in os.listdir(leaf)
+        finally:
+            os.close(leaf)
+        assert tier.probe(keys) == [True] * 3  # objects untouched
+
 def test_fsync_mode(root):
     with FilesystemTier(root, SMALL, FP, fsync=True) as t:
         d = _put_one(t)

@@ -141,3 +141,44 @@ def test_other_weight_files_and_bad_input(tmp_path):
         checkpoint_digest(empty)
     with pytest.raises(FileNotFoundError):
         checkpoint_digest(tmp_path / "missing")
+
+
+def _rewrite_header(file, tensor: str, data_offsets) -> None:
+    """`file` with one tensor's data_offsets replaced (the header re-framed; the data kept)."""
+    raw = open(file, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header[tensor]["data_offsets"] = data_offsets
+    text = json.dumps(header).encode()
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+@pytest.mark.parametrize("offsets", [["0", "4"], "04", [0.0, 512.0], [0, 1 << 40], [512, 0], [True, 4], None])
+def test_an_invalid_safetensors_header_is_a_value_error_naming_the_tensor(tmp_path, offsets):
+    """Issue 35 item 8: string or float data_offsets raised a raw TypeError from the digest, where the
+    model identity's message asks for a model_id on a ValueError."""
+    ckpt = _checkpoint(tmp_path / "a", seed=1)
+    _rewrite_header(tmp_path / "a" / "model-00000-of-00002.safetensors", "layers.0.norm", offsets)
+    with pytest.raises(ValueError, match=r"^'model-00000-of-00002.safetensors' is not valid safetensors: tensor "
+                                         r"'layers.0.norm' has data_offsets .*, expected \[begin, end\]"):
+        checkpoint_digest(ckpt)
+
+
+def test_the_model_identity_asks_for_a_model_id_on_an_invalid_header(tmp_path):
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from bsr_runtime.integrations.vllm.model_identity import model_identity
+
+    ckpt = tmp_path / "one"
+    ckpt.mkdir()
+    save_file({"w": torch.randn(300)}, str(ckpt / "model.safetensors"))  # one tensor: nothing sorted
+    _rewrite_header(ckpt / "model.safetensors", "w", ["0", "4"])
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=str(ckpt), revision=None),
+                                  load_config=SimpleNamespace(download_dir=None))
+    with pytest.raises(ValueError) as ei:
+        model_identity(vllm_config, SimpleNamespace(kv_cache_groups=[]))
+    msg = str(ei.value)
+    assert "tensor 'w' has data_offsets ['0', '4']" in msg and "model_id" in msg and "\n" not in msg, msg
+    assert model_identity(vllm_config, SimpleNamespace(kv_cache_groups=[]), "m").startswith("m#")

@@ -34,7 +34,7 @@ from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2Adapter
 from lmcache.v1.distributed.storage_manager import StorageManager
 from pydantic import Field
 
-from bsr_runtime.config_schema import Count, Schema, Seconds, parse, problems, raise_problems
+from bsr_runtime.config_schema import Count, Schema, Seconds, load_yaml, parse, problems, raise_problems, short_repr
 from bsr_runtime.tiers.fs_open import read_regular
 
 from .specs import FSL2Params, MooncakeL2Params
@@ -99,7 +99,7 @@ def checked_values(config_file: str | None = None, env: bool = True, values: Map
     bad: list[str] = []
     if config_file:
         try:
-            data = yaml.safe_load(read_regular(config_file, 1 << 20)) or {}
+            data = load_yaml(read_regular(config_file, 1 << 20)) or {}
         except (OSError, ValueError, yaml.YAMLError) as e:
             raise_problems(WHAT, [f"config file {config_file}: {e}"])
         if not isinstance(data, Mapping):
@@ -114,7 +114,7 @@ def checked_values(config_file: str | None = None, env: bool = True, values: Map
         try:
             raw[name] = _CONVERTERS[type(f.default)](text)
         except ValueError as e:
-            bad.append(f"{name} (from {source[name]}): {e} (got {text!r})")
+            bad.append(f"{name} (from {source[name]}): {e} (got {short_repr(text)})")
             raw.pop(name, None)
     for k, v in (values or {}).items():
         raw[k] = v

@@ -10,11 +10,12 @@ unknown keys refused, one error naming every bad key).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from bsr_runtime.config_schema import Count, HostPort, Name, Schema, Seconds, Size, Text
+from bsr_runtime.config_schema import Count, HostBytes, HostPort, Name, Schema, Seconds, Size, Text
+from bsr_runtime.tiers.mooncake_options import MooncakeProtocol
 
 DEFAULT_L1_BYTES = 256 << 20
 
@@ -39,10 +40,10 @@ class MooncakeL2Params(Schema):
 
     master_address: HostPort
     metadata_server: Name
-    protocol: Name = "tcp"
+    protocol: MooncakeProtocol = "tcp"
     local_hostname: Name = "127.0.0.1"
-    global_segment_size: Size = 512 << 20
-    local_buffer_size: Size = 16 << 20
+    global_segment_size: HostBytes = 512 << 20
+    local_buffer_size: HostBytes = 16 << 20
     device_name: Text = ""
     connect_timeout_s: Seconds = 10.0
     rpc_timeout_s: Seconds = 5.0
@@ -60,7 +61,7 @@ class MooncakeL2Params(Schema):
 class LMCacheTierOptions(Schema):
     """What every LMCache tier spec has: the L1 and the adapter config (config.py)."""
 
-    l1_bytes: Count = DEFAULT_L1_BYTES
+    l1_bytes: Annotated[HostBytes, Field(ge=1)] = DEFAULT_L1_BYTES
     config_file: Name | None = None  # default $LMCACHE_BSR_CONFIG_FILE, then LMCACHE_* variables
 
 
@@ -71,7 +72,7 @@ class LMCacheFSTierSpec(LMCacheTierOptions, FSL2Options):
 
 class LMCacheMooncakeTierSpec(LMCacheTierOptions, MooncakeL2Params):
     type: Literal["lmcache-mooncake"] = "lmcache-mooncake"
-    global_segment_size: Size = 0  # an engine mounts no segment by default: objects live on the store hosts
+    global_segment_size: HostBytes = 0  # an engine mounts no segment by default: objects live on the store hosts
 
 
 LMCACHE_TIER_SPECS: dict[str, type[Schema]] = {"lmcache-filesystem": LMCacheFSTierSpec,

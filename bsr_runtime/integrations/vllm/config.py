@@ -35,7 +35,7 @@ from bsr_kernels.registration import MAX_CHUNK_TOKENS
 from ...config_schema import (
     Backend,
     ConfigError,
-    Count,
+    HostBytes,
     Name,
     OutputFile,
     Schema,
@@ -43,6 +43,7 @@ from ...config_schema import (
     Text,
     problems,
     raise_problems,
+    short_repr,
 )
 from ...diagnostics import report_writer
 from ...restore import MAX_WINDOW_CHUNKS, RestoreConfig
@@ -88,14 +89,14 @@ class TierSpec(Schema):
         if kind != raw:
             log.warning("BSR connector: tier type %r is deprecated, read as %r", raw, kind)
         if kind not in TIER_TYPES:
-            return None, [f"{where}.type: unknown tier type {raw!r}; choose one of {', '.join(TIER_TYPES)}"]
+            return None, [f"{where}.type: unknown tier type {short_repr(raw)}; choose one of {', '.join(TIER_TYPES)}"]
         options = {k: v for k, v in d.items() if k not in ("type", "save")}
         if kind == "mooncake":
             # an engine mounts no segment by default: objects live on the store hosts and outlive the engine
             options.setdefault("global_segment_size", 0)
         bad = problems(_tier_schema(kind), {"type": kind, **options}, where)
         if "save" in d and not (d["save"] is None or isinstance(d["save"], bool)):
-            bad.append(f"{where}.save: must be true, false or null (got {d['save']!r})")
+            bad.append(f"{where}.save: must be true, false or null (got {short_repr(d['save'])})")
         return (None, bad) if bad else (cls(type=kind, save=d.get("save"), options=options), [])
 
     @classmethod
@@ -127,7 +128,9 @@ class ConnectorConfig(Schema):
     report_path: OutputFile | None = None  # append one JSON line per load and save (both roles, all ranks)
     chunk_tokens: ChunkTokens = 256
     agree_timeout_s: Seconds = 30.0
-    restore_budget_bytes: Count | None = None  # B: staging shared by concurrent restores (default W*c)
+    # B: staging shared by concurrent restores (default W*c); at most the machine's memory, since
+    # the arena is allocated (and touched) when the engine starts
+    restore_budget_bytes: Annotated[HostBytes, Field(ge=1)] | None = None
     max_concurrent_restores: Annotated[int, Field(ge=1, le=1024)] = 8  # loader threads
     save_staging_chunks: SaveWindow | None = None  # staging of saves whose puts run (default: two steps' chunks)
     shutdown_timeout_s: Seconds = 30.0  # how long shutdown waits for loads and saves in flight
@@ -147,7 +150,7 @@ class ConnectorConfig(Schema):
         tiers = extra.get("tiers")
         specs, bad = [], []
         if not isinstance(tiers, (list, tuple)) or not tiers:
-            bad.append(f"tiers: needs 'tiers', a non-empty list of tier specs (got {tiers!r:.60})")
+            bad.append(f"tiers: needs 'tiers', a non-empty list of tier specs (got {short_repr(tiers)})")
         else:
             for i, t in enumerate(tiers):
                 spec, spec_bad = TierSpec.check(t, f"tiers[{i}]")
@@ -193,21 +196,37 @@ _PLACEHOLDER = TierSpec(type="filesystem")
 
 def open_tiers(cfg: ConnectorConfig, reg: Registration, stack: contextlib.ExitStack) -> list[Tier]:
     """Open every configured tier (the one tier factory; LMCache through its integration);
-    `stack` closes them."""
+    `stack` closes them. A filesystem root is created where it is missing."""
     tiers: list[Tier] = []
-    for spec in cfg.tiers:
+    for i, spec in enumerate(cfg.tiers):
+        if spec.type in ("filesystem", "lmcache-filesystem"):
+            make_root(f"tiers[{i}].root", spec.options["root"])
         if spec.type.startswith("lmcache-"):
             from ..lmcache.tier import open_lmcache_tier
 
             tiers.append(stack.enter_context(open_lmcache_tier(reg, spec.type, spec.options)))
             continue
-        options = dict(spec.options)
-        if spec.type == "filesystem" and options.get("root"):
-            os.makedirs(options["root"], exist_ok=True)
-        tier = make_tier(reg, {"type": spec.type, **options})
+        tier = make_tier(reg, {"type": spec.type, **spec.options})
         stack.callback(tier.close)
         tiers.append(tier)
     return tiers
+
+
+ROOT_SHOWN_CHARS = 1024  # a path is shown whole up to here (cut beyond: the error stays one line)
+
+
+def make_root(key: str, root: str) -> None:
+    """The directory `root` of the config key `key`, created with its parents where missing; one line
+    naming the key and the path where it cannot be created or written (was: an OSError from
+    os.makedirs, deep in the engine's start-up)."""
+    path = short_repr(root, ROOT_SHOWN_CHARS)
+    try:
+        os.makedirs(root, exist_ok=True)
+        problem = None if os.access(root, os.W_OK | os.X_OK) else f"the directory {path} is not writable"
+    except OSError as e:
+        problem = f"cannot create the directory {path} ({e.strerror or type(e).__name__})"
+    if problem:  # raised outside the except: the OSError's traceback is not chained onto the line
+        raise_problems(WHAT, [f"{key}: {problem}"])
 
 
 def write_report(path: str | None, record: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ LMCACHE_INSTALL_BACKEND=bogus and a misspelt file key were accepted), the L2 plu
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -90,6 +91,22 @@ def test_config_file_typo_and_bad_values_are_one_error(tmp_path, monkeypatch):
     f.write_text("- not a mapping\n")
     with pytest.raises(ValueError, match="expected a mapping"):
         load_adapter_config()
+
+
+def test_config_file_aliases_are_bounded(tmp_path):
+    """Issue 35 item 9, the LMCache config file: 24 nested aliases (600 bytes) cost seconds and
+    hundreds of MB to refuse, the error formatting the whole value; refused at once now, in one line."""
+    lines = ['l0: &l0 ["xxxxxxxx", "xxxxxxxx"]']
+    lines += [f"l{i}: &l{i} [*l{i - 1}, *l{i - 1}]" for i in range(1, 24)]
+    f = tmp_path / "bsr.yaml"
+    f.write_text("\n".join(lines) + "\nfs_load_concurrency: *l23\n")
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="aliases expand it to more than") as ei:
+        load_adapter_config(str(f))
+    assert time.monotonic() - t0 < 2.0 and "\n" not in str(ei.value)
+    f.write_text("a: [1, b\nc: {")
+    with pytest.raises(ValueError, match=re.escape("bsr.yaml: expected ',' or ']', but got ':' (line 2, column 2)")):
+        load_adapter_config(str(f))
 
 
 @pytest.mark.parametrize("overrides,needle", [
