@@ -48,6 +48,11 @@ from .validation import check_int
 
 log = logging.getLogger(__name__)
 
+# a window's wait for staging when the config gives no bound (RestoreConfig.admission_timeout_s None):
+# staging another restore never gives back (a writer that never lands) must fail this load closed,
+# not hold it, and the request waiting on it, forever
+DEFAULT_STAGING_WAIT_S = 30.0
+
 
 @dataclass
 class LoadResult:
@@ -84,6 +89,8 @@ class Loader:
                  unavailable_cooldown_s: float = 30.0, make_installer=None) -> None:
         if config.window_chunks <= 0:
             raise ValueError("background loads need W > 0 (the whole-plan path W = 0 has no window to bound)")
+        if config.admission_timeout_s is None:
+            config = dataclasses.replace(config, admission_timeout_s=DEFAULT_STAGING_WAIT_S)
         self.reg = reg
         self.config = config
         self.keyspace = KeySpace(reg.fingerprint, tp_rank, tp_world, salt, model)
