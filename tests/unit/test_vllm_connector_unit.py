@@ -52,6 +52,23 @@ def test_config_parsing_and_errors():
         ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "load_mode": "lazy"})
 
 
+def test_the_bounds_of_probes_and_staging_waits_are_checked_where_they_enter(tmp_path):
+    """Issue 35: probe_timeout_s (a lookup past it is a miss) and staging_wait_timeout_s (a load's wait for
+    staging), each with a default, each refused when it is no finite positive number of seconds."""
+    from bsr_runtime.tiers import MemoryTier
+
+    tiers = [{"type": "filesystem", "root": "/x"}]
+    cfg = ConnectorConfig.from_extra({"tiers": tiers})
+    assert cfg.probe_timeout_s == 5.0 and cfg.staging_wait_timeout_s == 30.0
+    cfg = ConnectorConfig.from_extra({"tiers": tiers, "probe_timeout_s": 0.5, "staging_wait_timeout_s": 2.0})
+    tier = MemoryTier(1024, "fp")
+    assert cfg.restore_config([tier]).admission_timeout_s == 2.0  # the loader's wait for staging
+    for key in ("probe_timeout_s", "staging_wait_timeout_s"):
+        for bad in (0, -1, float("inf"), "5", None):
+            with pytest.raises(ValueError, match=key):
+                ConnectorConfig.from_extra({"tiers": tiers, key: bad})
+
+
 def test_pipeline_depth_is_the_first_tiers_unless_configured(tmp_path):
     from bsr_runtime.tiers import FilesystemTier, MemoryTier
 

@@ -130,6 +130,9 @@ class ConnectorConfig(Schema):
     report_path: OutputFile | None = None  # append one JSON line per load and save (both roles, all ranks)
     chunk_tokens: ChunkTokens = 256
     agree_timeout_s: Seconds = 30.0
+    # a request's tier lookup that has not answered within this is a miss (the request prefills locally):
+    # a probe hung in one tier never holds the request, nor (each lookup has its own thread) any other
+    probe_timeout_s: Seconds = 5.0
     restore_budget_bytes: Count | None = None  # B: staging shared by concurrent restores (default W*c)
     max_concurrent_restores: Annotated[int, Field(ge=1, le=1024)] = 8  # loader threads
     save_staging_chunks: SaveWindow | None = None  # staging of saves whose puts run (default: two steps' chunks)
