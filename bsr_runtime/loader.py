@@ -142,12 +142,14 @@ class Loader:
     def submit(self, spec: LoadSpec) -> None:
         """Start the load on a loader thread and return at once. Every TP rank must submit the same
         loads in the same order."""
-        job = _Job(next(self._seq), spec, time.perf_counter())
         with self._lock:
             if self._closed:
                 raise RuntimeError("the loader is closed")
             if spec.request_id in self._jobs:
                 raise ValueError(f"request {spec.request_id!r} is already loading")
+            # the agreement's sequence number only once accepted: a refused submit takes none, else the
+            # agreement thread would wait for its number forever (every later load with it)
+            job = _Job(next(self._seq), spec, time.perf_counter())
             self._jobs[spec.request_id] = job
         self._threads.submit(self._run_job, job)
 
@@ -184,8 +186,17 @@ class Loader:
             return bool(self._finished)
 
     def _run_job(self, job: _Job) -> None:
+        """One load on a loader thread. A BaseException out of the restore (SystemExit from a library) is
+        reported as a failed load (its agreement taken part in, so the peers do not wait for it) and then
+        re-raised on this thread, whose executor would otherwise swallow it with the load's result."""
         job.started = time.perf_counter()
-        job.local = self._restore_local(job.spec, job.stop)
+        escaped: BaseException | None = None
+        try:
+            job.local = self._restore_local(job.spec, job.stop)
+        except BaseException as e:  # the window loop already gave back every window's staging
+            log.error("BSR: load of %s raised %s; failed closed", job.spec.request_id, type(e).__name__, exc_info=e)
+            job.local = failed_local(self.reg, job.spec, e)
+            escaped = e
         job.restored = time.perf_counter()
         if self._agree_thread is None:
             self._finish(job, self._commit(job))
@@ -193,6 +204,8 @@ class Loader:
             with self._lock:
                 self._agree_queue[job.seq] = job
                 self._lock.notify_all()
+        if escaped is not None:
+            raise escaped
 
     def _agree_loop(self) -> None:
         """Agreements in submission order (the same on every rank)."""
@@ -206,11 +219,19 @@ class Loader:
                 self._agree_next += 1
             self._finish(job, self._commit(job))
 
-    def _commit(self, job: _Job) -> RetrieveOutcome:
+    def _commit(self, job: _Job, *, background: bool = True) -> RetrieveOutcome:
+        """The load's agreement; whatever it raises fails this load closed. In the background (the agreement
+        thread serves every later load: nothing may end it) a BaseException is logged, not re-raised; on
+        the caller's thread (`run`) it is the caller's."""
         assert job.local is not None
         try:
             return self.retriever.commit_local(job.local, commit.make_tag(job.spec.request_id, "commit"))
-        except Exception as e:  # noqa: BLE001 - a bug in the agreement fails this load closed
+        except BaseException as e:  # noqa: BLE001 - a bug in the agreement fails this load closed
+            if not isinstance(e, Exception):
+                if not background:
+                    raise
+                log.error("BSR: agreement of %s raised %s; failed closed", job.spec.request_id, type(e).__name__,
+                          exc_info=e)
             job.local.valid_per_group = [False] * self.reg.num_groups
             job.local.error = f"commit: {type(e).__name__}: {e}"
             return Retriever.finalize(job.local, False)
@@ -228,12 +249,13 @@ class Loader:
 
     # -- on the calling thread ---------------------------------------------------------------
     def run(self, spec: LoadSpec) -> LoadResult:
-        """The load on this thread (sync loads): restore, commit, result."""
+        """The load on this thread (sync loads): restore, commit, result. A BaseException (SystemExit) is
+        the caller's: it propagates, after the restore gave back its staging."""
         job = _Job(next(self._seq), spec, time.perf_counter())
         job.started = job.submitted
         job.local = self._restore_local(spec, job.stop)
         job.restored = time.perf_counter()
-        outcome = self._commit(job)
+        outcome = self._commit(job, background=False)
         now = time.perf_counter()
         timings = _timings(spec, outcome)
         timings.update(queued_s=0.0, agree_s=now - job.restored, total_s=now - job.submitted)

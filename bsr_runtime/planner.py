@@ -178,8 +178,12 @@ class Planner:
                     self._probe_threads -= 1
                     return
                 lookup = self._queue.popleft()
-            if lookup.future.set_running_or_notify_cancel():  # False: answered as a miss or dropped
+            if not lookup.future.set_running_or_notify_cancel():  # answered as a miss, or dropped
+                continue
+            try:
                 lookup.future.set_result(self._timed_lookup(lookup.request))
+            except BaseException as e:  # noqa: BLE001 - bad input: match() raises it, in the background a miss
+                lookup.future.set_exception(e)
 
     def _wait_lookup(self, request) -> ProbeDecision:
         """The request's lookup on a probe thread, waited for on the caller's thread up to its bound."""
@@ -193,6 +197,9 @@ class Planner:
             plan, _ = lookup.future.result(max(0.0, lookup.started + self.probe_timeout_s - time.monotonic()))
         except (FutureTimeout, CancelledError):
             return self._timed_out(rid, lookup)
+        except BaseException:  # bad input: the caller's, as when the lookup ran on its thread
+            self._forget(rid, lookup)
+            raise
         self._forget(rid, lookup)
         return plan
 
@@ -232,15 +239,15 @@ class Planner:
                 return None
             return self._decide(request, self._timed_out(rid, running), num_computed_tokens, waited)
         self._forget(rid, running)
-        plan, probe_s = running.future.result()
+        try:
+            plan, probe_s = running.future.result()
+        except Exception:  # noqa: BLE001 - a lookup that fails is a miss
+            plan, probe_s = ProbeDecision(0, None, "none"), 0.0
         return self._decide(request, plan, num_computed_tokens, probe_s)
 
     def _timed_lookup(self, request) -> tuple[ProbeDecision, float]:
         t0 = time.perf_counter()
-        try:
-            plan = self._lookup(request)
-        except Exception:  # noqa: BLE001 - a lookup that fails is a miss (TierSet.plan already is)
-            plan = ProbeDecision(0, None, "none")
+        plan = self._lookup(request)  # a tier that fails is a miss already (TierSet.plan); bad input raises
         return plan, time.perf_counter() - t0
 
     def _quick_plan(self, request, num_computed_tokens: int) -> ProbeDecision | None:

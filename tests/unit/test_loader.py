@@ -395,3 +395,30 @@ def test_a_wait_for_staging_is_bounded(tmp_path):
         gate.set()
         loader.close(5)
         scene.close()
+
+
+# -- a BaseException in a fetch (issue 35, item 5) ----------------------------------------------
+def test_a_base_exception_in_a_fetch_is_reported_as_a_failed_load(tmp_path):
+    """SystemExit raised out of a tier's fetch (a library) on a loader thread: the load is reported,
+    failed closed with the cause named, its staging given back, and the loader goes on; on the caller's
+    thread (sync loads) the SystemExit is the caller's."""
+    scene = Scene(tmp_path, [4, 2, 2])
+    loader = scene.loader(w=2, budget_windows=1)
+    try:
+        scene.tier.plan.raise_in_fetch = SystemExit("a library exited")
+        loader.submit(scene.spec(0))
+        (failed,) = _wait_all(loader, 1, timeout=5)
+        assert not failed.outcome.committed and failed.outcome.exposed_tokens == 0
+        assert "SystemExit" in (failed.outcome.error or "")
+        assert failed.outcome.invalid_blocks == failed.outcome.total_blocks
+        assert loader.arena.live_bytes == 0 and loader.in_flight == 0
+        with pytest.raises(SystemExit):
+            loader.run(scene.spec(2))
+        assert loader.arena.live_bytes == 0
+        scene.tier.plan.raise_in_fetch = None
+        loader.submit(scene.spec(1))
+        (ok,) = _wait_all(loader, 1, timeout=5)
+        assert ok.outcome.committed and scene.restored(1)
+    finally:
+        assert loader.close(5)
+        scene.close()
