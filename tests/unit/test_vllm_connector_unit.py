@@ -188,3 +188,41 @@ def test_background_loads_shorten_the_switch_interval_while_the_worker_lives():
     for bad in (0, 0.5, "fast", float("nan")):
         with pytest.raises(ValueError, match="gil_switch_interval_s"):
             ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "gil_switch_interval_s": bad})
+
+
+def test_shutdown_is_bounded_by_shutdown_timeout_s_in_total(tmp_path):
+    """Issue 35, item 6: a load whose read never lands and a put held in flight at shutdown: close() returns
+    within shutdown_timeout_s in all (one deadline shared by the loader and the saver), not one timeout each."""
+    import threading
+    import time
+
+    from bsr_harness.faulty_tier import FaultyTier
+    from bsr_harness.testdata import block_tables
+    from bsr_kernels import presets
+    from bsr_runtime.integrations.vllm.worker import WorkerSide
+    from bsr_runtime.tiers import FilesystemTier
+
+    reg = presets.llama_like(layers=1, kv_heads=1, head_dim=16, block_size=16)
+    tier = FaultyTier(FilesystemTier(tmp_path, reg.chunk_bytes, reg.fingerprint))
+    cfg = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": str(tmp_path)}], "window_chunks": 2,
+                                      "shutdown_timeout_s": 1.0, "gil_switch_interval_s": None})
+    blocks, tables = block_tables(reg, [2, 2], 3, holes="none")
+    worker = WorkerSide(cfg, reg, [tier], "m", 0, 1)
+    kv = reg.allocate(blocks)
+    worker.loader.register_kv_caches(kv)
+    worker.saver.kv = kv
+    read_gate, put_gate = threading.Event(), threading.Event()
+    try:
+        tier.plan.read_gate, tier.plan.put_gate = read_gate, put_gate
+        tokens = list(range(2 * reg.chunk_tokens))
+        worker.loader.submit(LoadSpec("load", tokens, 2, 0, [t.tolist() for t in tables[0]]))
+        worker.saver.save("save", tokens, 0, 2, [t.tolist() for t in tables[1]], "")
+        time.sleep(0.2)  # the read and the put are both held
+        t0 = time.monotonic()
+        worker.close()
+        elapsed = time.monotonic() - t0
+        assert elapsed < 1.5, f"shutdown took {elapsed:.2f} s with shutdown_timeout_s = 1"
+    finally:
+        read_gate.set()
+        put_gate.set()
+        tier.close()
