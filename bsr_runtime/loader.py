@@ -18,6 +18,12 @@ not use from other threads; agreements run on one thread per rank in submission 
 order on every rank: the scheduler ships the loads in one list), so every rank reports the same
 outcome for the same request. A result is reported only after its restore returned: every window
 it staged was installed and synchronized or abandoned, so no byte lands in its blocks afterwards.
+
+Bounded, and every way out reports (docs/reliability.md, class 7): a window waits for staging at most
+`admission_timeout_s` (DEFAULT_STAGING_WAIT_S when the config gives none) and stops waiting when its
+request is cancelled; a submit that is refused takes no agreement turn (the agreement thread waits for
+every turn handed out); a BaseException out of a restore is reported as a failed load before it is
+re-raised; the agreement thread outlives any one load's failure.
 """
 
 from __future__ import annotations
