@@ -15,7 +15,7 @@ import time
 import traceback
 from pathlib import Path
 
-AGREE_TIMEOUT_S = 0.5
+AGREE_TIMEOUT_S = 1.0  # generous beside the 1 s lag of the slow rank: a loaded machine must not flake the healthy loads
 WAIT_S = 8.0  # the longest a rank waits for one load's result
 
 
