@@ -25,6 +25,11 @@ Faults and what the caller observes (the same for every inner tier):
 - `delay_s`: each fetch completes this many seconds after the inner fetch completed (past a
   short deadline: FetchTimeoutError). The bytes are not late: `handle.quiesce()` is the inner
   handle's, so it returns as soon as the inner tier stopped writing into the views.
+- `read_gate`: a fetch's read into the views starts only once the gate (an Event) is set (a stalled
+  device): the handle misses a short deadline, and, unlike `delay_s`, the bytes are really late:
+  `handle.quiesce()` returns only after the inner read landed in the views.
+- `raise_in_fetch`: raised out of `fetch()` itself, before the inner tier is asked (a library that
+  raises through the call, e.g. SystemExit), instead of being delivered through the handle.
 - `put_delay_s`, `put_gate`: a put sleeps that long, or waits for the gate (an Event) to be set,
   before it writes (a slow store; a save held in flight).
 
@@ -60,6 +65,8 @@ class FaultPlan:
     put_gate: threading.Event | None = None  # a put waits until the gate is set (tests hold saves in flight)
     corrupt_keys: set[str] = field(default_factory=set)
     fail_fetch: Callable[[Sequence[str]], None] | None = None
+    read_gate: threading.Event | None = None  # a fetch's read starts once it is set (the bytes land late)
+    raise_in_fetch: BaseException | None = None  # raised out of fetch() itself
 
     def clear(self) -> None:
         self.unavailable = False
@@ -71,6 +78,10 @@ class FaultPlan:
         self.put_gate = None
         self.corrupt_keys = set()
         self.fail_fetch = None
+        if self.read_gate is not None:
+            self.read_gate.set()  # a read held back lands now
+        self.read_gate = None
+        self.raise_in_fetch = None
 
 
 # -- late completion (delay_s) -----------------------------------------------------------------
@@ -108,6 +119,37 @@ class LateCompletions:
                 th.start()
                 return
         outer.set_error(TierUnavailableError("faulty tier closed before the fetch completed"))
+
+    def gated(self, keys: tuple[str, ...], deadline: float, gate: threading.Event,
+              start: Callable[[], FetchHandle]) -> FetchHandle:
+        """A handle whose read (`start()`) begins once `gate` is set; it completes (and quiesces) only
+        after that read landed, so a caller that gave up on it meets a writer that is really late."""
+        outer = FetchHandle(keys, deadline)
+        th = threading.Thread(target=self._run_gated, args=(outer, gate, start), name="bsr-fault-gate", daemon=True)
+        with self._lock:
+            if not self._closed.is_set():
+                self._threads.add(th)
+                th.start()
+                return outer
+        outer.set_error(TierUnavailableError("faulty tier closed before the fetch started"))
+        return outer
+
+    def _run_gated(self, outer: FetchHandle, gate: threading.Event, start: Callable[[], FetchHandle]) -> None:
+        try:
+            while not gate.wait(0.05):
+                if self._closed.is_set():  # nothing was read: nothing can land
+                    outer.set_error(TierUnavailableError("faulty tier closed before the fetch started"))
+                    return
+            try:
+                inner = start()
+            except BaseException as e:  # noqa: BLE001 - delivered through the handle
+                outer.set_error(e)
+                return
+            inner.quiesce()  # the inner tier completes every handle
+            _complete_like(outer, inner)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
 
     def _run(self, outer: FetchHandle, delay: float, inner: FetchHandle | None, error: BaseException | None) -> None:
         try:
@@ -260,6 +302,11 @@ class FaultyTier(Tier):
         self._check("fetch")
         keys = tuple(keys)
         plan = self.plan
+        if plan.raise_in_fetch is not None:
+            raise plan.raise_in_fetch
+        if plan.read_gate is not None:  # the read itself is late (its own deadline: it lands whole)
+            return self._late.gated(keys, deadline, plan.read_gate, lambda: self.inner.fetch(
+                keys, views, time.monotonic() + _READ_TIMEOUT_S, headroom=headroom))
         if plan.fail_fetch is not None:
             try:
                 plan.fail_fetch(keys)

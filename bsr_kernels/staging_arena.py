@@ -12,19 +12,36 @@ uses it for its next window: waiting there could deadlock two restores on each o
 
 `headroom` > 0 leaves that many bytes of scratch before each chunk, as in StagingPool (a tier lands
 an object with its header there in one transfer).
+
+Every wait has a way out: `acquire` waits at most `timeout` and, given `should_stop`, ends as soon as
+it answers True (a cancelled request must not wait for staging it no longer needs). A run quarantined
+because a late writer may still land there (`quarantine(lease, settled)`) comes back once `settled`
+says the writer stopped: one watcher thread per quarantined run (at most one per chunk), so a read that
+lands late costs its staging only until it lands, not for the life of the worker.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .staging_pool import CompletionEvent, LeasedChunks, StagingBuffer
+
+log = logging.getLogger(__name__)
+
+STOP_POLL_S = 0.02  # how often a waiter given `should_stop` asks it (the cancel latency of a staging wait)
+SETTLE_POLL_S = 0.5  # how often a quarantine watcher checks whether the arena closed
+
+
+class StagingWaitCancelled(RuntimeError):
+    """`acquire` ended because its `should_stop` answered True (the request was cancelled)."""
 
 
 @dataclass
@@ -45,9 +62,10 @@ class ArenaLease(LeasedChunks):
         """Give the run back (idempotent). Recorded work must have been synchronized first."""
         self.pool.release(self)
 
-    def quarantine(self) -> None:
-        """A writer that never settled may still land in this run: never hand it out again."""
-        self.pool.quarantine(self)
+    def quarantine(self, settled: Callable[[float], bool] | None = None) -> None:
+        """A writer that never settled may still land in this run: not handed out again until
+        `settled(timeout)` returns True (the writer stopped); without `settled`, never."""
+        self.pool.quarantine(self, settled)
 
 
 class StagingArena(StagingBuffer):
@@ -91,9 +109,11 @@ class StagingArena(StagingBuffer):
             self._peak = self._live
 
     # -- leasing ---------------------------------------------------------------------------
-    def acquire(self, num_chunks: int, timeout: float | None = None) -> ArenaLease:
+    def acquire(self, num_chunks: int, timeout: float | None = None,
+                should_stop: Callable[[], bool] | None = None) -> ArenaLease:
         """Lease a run of `num_chunks` chunks, first come first served, waiting up to `timeout`
-        (TimeoutError). ValueError if the arena can never hold that many."""
+        (TimeoutError) or until `should_stop()` answers True (StagingWaitCancelled, asked every
+        STOP_POLL_S). ValueError if the arena can never hold that many."""
         self._check(num_chunks)
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
@@ -104,6 +124,8 @@ class StagingArena(StagingBuffer):
                 while True:
                     if self._closed:
                         raise RuntimeError("staging arena closed")
+                    if should_stop is not None and should_stop():
+                        raise StagingWaitCancelled(f"cancelled while waiting for staging for {num_chunks} chunks")
                     first = self._find(num_chunks) if self._queue[0] == ticket else None
                     if first is not None:
                         lease = self._take(first, num_chunks)
@@ -112,6 +134,8 @@ class StagingArena(StagingBuffer):
                     if remaining is not None and remaining <= 0:
                         raise TimeoutError(f"no staging for {num_chunks} chunks within {timeout}s "
                                            f"({self._live}/{self.capacity_chunks} chunks live)")
+                    if should_stop is not None:  # nothing notifies a cancel: ask again soon
+                        remaining = STOP_POLL_S if remaining is None else min(remaining, STOP_POLL_S)
                     self._cond.wait(remaining)
             finally:
                 self._queue.remove(ticket)
@@ -139,14 +163,32 @@ class StagingArena(StagingBuffer):
             self._live -= lease.num_chunks
             self._cond.notify_all()
 
-    def quarantine(self, lease: ArenaLease) -> None:
-        """Retire a run for good (a late write may still land there); its bytes stop counting as live."""
+    def quarantine(self, lease: ArenaLease, settled: Callable[[float], bool] | None = None) -> None:
+        """Retire a run while a late write may still land there; its bytes stop counting as live. With
+        `settled` (e.g. the fetch handle's quiesce), a watcher thread gives the run back once
+        `settled(timeout)` returns True; without it, the run is retired for good."""
         with self._cond:
             if lease.released:
                 return
             lease.released = True
             self._live -= lease.num_chunks
             self._quarantined += lease.num_chunks
+            self._cond.notify_all()
+        if settled is not None:
+            threading.Thread(target=self._watch, args=(lease, settled), name="bsr-quarantine", daemon=True).start()
+
+    def _watch(self, lease: ArenaLease, settled: Callable[[float], bool]) -> None:
+        """Give a quarantined run back once its writer settled; give up when the arena closes."""
+        try:
+            while not settled(SETTLE_POLL_S):
+                if self._closed:
+                    return
+        except Exception:  # noqa: BLE001 - a writer we cannot ask about stays quarantined
+            log.exception("staging arena: a quarantined run's writer could not be asked; the run stays retired")
+            return
+        with self._cond:
+            self._free[lease.first : lease.first + lease.num_chunks] = b"\x01" * lease.num_chunks
+            self._quarantined -= lease.num_chunks
             self._cond.notify_all()
 
     def close(self) -> None:

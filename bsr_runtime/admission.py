@@ -16,7 +16,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from .validation import check_int, check_timeout
@@ -177,9 +177,10 @@ class ArenaAdmission(Admission):
     """Windows lease their staging from one StagingArena (the byte budget B of concurrent restores).
     A reservation carries the lease; releasing it (after the install synchronized) frees the run."""
 
-    def __init__(self, arena) -> None:
+    def __init__(self, arena, should_stop: Callable[[], bool] | None = None) -> None:
         self.arena = arena
         self.budget_bytes = arena.capacity_bytes
+        self.should_stop = should_stop  # one restore's: its wait for staging ends when it is cancelled
 
     def _chunks(self, nbytes: int) -> int:
         nbytes = _check_nbytes(nbytes)
@@ -190,7 +191,7 @@ class ArenaAdmission(Admission):
 
     def window(self, nbytes: int, timeout: float | None = None) -> WindowReservation:
         timeout = check_timeout("reservation timeout", timeout, allow_none=True)
-        return WindowReservation(self, nbytes, self.arena.acquire(self._chunks(nbytes), timeout))
+        return WindowReservation(self, nbytes, self.arena.acquire(self._chunks(nbytes), timeout, self.should_stop))
 
     def try_window(self, nbytes: int) -> WindowReservation | None:
         lease = self.arena.try_acquire(self._chunks(nbytes))

@@ -18,6 +18,12 @@ not use from other threads; agreements run on one thread per rank in submission 
 order on every rank: the scheduler ships the loads in one list), so every rank reports the same
 outcome for the same request. A result is reported only after its restore returned: every window
 it staged was installed and synchronized or abandoned, so no byte lands in its blocks afterwards.
+
+Bounded, and every way out reports (docs/reliability.md, class 7): a window waits for staging at most
+`admission_timeout_s` (DEFAULT_STAGING_WAIT_S when the config gives none) and stops waiting when its
+request is cancelled; a submit that is refused takes no agreement turn (the agreement thread waits for
+every turn handed out); a BaseException out of a restore is reported as a failed load before it is
+re-raised; the agreement thread outlives any one load's failure.
 """
 
 from __future__ import annotations
@@ -47,6 +53,11 @@ from .tiers.base import FETCH_HEADROOM, Tier
 from .validation import check_int
 
 log = logging.getLogger(__name__)
+
+# a window's wait for staging when the config gives no bound (RestoreConfig.admission_timeout_s None):
+# staging another restore never gives back (a writer that never lands) must fail this load closed,
+# not hold it, and the request waiting on it, forever
+DEFAULT_STAGING_WAIT_S = 30.0
 
 
 @dataclass
@@ -84,6 +95,8 @@ class Loader:
                  unavailable_cooldown_s: float = 30.0, make_installer=None) -> None:
         if config.window_chunks <= 0:
             raise ValueError("background loads need W > 0 (the whole-plan path W = 0 has no window to bound)")
+        if config.admission_timeout_s is None:
+            config = dataclasses.replace(config, admission_timeout_s=DEFAULT_STAGING_WAIT_S)
         self.reg = reg
         self.config = config
         self.keyspace = KeySpace(reg.fingerprint, tp_rank, tp_world, salt, model)
@@ -135,12 +148,14 @@ class Loader:
     def submit(self, spec: LoadSpec) -> None:
         """Start the load on a loader thread and return at once. Every TP rank must submit the same
         loads in the same order."""
-        job = _Job(next(self._seq), spec, time.perf_counter())
         with self._lock:
             if self._closed:
                 raise RuntimeError("the loader is closed")
             if spec.request_id in self._jobs:
                 raise ValueError(f"request {spec.request_id!r} is already loading")
+            # the agreement's sequence number only once accepted: a refused submit takes none, else the
+            # agreement thread would wait for its number forever (every later load with it)
+            job = _Job(next(self._seq), spec, time.perf_counter())
             self._jobs[spec.request_id] = job
         self._threads.submit(self._run_job, job)
 
@@ -177,8 +192,17 @@ class Loader:
             return bool(self._finished)
 
     def _run_job(self, job: _Job) -> None:
+        """One load on a loader thread. A BaseException out of the restore (SystemExit from a library) is
+        reported as a failed load (its agreement taken part in, so the peers do not wait for it) and then
+        re-raised on this thread, whose executor would otherwise swallow it with the load's result."""
         job.started = time.perf_counter()
-        job.local = self._restore_local(job.spec, job.stop)
+        escaped: BaseException | None = None
+        try:
+            job.local = self._restore_local(job.spec, job.stop)
+        except BaseException as e:  # the window loop already gave back every window's staging
+            log.error("BSR: load of %s raised %s; failed closed", job.spec.request_id, type(e).__name__, exc_info=e)
+            job.local = failed_local(self.reg, job.spec, e)
+            escaped = e
         job.restored = time.perf_counter()
         if self._agree_thread is None:
             self._finish(job, self._commit(job))
@@ -186,6 +210,8 @@ class Loader:
             with self._lock:
                 self._agree_queue[job.seq] = job
                 self._lock.notify_all()
+        if escaped is not None:
+            raise escaped
 
     def _agree_loop(self) -> None:
         """Agreements in submission order (the same on every rank)."""
@@ -199,11 +225,19 @@ class Loader:
                 self._agree_next += 1
             self._finish(job, self._commit(job))
 
-    def _commit(self, job: _Job) -> RetrieveOutcome:
+    def _commit(self, job: _Job, *, background: bool = True) -> RetrieveOutcome:
+        """The load's agreement; whatever it raises fails this load closed. In the background (the agreement
+        thread serves every later load: nothing may end it) a BaseException is logged, not re-raised; on
+        the caller's thread (`run`) it is the caller's."""
         assert job.local is not None
         try:
             return self.retriever.commit_local(job.local, commit.make_tag(job.spec.request_id, "commit"))
-        except Exception as e:  # noqa: BLE001 - a bug in the agreement fails this load closed
+        except BaseException as e:  # noqa: BLE001 - a bug in the agreement fails this load closed
+            if not isinstance(e, Exception):
+                if not background:
+                    raise
+                log.error("BSR: agreement of %s raised %s; failed closed", job.spec.request_id, type(e).__name__,
+                          exc_info=e)
             job.local.valid_per_group = [False] * self.reg.num_groups
             job.local.error = f"commit: {type(e).__name__}: {e}"
             return Retriever.finalize(job.local, False)
@@ -221,12 +255,13 @@ class Loader:
 
     # -- on the calling thread ---------------------------------------------------------------
     def run(self, spec: LoadSpec) -> LoadResult:
-        """The load on this thread (sync loads): restore, commit, result."""
+        """The load on this thread (sync loads): restore, commit, result. A BaseException (SystemExit) is
+        the caller's: it propagates, after the restore gave back its staging."""
         job = _Job(next(self._seq), spec, time.perf_counter())
         job.started = job.submitted
         job.local = self._restore_local(spec, job.stop)
         job.restored = time.perf_counter()
-        outcome = self._commit(job)
+        outcome = self._commit(job, background=False)
         now = time.perf_counter()
         timings = _timings(spec, outcome)
         timings.update(queued_s=0.0, agree_s=now - job.restored, total_s=now - job.submitted)

@@ -8,9 +8,17 @@ once the engine allocated the request's blocks. Engine-neutral; holds no staging
         for every TP rank takes the shortest rank's prefix (`probe_all_ranks`); ranks planning for
         themselves agree on N with a MIN all-reduce (`agree_plan`).
     match_in_background(request, num_computed_tokens) -> external tokens, or None
-        the same decision with the lookup on the planner's probe thread: None while it runs (the
-        engine asks again at its next step), then the answer. The caller's thread pays no key
-        derivation and no tier round trip. `start_lookup(request)` starts it as the request arrives.
+        the same decision with the lookup on a probe thread: None while it runs (the engine asks
+        again at its next step), then the answer. The caller's thread pays no key derivation and no
+        tier round trip. `start_lookup(request)` starts it as the request arrives.
+
+Every lookup is bounded and isolated. Each runs on a probe thread of its own (up to
+MAX_PROBE_THREADS at once; beyond that a lookup waits for a free one, within its own bound), so a
+tier probe that hangs for one request never holds another request's lookup. A lookup that has not
+answered `probe_timeout_s` after it was asked for is a miss (0 external tokens: the request prefills
+locally), counted in `stats.probe_timeouts`; `match` waits for it no longer either. The thread of a
+probe stuck in a tier stays with it until the tier returns (a daemon thread: it never holds the
+process at exit, and `close()` does not wait for it).
     allocated(request, block_ids_per_group, num_external_tokens)
         records the load of N chunks into the request's blocks (one list per HMA group): only the
         blocks allocated for the external tokens. The chunks the engine's own cache holds are not
@@ -31,8 +39,10 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
@@ -44,9 +54,14 @@ from .keys import KeySpace
 from .markers import ForceLocalMarkers
 from .retrieve import ProbeDecision, TierSet
 from .tiers.base import Tier
-from .validation import check_int
+from .validation import check_int, check_timeout
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PROBE_TIMEOUT_S = 5.0
+# lookups probing at once: each on a thread of its own, so a hung probe holds only its own request; the
+# cap bounds the threads that probes stuck in a dead tier can hold (later lookups wait, within their bound)
+MAX_PROBE_THREADS = 32
 
 
 @dataclass
@@ -80,9 +95,19 @@ class KeyInputs:
 class PlannerStats:
     probes: int = 0  # lookups against the tiers
     skipped_by_marker: int = 0  # lookups not made because a force-local marker was set
+    probe_timeouts: int = 0  # lookups past probe_timeout_s, answered as a miss
     probe_s: float = 0.0
     refused: dict[str, int] = field(default_factory=dict)  # reason -> requests BSR could not key
     epochs: int = 0  # new_epoch() calls
+
+
+@dataclass
+class _Lookup:
+    """One request's lookup: asked for at `started` (time.monotonic()), answered through `future`."""
+
+    request: object
+    started: float
+    future: Future = field(default_factory=Future)
 
 
 def request_id_of(request) -> str:
@@ -134,9 +159,11 @@ class Planner:
                  salt: str = "", model: str = "", markers: ForceLocalMarkers | None = None,
                  probe_all_ranks: bool = True, agree_plan: bool = False,
                  agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S, unavailable_cooldown_s: float = 30.0,
+                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
                  key_inputs: Callable[[str, object], KeyInputs] = salt_only) -> None:
         self.reg = reg
         self.key_inputs = key_inputs
+        self.probe_timeout_s = check_timeout("probe_timeout_s", probe_timeout_s)
         self.tier_set = tiers if isinstance(tiers, TierSet) else TierSet(reg, tiers, unavailable_cooldown_s)
         self.tp_world = tp_world
         self.keyspace = KeySpace(reg.fingerprint, tp_rank, tp_world, salt, model)
@@ -148,8 +175,10 @@ class Planner:
         self._lock = threading.Lock()
         self._plans: dict[str, tuple[ProbeDecision, int, float]] = {}  # request -> (plan, num_computed_tokens, probe s)
         self._pending: dict[str, LoadSpec] = {}
-        self._probing: dict[str, Future] = {}  # request -> its lookup on the probe thread
-        self._probe_thread: ThreadPoolExecutor | None = None
+        self._probing: dict[str, _Lookup] = {}  # request -> its lookup, queued or on a probe thread
+        self._queue: deque[_Lookup] = deque()  # lookups waiting for a probe thread
+        self._probe_threads = 0
+        self._closed = False
         self._refused: set[str] = set()  # requests counted as refused (counted once each)
 
     @property
@@ -162,48 +191,102 @@ class Planner:
         t0 = time.perf_counter()
         plan = self._quick_plan(request, num_computed_tokens)
         if plan is None:
-            plan = self._lookup(request)
+            plan = self._wait_lookup(request)
         return self._decide(request, plan, num_computed_tokens, time.perf_counter() - t0)
 
     def start_lookup(self, request) -> None:
-        """Start the request's lookup on the probe thread now (it arrived; the engine asks later)."""
+        """Start the request's lookup on a probe thread now (it arrived; the engine asks later)."""
         rid = request_id_of(request)
         if self.markers.is_set(rid):
             return
         with self._lock:
-            if rid in self._probing:
+            if rid in self._probing or self._closed:
                 return
-            if self._probe_thread is None:
-                self._probe_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bsr-probe")
-            self._probing[rid] = self._probe_thread.submit(self._timed_lookup, request)
+            lookup = _Lookup(request, time.monotonic())
+            self._probing[rid] = lookup
+            self._queue.append(lookup)
+            if self._probe_threads < MAX_PROBE_THREADS:
+                self._probe_threads += 1
+                threading.Thread(target=self._probe_loop, name="bsr-probe", daemon=True).start()
+
+    def _probe_loop(self) -> None:
+        """A probe thread: queued lookups until none is left (one answered meanwhile is skipped)."""
+        while True:
+            with self._lock:
+                if not self._queue or self._closed:
+                    self._probe_threads -= 1
+                    return
+                lookup = self._queue.popleft()
+            if not lookup.future.set_running_or_notify_cancel():  # answered as a miss, or dropped
+                continue
+            try:
+                lookup.future.set_result(self._timed_lookup(lookup.request))
+            except BaseException as e:  # noqa: BLE001 - bad input: match() raises it, in the background a miss
+                lookup.future.set_exception(e)
+
+    def _wait_lookup(self, request) -> ProbeDecision:
+        """The request's lookup on a probe thread, waited for on the caller's thread up to its bound."""
+        rid = request_id_of(request)
+        self.start_lookup(request)
+        with self._lock:
+            lookup = self._probing.get(rid)
+        if lookup is None:  # closed
+            return ProbeDecision(0, None, "none")
+        try:
+            plan, _ = lookup.future.result(max(0.0, lookup.started + self.probe_timeout_s - time.monotonic()))
+        except (FutureTimeout, CancelledError):
+            return self._timed_out(rid, lookup)
+        except BaseException:  # bad input: the caller's, as when the lookup ran on its thread
+            self._forget(rid, lookup)
+            raise
+        self._forget(rid, lookup)
+        return plan
+
+    def _timed_out(self, rid: str, lookup: _Lookup) -> ProbeDecision:
+        """A lookup past its bound: a miss (the request prefills locally); its probe is left to finish."""
+        lookup.future.cancel()  # a lookup still queued never probes
+        self._forget(rid, lookup)
+        self.stats.probe_timeouts += 1
+        log.warning("BSR: the lookup of %s did not answer within %.1f s: a miss, prefilled locally",
+                    rid, self.probe_timeout_s)
+        return ProbeDecision(0, None, "timeout")
+
+    def _forget(self, rid: str, lookup: _Lookup) -> None:
+        with self._lock:
+            if self._probing.get(rid) is lookup:
+                del self._probing[rid]
 
     def match_in_background(self, request, num_computed_tokens: int) -> int | None:
-        """match() with the lookup on the probe thread: None until it finished (see the module docstring)."""
+        """match() with the lookup on a probe thread: None until it answered or passed its bound (see the
+        module docstring)."""
         num_computed_tokens = check_int("num_computed_tokens", num_computed_tokens, lo=0)
         rid = request_id_of(request)
         with self._lock:
             running = self._probing.get(rid)
         plan = self._quick_plan(request, num_computed_tokens)
         if plan is not None:  # a marker, or the engine holds it all: whatever a lookup found is moot
-            with self._lock:
-                self._probing.pop(rid, None)
+            if running is not None:
+                running.future.cancel()
+                self._forget(rid, running)
             return self._decide(request, plan, num_computed_tokens, 0.0)
         if running is None:
             self.start_lookup(request)
             return None
-        if not running.done():
-            return None
-        with self._lock:
-            self._probing.pop(rid, None)
-        plan, probe_s = running.result()
+        if not running.future.done() or running.future.cancelled():
+            waited = time.monotonic() - running.started
+            if waited < self.probe_timeout_s:
+                return None
+            return self._decide(request, self._timed_out(rid, running), num_computed_tokens, waited)
+        self._forget(rid, running)
+        try:
+            plan, probe_s = running.future.result()
+        except Exception:  # noqa: BLE001 - a lookup that fails is a miss
+            plan, probe_s = ProbeDecision(0, None, "none"), 0.0
         return self._decide(request, plan, num_computed_tokens, probe_s)
 
     def _timed_lookup(self, request) -> tuple[ProbeDecision, float]:
         t0 = time.perf_counter()
-        try:
-            plan = self._lookup(request)
-        except Exception:  # noqa: BLE001 - a lookup that fails is a miss (TierSet.plan already is)
-            plan = ProbeDecision(0, None, "none")
+        plan = self._lookup(request)  # a tier that fails is a miss already (TierSet.plan); bad input raises
         return plan, time.perf_counter() - t0
 
     def inputs(self, request) -> KeyInputs:
@@ -315,6 +398,8 @@ class Planner:
         with self._lock:
             self.keyspace = dataclasses.replace(self.keyspace, salt=f"{self.keyspace.salt}\0epoch\0{uuid.uuid4().hex}")
             self._plans.clear()
+            for lookup in self._probing.values():
+                lookup.future.cancel()  # a queued one never probes; a running one's answer is dropped
             self._probing.clear()
             self.stats.epochs += 1
 
@@ -328,10 +413,17 @@ class Planner:
         with self._lock:
             self._plans.pop(request_id, None)
             self._pending.pop(request_id, None)
-            self._probing.pop(request_id, None)
             self._refused.discard(request_id)
+            lookup = self._probing.pop(request_id, None)
+        if lookup is not None:
+            lookup.future.cancel()  # still queued: never probes
         return cleared
 
     def close(self) -> None:
-        if self._probe_thread is not None:
-            self._probe_thread.shutdown(wait=True, cancel_futures=True)
+        """Drop the queued lookups; a probe thread ends after its current probe (never waited for: one
+        may be stuck in a tier)."""
+        with self._lock:
+            self._closed = True
+            queued, self._queue = list(self._queue), deque()
+        for lookup in queued:
+            lookup.future.cancel()

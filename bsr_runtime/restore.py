@@ -163,10 +163,10 @@ class TierWindow:
         if self._released:
             return
         if not self.handle.quiesce(self.source.timeout_s):
-            if isinstance(self.lease.pool, StagingArena):  # shared: retire just this run
+            if isinstance(self.lease.pool, StagingArena):  # shared: retire just this run, until the read lands
                 self.synchronize(stream)
                 self._released = True
-                self.lease.quarantine()
+                self.lease.quarantine(self.handle.quiesce)
                 return
             if self.source.on_unsettled is not None:
                 self.source.on_unsettled()
@@ -371,7 +371,7 @@ class BoundedRestorer:
         the source pinned for this restore. Every failure becomes a fail-closed report."""
         reg, cfg = self.reg, self.config
         t0 = time.perf_counter()
-        loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=cfg.pipeline_depth,
+        loop = WindowLoop(self._admission_of(req), reg.chunk_bytes, self.stream, depth=cfg.pipeline_depth,
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:
             with self.admission.admitted(cfg.admission_timeout_s):
@@ -389,7 +389,7 @@ class BoundedRestorer:
         its buffer with the tiers); every failure becomes a fail-closed report."""
         reg, cfg, arena = self.reg, self.config, self.arena
         t0 = time.perf_counter()
-        loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=cfg.pipeline_depth,
+        loop = WindowLoop(self._admission_of(req), reg.chunk_bytes, self.stream, depth=cfg.pipeline_depth,
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:
             self._windows(loop, num_chunks, req.local_tokens // reg.chunk_tokens,
@@ -416,6 +416,13 @@ class BoundedRestorer:
             cause = e.cause if isinstance(e, WindowFailed) else e
             report.error = f"{type(cause).__name__}: {cause}"
             report.failed_window = loop.stats.failed_window
+
+    def _admission_of(self, req: RestoreRequest):
+        """The admission of one restore: over a shared arena, one that ends the restore's wait for staging
+        when the request is cancelled (its loop asks only at window boundaries, and a wait is not one)."""
+        if self.arena is None:
+            return self.admission
+        return ArenaAdmission(self.arena, should_stop=req.should_stop)
 
     def _retire(self, pool: StagingPool) -> None:
         """A late read may still land in `pool`: never hand it out again."""

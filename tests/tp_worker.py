@@ -141,9 +141,16 @@ def _run(rank, world, mode, master_address, metadata_server, outdir, agree_timeo
             out["late"] = one("late", 4, hook=stall)
             out["poisoned"] = commit.is_poisoned()
             out["why"] = commit.last_error
+            import torch.distributed as dist
+
+            dist.barrier()  # the next decision, once both ranks are past the late one
             t0 = time.monotonic()
-            out["agree_after"] = commit.agree([True] * reg.num_groups, timeout_s=agree_timeout_s, tag=1)
+            try:
+                out["agree_after"] = commit.agree([True] * reg.num_groups, timeout_s=agree_timeout_s, tag=1)
+            except commit.AgreementFailed as e:
+                out["agree_after"], out["why_after"] = None, str(e)
             out["agree_after_s"] = time.monotonic() - t0
+            out["poisoned_after"] = commit.is_poisoned()
         elif mode == "die":  # rank 1 dies in the middle of its restore
             if rank == 1:
                 def die(i, keys):

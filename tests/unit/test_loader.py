@@ -310,3 +310,115 @@ def test_a_budget_smaller_than_one_window_is_refused_before_anything_moves(tmp_p
             Loader(reg, [tier], None, RestoreConfig(window_chunks=0))
         depth2 = RestoreConfig(window_chunks=4, pipeline_depth=2)  # windows of 2: fits 3 chunks
         Loader(reg, [tier], None, depth2, budget_bytes=3 * reg.chunk_bytes).close(5)
+
+
+# -- a late read (issue 35, item 1) ------------------------------------------------------------
+def _late_read_fails_closed(scene: Scene, loader: Loader, gate: threading.Event):
+    """Load 0 with its read held back past its fetch timeout (and the grace after it): it fails
+    closed and its staging run is quarantined while the read may still land."""
+    scene.tier.plan.read_gate = gate
+    loader.submit(scene.spec(0))
+    (first,) = _wait_all(loader, 1, timeout=10)
+    scene.tier.plan.read_gate = None
+    assert not first.outcome.committed and "FetchTimeoutError" in (first.outcome.error or "")
+    assert loader.arena.quarantined_chunks == 2  # the whole budget: one window of W = 2
+    return first
+
+
+def test_a_late_read_gives_its_quarantined_staging_back_when_it_lands(tmp_path):
+    """Default budget (one window): once the late read landed, the next load gets the staging back
+    and commits, instead of waiting for it forever."""
+    scene = Scene(tmp_path, [2, 2])
+    loader = scene.loader(w=2, budget_windows=1, timeout=0.2)
+    gate = threading.Event()
+    try:
+        _late_read_fails_closed(scene, loader, gate)
+        gate.set()  # the read lands
+        loader.submit(scene.spec(1))
+        (second,) = _wait_all(loader, 1, timeout=10)
+        assert second.outcome.committed and scene.restored(1), second.outcome.error
+        assert loader.arena.quarantined_chunks == 0 and loader.arena.live_bytes == 0
+    finally:
+        gate.set()
+        loader.close(5)
+        scene.close()
+
+
+def test_a_wait_for_staging_ends_on_cancel(tmp_path):
+    """The read never lands: cancel() ends a load waiting for staging at once (it never reaches a window
+    boundary, where cancellation was asked before)."""
+    scene = Scene(tmp_path, [2, 2])
+    cfg = RestoreConfig(window_chunks=2, pipeline_depth=1, fetch_timeout_s=0.2, backend="cpu")
+    loader = Loader(scene.reg, [scene.tier], scene.kv, cfg)  # default budget (one window), default bound
+    gate = threading.Event()
+    try:
+        _late_read_fails_closed(scene, loader, gate)
+        loader.submit(scene.spec(1))
+        end = time.monotonic() + 10
+        while loader.arena.waiters == 0:
+            assert time.monotonic() < end, "the load never waited for staging"
+            time.sleep(0.005)
+        t0 = time.monotonic()
+        assert loader.cancel("req-1")
+        (cancelled,) = _wait_all(loader, 1, timeout=5)
+        assert time.monotonic() - t0 < 1.0
+        assert cancelled.cancelled and not cancelled.outcome.committed and scene.untouched(1)
+        assert "cancelled" in (cancelled.outcome.error or "")
+    finally:
+        gate.set()
+        loader.close(5)
+        scene.close()
+
+
+def test_a_wait_for_staging_is_bounded(tmp_path):
+    """The read never lands: a later load's wait for staging ends at its bound, failed closed with the
+    budget named; a loader given no bound takes the default one, never an unbounded wait."""
+    scene = Scene(tmp_path, [2, 2])
+    cfg = RestoreConfig(window_chunks=2, pipeline_depth=1, fetch_timeout_s=0.2, backend="cpu",
+                        admission_timeout_s=0.5)
+    loader = Loader(scene.reg, [scene.tier], scene.kv, cfg)
+    gate = threading.Event()
+    try:
+        _late_read_fails_closed(scene, loader, gate)
+        t0 = time.monotonic()
+        loader.submit(scene.spec(1))
+        (bounded,) = _wait_all(loader, 1, timeout=10)
+        assert time.monotonic() - t0 < 3
+        assert not bounded.outcome.committed and "no staging" in (bounded.outcome.error or "")
+        assert scene.untouched(1)
+        unbounded = Loader(scene.reg, [scene.tier], scene.kv, dataclasses.replace(cfg, admission_timeout_s=None))
+        from bsr_runtime.loader import DEFAULT_STAGING_WAIT_S
+
+        assert unbounded.config.admission_timeout_s == DEFAULT_STAGING_WAIT_S
+        unbounded.close(5)
+    finally:
+        gate.set()
+        loader.close(5)
+        scene.close()
+
+
+# -- a BaseException in a fetch (issue 35, item 5) ----------------------------------------------
+def test_a_base_exception_in_a_fetch_is_reported_as_a_failed_load(tmp_path):
+    """SystemExit raised out of a tier's fetch (a library) on a loader thread: the load is reported,
+    failed closed with the cause named, its staging given back, and the loader goes on; on the caller's
+    thread (sync loads) the SystemExit is the caller's."""
+    scene = Scene(tmp_path, [4, 2, 2])
+    loader = scene.loader(w=2, budget_windows=1)
+    try:
+        scene.tier.plan.raise_in_fetch = SystemExit("a library exited")
+        loader.submit(scene.spec(0))
+        (failed,) = _wait_all(loader, 1, timeout=5)
+        assert not failed.outcome.committed and failed.outcome.exposed_tokens == 0
+        assert "SystemExit" in (failed.outcome.error or "")
+        assert failed.outcome.invalid_blocks == failed.outcome.total_blocks
+        assert loader.arena.live_bytes == 0 and loader.in_flight == 0
+        with pytest.raises(SystemExit):
+            loader.run(scene.spec(2))
+        assert loader.arena.live_bytes == 0
+        scene.tier.plan.raise_in_fetch = None
+        loader.submit(scene.spec(1))
+        (ok,) = _wait_all(loader, 1, timeout=5)
+        assert ok.outcome.committed and scene.restored(1)
+    finally:
+        assert loader.close(5)
+        scene.close()

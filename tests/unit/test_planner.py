@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from bsr_harness.experiments import make_source, store_source
 from bsr_kernels import presets
+from bsr_runtime.keys import PrefixKeys
 from bsr_runtime.planner import Planner, request_salt
 from bsr_runtime.tiers import FilesystemTier
 
@@ -137,5 +138,69 @@ def test_a_finished_request_leaves_nothing_behind(tmp_path):
         assert planner.take_loads() == []
         assert _wait_answer(planner, req) == 6 * CT  # asked again: a fresh lookup
     finally:
+        planner.close()
+        tier.close()
+
+
+# -- a stuck probe (issue 35, item 2) ----------------------------------------------------------
+class StuckTier(FilesystemTier):
+    """A filesystem tier whose probe of any key in `stuck` waits for a gate (one request's objects on a
+    hung device); every other probe is the real one."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+        self.stuck: set[str] = set()
+
+    def probe(self, keys):
+        if self.stuck.intersection(keys):
+            self.gate.wait(30)
+        return super().probe(keys)
+
+
+def _stuck_scene(tmp_path):
+    """Two stored prefixes, the first one's probe stuck."""
+    reg = presets.dsv4_flash(scale=1 / 64)
+    tier = StuckTier(tmp_path, reg.chunk_bytes, reg.fingerprint)
+    stuck, healthy = make_source(reg, 6, seed=4), make_source(reg, 6, seed=5)
+    for src in (stuck, healthy):
+        store_source(src, tier, window_chunks=4)
+    tier.stuck = set(PrefixKeys(stuck.keyspace, stuck.tokens, reg.chunk_tokens).window(0, 1))
+    return reg, tier, Req("stuck", stuck.tokens + [7]), Req("healthy", healthy.tokens + [7])
+
+
+def test_a_stuck_probe_does_not_block_another_requests_lookup(tmp_path):
+    reg, tier, stuck, healthy = _stuck_scene(tmp_path)
+    planner = Planner(reg, [tier])
+    try:
+        assert planner.match_in_background(stuck, 0) is None  # its probe hangs
+        time.sleep(0.05)
+        assert _wait_answer(planner, healthy, timeout=3) == 6 * CT  # answered beside it, not after it
+    finally:
+        tier.gate.set()
+        planner.close()
+        tier.close()
+
+
+def test_a_probe_past_its_bound_is_a_miss(tmp_path):
+    """Background and on the caller's thread alike: a probe that outlives probe_timeout_s answers 0 (the
+    request prefills locally) and is counted; the next request's lookup is not held by it."""
+    reg, tier, stuck, healthy = _stuck_scene(tmp_path)
+    planner = Planner(reg, [tier], probe_timeout_s=0.3)
+    try:
+        t0 = time.monotonic()
+        assert _wait_answer(planner, stuck, timeout=3) == 0
+        assert 0.3 <= time.monotonic() - t0 < 2
+        assert planner.allocated(stuck, [[1]] * reg.num_groups, 0) is None
+        t0 = time.monotonic()
+        assert planner.match(Req("stuck-sync", stuck.prompt_token_ids), 0) == 0
+        assert 0.3 <= time.monotonic() - t0 < 2
+        assert planner.stats.probe_timeouts == 2
+        assert planner.match(healthy, 0) == 6 * CT
+        t0 = time.monotonic()
+        planner.close()  # never waits for a probe still stuck in the tier
+        assert time.monotonic() - t0 < 1
+    finally:
+        tier.gate.set()
         planner.close()
         tier.close()

@@ -52,6 +52,23 @@ def test_config_parsing_and_errors():
         ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "load_mode": "lazy"})
 
 
+def test_the_bounds_of_probes_and_staging_waits_are_checked_where_they_enter(tmp_path):
+    """Issue 35: probe_timeout_s (a lookup past it is a miss) and staging_wait_timeout_s (a load's wait for
+    staging), each with a default, each refused when it is no finite positive number of seconds."""
+    from bsr_runtime.tiers import MemoryTier
+
+    tiers = [{"type": "filesystem", "root": "/x"}]
+    cfg = ConnectorConfig.from_extra({"tiers": tiers})
+    assert cfg.probe_timeout_s == 5.0 and cfg.staging_wait_timeout_s == 30.0
+    cfg = ConnectorConfig.from_extra({"tiers": tiers, "probe_timeout_s": 0.5, "staging_wait_timeout_s": 2.0})
+    tier = MemoryTier(1024, "fp")
+    assert cfg.restore_config([tier]).admission_timeout_s == 2.0  # the loader's wait for staging
+    for key in ("probe_timeout_s", "staging_wait_timeout_s"):
+        for bad in (0, -1, float("inf"), "5", None):
+            with pytest.raises(ValueError, match=key):
+                ConnectorConfig.from_extra({"tiers": tiers, key: bad})
+
+
 def test_pipeline_depth_is_the_first_tiers_unless_configured(tmp_path):
     from bsr_runtime.tiers import FilesystemTier, MemoryTier
 
@@ -171,3 +188,41 @@ def test_background_loads_shorten_the_switch_interval_while_the_worker_lives():
     for bad in (0, 0.5, "fast", float("nan")):
         with pytest.raises(ValueError, match="gil_switch_interval_s"):
             ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "gil_switch_interval_s": bad})
+
+
+def test_shutdown_is_bounded_by_shutdown_timeout_s_in_total(tmp_path):
+    """Issue 35, item 6: a load whose read never lands and a put held in flight at shutdown: close() returns
+    within shutdown_timeout_s in all (one deadline shared by the loader and the saver), not one timeout each."""
+    import threading
+    import time
+
+    from bsr_harness.faulty_tier import FaultyTier
+    from bsr_harness.testdata import block_tables
+    from bsr_kernels import presets
+    from bsr_runtime.integrations.vllm.worker import WorkerSide
+    from bsr_runtime.tiers import FilesystemTier
+
+    reg = presets.llama_like(layers=1, kv_heads=1, head_dim=16, block_size=16)
+    tier = FaultyTier(FilesystemTier(tmp_path, reg.chunk_bytes, reg.fingerprint))
+    cfg = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": str(tmp_path)}], "window_chunks": 2,
+                                      "shutdown_timeout_s": 1.0, "gil_switch_interval_s": None})
+    blocks, tables = block_tables(reg, [2, 2], 3, holes="none")
+    worker = WorkerSide(cfg, reg, [tier], "m", 0, 1)
+    kv = reg.allocate(blocks)
+    worker.loader.register_kv_caches(kv)
+    worker.saver.kv = kv
+    read_gate, put_gate = threading.Event(), threading.Event()
+    try:
+        tier.plan.read_gate, tier.plan.put_gate = read_gate, put_gate
+        tokens = list(range(2 * reg.chunk_tokens))
+        worker.loader.submit(LoadSpec("load", tokens, 2, 0, [t.tolist() for t in tables[0]]))
+        worker.saver.save("save", tokens, 0, 2, [t.tolist() for t in tables[1]], "")
+        time.sleep(0.2)  # the read and the put are both held
+        t0 = time.monotonic()
+        worker.close()
+        elapsed = time.monotonic() - t0
+        assert elapsed < 1.5, f"shutdown took {elapsed:.2f} s with shutdown_timeout_s = 1"
+    finally:
+        read_gate.set()
+        put_gate.set()
+        tier.close()

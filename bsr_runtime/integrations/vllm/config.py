@@ -120,6 +120,9 @@ class ConnectorConfig(Schema):
     window_chunks: Window = 32  # W
     pipeline_depth: Depth | None = None  # None: the first tier's preferred depth (Tier.preferred_pipeline_depth)
     fetch_timeout_s: Seconds = 30.0
+    # how long a load's window waits for staging from the budget B before the load fails closed (staging a
+    # late read still holds comes back when the read lands; a read that never lands must not hold loads)
+    staging_wait_timeout_s: Seconds = 30.0
     backend: Backend = "auto"
     salt: Text = ""  # tenant of this engine (a request's cache_salt is added to it)
     model_id: Name | None = None  # default: a digest of the served checkpoint's weights (model_identity.py)
@@ -128,6 +131,9 @@ class ConnectorConfig(Schema):
     report_path: OutputFile | None = None  # append one JSON line per load and save (both roles, all ranks)
     chunk_tokens: ChunkTokens = 256
     agree_timeout_s: Seconds = 30.0
+    # a request's tier lookup that has not answered within this is a miss (the request prefills locally):
+    # a probe hung in one tier never holds the request, nor (each lookup has its own thread) any other
+    probe_timeout_s: Seconds = 5.0
     # B: staging shared by concurrent restores (default W*c); at most the machine's memory, since
     # the arena is allocated (and touched) when the engine starts
     restore_budget_bytes: Annotated[HostBytes, Field(ge=1)] | None = None
@@ -178,7 +184,8 @@ class ConnectorConfig(Schema):
         preferred one: 1 for Mooncake over tcp and LMCache, 2 for the filesystem."""
         depth = self.pipeline_depth if self.pipeline_depth is not None else tiers[0].preferred_pipeline_depth
         return RestoreConfig(window_chunks=self.window_chunks, pipeline_depth=depth,
-                             fetch_timeout_s=self.fetch_timeout_s, backend=self.backend)
+                             fetch_timeout_s=self.fetch_timeout_s, backend=self.backend,
+                             admission_timeout_s=self.staging_wait_timeout_s)
 
     @property
     def load_async(self) -> bool:

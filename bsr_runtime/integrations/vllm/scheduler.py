@@ -59,7 +59,7 @@ class SchedulerSide:
         self.block_ids_of = block_ids_of  # request id -> its current block ids per group (vLLM's)
         self.load_async = cfg.load_async
         self.planner = Planner(reg, tiers, tp_world=tp_world, salt=cfg.salt, model=model, probe_all_ranks=True,
-                               key_inputs=VllmKeyInputs())
+                               probe_timeout_s=cfg.probe_timeout_s, key_inputs=VllmKeyInputs())
         self._refused_taken: dict[str, int] = {}  # planner.stats.refused at the last take_stats()
         self.inflight: dict[str, tuple[int, set[int]]] = {}  # request -> (chunks, blocks) of its load
         self._tracked: dict[str, _Tracked] = {}
@@ -86,8 +86,9 @@ class SchedulerSide:
             self.planner.start_lookup(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """With async loads the lookup runs on the planner's probe thread: None (vLLM asks again next
-        step) until it finished; the step thread pays neither key derivation nor tier round trips."""
+        """With async loads the lookup runs on a probe thread of the planner: None (vLLM asks again next
+        step) until it answered, or passed probe_timeout_s (a miss); the step thread pays neither key
+        derivation nor tier round trips."""
         skipped, probes = self.planner.stats.skipped_by_marker, self.planner.stats.probes
         if self.load_async:
             n = self.planner.match_in_background(request, num_computed_tokens)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections import deque
 
 import torch
@@ -185,10 +186,12 @@ class WorkerSide:
         return done
 
     def close(self) -> None:
-        timeout = self.cfg.shutdown_timeout_s
-        self.loader.close(timeout)
+        """Stop loads and saves within shutdown_timeout_s in all: one deadline shared by the loader and the
+        saver (the saver gets what the loader left of it), not one timeout each."""
+        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
+        self.loader.close(self.cfg.shutdown_timeout_s)
         if self.saver is not None:
-            self.saver.close(timeout)
+            self.saver.close(max(0.0, deadline - time.monotonic()))
             self._drain_saves()
         if self._switch_interval is not None:
             before, ours = self._switch_interval
