@@ -25,13 +25,13 @@ __all__ = ["BACKENDS", "WindowInstaller", "available_backends", "gather_window",
 def _one_shot(kind: str, staging: torch.Tensor, reg: Registration, kv: Sequence[torch.Tensor],
               block_tables: Sequence[torch.Tensor], first_chunk: int, num_chunks: int, *, name: str,
               backend: str, stream: torch.cuda.Stream | None, fingerprint: str | None, zero_copy: bool,
-              cpu_threads: int) -> str:
+              cpu_threads: int, end_tokens: int | None = None) -> str:
     check_fingerprint(reg, fingerprint)
     first_chunk, num_chunks = check_chunk_range(first_chunk, num_chunks)
     stride = check_staging(staging, reg, num_chunks, name)
     kv = tuple(kv)
     dest = prepare(reg, kv, backend, resolve_backend)
-    tables = check_block_tables(reg, block_tables, first_chunk, num_chunks, dest.layout)
+    tables = check_block_tables(reg, block_tables, first_chunk, num_chunks, dest.layout, end_tokens=end_tokens)
     a = WindowArgs(staging, kv, tables, first_chunk, num_chunks, stride)
     dest.run(kind, a, stream=stream, zero_copy=zero_copy, cpu_threads=_threads(cpu_threads))
     return dest.backend
@@ -92,13 +92,15 @@ def gather_window(
     stream: torch.cuda.Stream | None = None,
     zero_copy: bool = True,
     cpu_threads: int = 0,
+    end_tokens: int | None = None,
 ) -> str:
     """Exact inverse of install_window: copy the window's entries from the destination blocks
     into `out` (chunk-major staging layout, 1-D or 2-D chunk-strided as for install_window).
     Padding and entries of -1 blocks read as zero; bytes between the rows of a 2-D `out` are
-    never written."""
+    never written. `end_tokens`: a prefix ending inside the window's last chunk (blocks past it -1)."""
     return _one_shot("gather", out, reg, kv, block_tables, first_chunk, num_chunks, name="out", backend=backend,
-                     stream=stream, fingerprint=None, zero_copy=zero_copy, cpu_threads=cpu_threads)
+                     stream=stream, fingerprint=None, zero_copy=zero_copy, cpu_threads=cpu_threads,
+                     end_tokens=end_tokens)
 
 
 def _threads(n: int) -> int:
@@ -112,7 +114,8 @@ class WindowInstaller:
 
     The destinations and block tables are checked for chunks 0..num_chunks-1 when the installer
     is made (`local_tokens`: the blocks of those first tokens are the engine's own, -1 here in any
-    group: never written) (block tables are copied, so the request cannot change them underneath), and the
+    group: never written; `end_tokens`: a prefix ending inside its last chunk, the blocks past it
+    -1) (block tables are copied, so the request cannot change them underneath), and the
     per-restore state is built then (prepared.py: destination views or the descriptor table);
     each window then checks only its staging and its chunk range and passes just those. Same
     results as install_window / gather_window.
@@ -121,12 +124,12 @@ class WindowInstaller:
     def __init__(self, reg: Registration, kv: Sequence[torch.Tensor], block_tables: Sequence[torch.Tensor],
                  num_chunks: int, *, backend: str = "auto", stream: torch.cuda.Stream | None = None,
                  fingerprint: str | None = None, zero_copy: bool = True, cpu_threads: int = 0,
-                 local_tokens: int = 0) -> None:
+                 local_tokens: int = 0, end_tokens: int | None = None) -> None:
         check_fingerprint(reg, fingerprint)
         _, num_chunks = check_chunk_range(0, num_chunks)
         self.kv = tuple(kv)
         self._dest: PreparedDestinations = prepare(reg, self.kv, backend, resolve_backend)
-        tables = check_block_tables(reg, block_tables, 0, num_chunks, self._dest.layout, local_tokens)
+        tables = check_block_tables(reg, block_tables, 0, num_chunks, self._dest.layout, local_tokens, end_tokens)
         self.reg = reg
         self.num_chunks = num_chunks
         self.backend = self._dest.backend

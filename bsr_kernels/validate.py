@@ -112,11 +112,13 @@ def check_block_tables(
     num_chunks: int,
     layout: DestinationLayout,
     local_tokens: int = 0,
+    end_tokens: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The block tables for chunks first_chunk.. against destinations `layout` describes; returns
     them as contiguous int64 on their device. Only the entries of those chunks are read: ids in
-    range, -1 only in groups with a sliding window or in the blocks of the first `local_tokens`
-    tokens (the engine's own: not written), no id twice in a group, and no id resident in two
+    range, -1 only in groups with a sliding window, in the blocks of the first `local_tokens`
+    tokens (the engine's own: not written) or in those from `end_tokens` on (past a prefix that
+    ends inside its last chunk: not written), no id twice in a group, and no id resident in two
     groups whose destinations are the same memory."""
     block_tables = tuple(block_tables)
     if len(block_tables) != reg.num_groups:
@@ -142,8 +144,11 @@ def check_block_tables(
             )
         lo = first_tok // reg.group_tokens_per_block(g)
         if need > lo:
-            skip = max(0, min(need, local_tokens // reg.group_tokens_per_block(g)) - lo)
-            resident_ids[g] = _check_window_ids(reg, g, _window_ids(table, lo, need), layout, first_chunk, last, skip)
+            tpb = reg.group_tokens_per_block(g)
+            written = (max(0, min(need, local_tokens // tpb) - lo),
+                       need - lo if end_tokens is None else max(0, min(need, -(-end_tokens // tpb)) - lo))
+            resident_ids[g] = _check_window_ids(reg, g, _window_ids(table, lo, need), layout, first_chunk, last,
+                                                written)
         out.append(table)
     _check_aliased_groups(reg, layout.aliases, resident_ids, first_chunk, last)
     return tuple(out)
@@ -158,15 +163,17 @@ def _window_ids(table: torch.Tensor, lo: int, hi: int) -> list[int]:
 
 
 def _check_window_ids(reg: Registration, g: int, window: list[int], layout: DestinationLayout,
-                      first_chunk: int, last: int, skip: int = 0) -> list[int]:
-    """The resident (>= 0) block ids of group g's window, after checking range, -1 (allowed in the
-    first `skip` entries: the engine's local hit) and duplicates."""
+                      first_chunk: int, last: int, written: tuple[int, int] | None = None) -> list[int]:
+    """The resident (>= 0) block ids of group g's window, after checking range, -1 (outside the
+    entries `written` = (start, stop): the engine's local hit before, the blocks past a prefix ending
+    inside its last chunk after) and duplicates."""
     nb, tname = layout.group_blocks[g]
     low, high = min(window), max(window)
     if low < -1 or high >= nb:
         bad = next(b for b in window if b < -1 or b >= nb)
         raise ValueError(f"block table of group {g}: block id {bad} out of range [-1, {nb}) for tensor {tname!r}")
-    if low == -1 and g not in reg.sliding_window_groups and -1 in window[skip:]:
+    start, stop = written or (0, len(window))
+    if low == -1 and g not in reg.sliding_window_groups and -1 in window[start:stop]:
         raise ValueError(
             f"block table of group {g}: block id -1 in chunks {first_chunk}..{last}, but no tensor of the group "
             f"has a sliding window (nothing would be installed there, yet the restore would commit)")

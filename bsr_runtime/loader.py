@@ -277,7 +277,8 @@ class Loader:
             keyspace = dataclasses.replace(self.keyspace, salt=self.keyspace.salt if spec.salt is None else spec.salt,
                                            features=tuple(spec.features))
             req = RestoreRequest(spec.request_id, spec.tokens, keyspace, self.kv, tables,
-                                 should_stop=lambda: stop.is_set() or self._closed, local_tokens=spec.local_tokens)
+                                 should_stop=lambda: stop.is_set() or self._closed, local_tokens=spec.local_tokens,
+                                 end_tokens=spec.num_tokens or None, tail_tokens=spec.tail_tokens)
             return self.retriever.restore_local(req, spec.num_chunks, spec.plan_tier)
         except Exception as e:  # noqa: BLE001 - this load fails closed; the others go on
             return failed_local(self.reg, spec, e)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 import uuid
@@ -50,10 +51,10 @@ import torch
 from bsr_kernels import Registration
 
 from . import commit
-from .keys import KeySpace
+from .keys import KeySpace, PrefixKeys
 from .markers import ForceLocalMarkers
 from .retrieve import ProbeDecision, TierSet
-from .tiers.base import Tier
+from .tiers.base import Tier, TierError
 from .validation import check_int, check_timeout
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class LoadSpec:
     salt: str | None = None  # the request's tenant salt (None: the connector's)
     probe_s: float = 0.0  # the scheduler's probe for this request (keys and tier lookups)
     local_tokens: int = 0  # the engine's local hit: its whole chunks are not loaded, its blocks not written
+    num_tokens: int = 0  # where the loaded prefix ends (0: num_chunks whole chunks); blocks past it not written
+    tail_tokens: int = 0  # chunk num_chunks-1 is the prompt's tail object (PrefixKeys' tail) of this many tokens
     features: tuple[tuple[int, int, str], ...] = ()  # KeySpace.features of the request
 
 
@@ -142,6 +145,15 @@ def block_lists(blocks) -> list[list[int]]:
     return [t.tolist() if isinstance(t, torch.Tensor) else [int(b) for b in t] for t in blocks]
 
 
+def tail_align(reg: Registration) -> int:
+    """Tokens a prefix ending inside a chunk is a multiple of: whole blocks of every group."""
+    return math.lcm(*(reg.group_tokens_per_block(g) for g in range(reg.num_groups)))
+
+
+def exposed_tokens(plan: ProbeDecision, chunk_tokens: int) -> int:
+    return plan.num_chunks * chunk_tokens if plan.num_tokens is None else plan.num_tokens
+
+
 def without_local_blocks(reg: Registration, blocks: list[list[int]], local_tokens: int) -> list[list[int]]:
     """Per group, the block ids with those wholly inside the engine's local hit (tokens
     0..local_tokens-1) set to -1: install skips them and a failure never reports them."""
@@ -152,6 +164,19 @@ def without_local_blocks(reg: Registration, blocks: list[list[int]], local_token
     return out
 
 
+def only_blocks_of(reg: Registration, blocks: list[list[int]], start: int, end: int, num_chunks: int
+                   ) -> list[list[int]]:
+    """Per group, the block ids of tokens start..end-1 (a load's), -1 elsewhere, for `num_chunks` whole
+    chunks: the local hit before and the blocks past a prefix ending inside its last chunk are
+    neither written nor reported."""
+    out = []
+    for g, ids in enumerate(without_local_blocks(reg, blocks, start)):
+        tpb = reg.group_tokens_per_block(g)
+        stop, need = -(-end // tpb), reg.blocks_needed(g, num_chunks * reg.chunk_tokens)
+        out.append(list(ids[:stop]) + [-1] * max(0, need - min(stop, len(ids))))
+    return out
+
+
 class Planner:
     """See the module docstring. `tiers`: the ordered tiers (or a TierSet sharing their health)."""
 
@@ -159,10 +184,12 @@ class Planner:
                  salt: str = "", model: str = "", markers: ForceLocalMarkers | None = None,
                  probe_all_ranks: bool = True, agree_plan: bool = False,
                  agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S, unavailable_cooldown_s: float = 30.0,
-                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S, restore_tail: bool = False,
                  key_inputs: Callable[[str, object], KeyInputs] = salt_only) -> None:
         self.reg = reg
         self.key_inputs = key_inputs
+        self.restore_tail = restore_tail
+        self.tail_align = tail_align(reg)
         self.probe_timeout_s = check_timeout("probe_timeout_s", probe_timeout_s)
         self.tier_set = tiers if isinstance(tiers, TierSet) else TierSet(reg, tiers, unavailable_cooldown_s)
         self.tp_world = tp_world
@@ -321,33 +348,60 @@ class Planner:
 
     def _lookup(self, request) -> ProbeDecision:
         tokens = tokens_of(request)
-        max_chunks = max(0, (len(tokens) - 1) // self.reg.chunk_tokens)  # at least one token left to compute
+        ct, n = self.reg.chunk_tokens, len(tokens)
+        # at least one token left to compute: up to the last whole block before it, or whole chunk
+        end = (n - 1) // self.tail_align * self.tail_align if self.restore_tail else (n - 1) // ct * ct
         inputs = self.inputs(request)
         if inputs.refused is not None:
             return ProbeDecision(0, None, "refused")
         keyspace = dataclasses.replace(self.keyspace, salt=inputs.salt, features=inputs.features)
         self.stats.probes += 1
+        max_chunks = min(n // ct, -(-end // ct))  # whole chunks only: a tail has its own object
         if self.probe_all_ranks and self.tp_world > 1:
-            return self._plan_all_ranks(tokens, max_chunks, keyspace)
-        return self.tier_set.plan(tokens, keyspace, max_chunks)
+            plan = self._plan_all_ranks(tokens, max_chunks, keyspace)
+        else:
+            plan = self.tier_set.plan(tokens, keyspace, max_chunks)
+        return self._with_tail(plan, tokens, keyspace, end)
+
+    def _with_tail(self, plan: ProbeDecision, tokens: list[int], keyspace: KeySpace, end: int) -> ProbeDecision:
+        """The prefix in tokens: up to `end` (the last whole block before the prompt's last token), past
+        the last whole chunk only through the prompt's tail object on the plan tier (every rank's)."""
+        ct = self.reg.chunk_tokens
+        plan.num_tokens = min(plan.num_chunks * ct, end)
+        full = len(tokens) // ct
+        tail = (len(tokens) - full * ct) // self.tail_align * self.tail_align
+        if plan.num_tokens >= end or plan.num_chunks != full or not tail or plan.tier_index is None:
+            return plan
+        tier = self.tiers[plan.tier_index]
+        ranks = range(self.tp_world) if self.probe_all_ranks else (keyspace.tp_rank,)
+        keys = [PrefixKeys(dataclasses.replace(keyspace, tp_rank=r), tokens, ct, tail).window(full, 1)[0]
+                for r in ranks]
+        try:
+            held = all(tier.probe(keys))
+        except TierError:
+            held = False
+        if held:
+            plan.num_chunks, plan.num_tokens, plan.tail_tokens = full + 1, min(end, full * ct + tail), tail
+        return plan
 
     def _decide(self, request, plan: ProbeDecision, num_computed_tokens: int, probe_s: float) -> int:
         """Record the plan the load will follow; the external tokens beyond what the engine holds."""
         rid = request_id_of(request)
         ct = self.reg.chunk_tokens
-        if self.agree_plan:
-            out = commit.all_min([plan.num_chunks], timeout_s=self.agree_timeout_s,
-                                 tag=commit.make_tag(rid, "plan"))
+        if self.agree_plan:  # the shortest rank's prefix, in whole chunks unless every rank has the same
+            mine = exposed_tokens(plan, ct)
+            out = commit.all_min([mine], timeout_s=self.agree_timeout_s, tag=commit.make_tag(rid, "plan"))
             n = 0 if out is None else out[0]
-            if n < plan.num_chunks:
-                plan = ProbeDecision(n, plan.tier_index if n else None, plan.tier if n else "none", plan.probes)
+            if n < mine:
+                n = n // ct * ct
+                plan = ProbeDecision(n // ct, plan.tier_index if n else None, plan.tier if n else "none", plan.probes)
         self.stats.probe_s += probe_s
         with self._lock:
-            if plan.num_chunks * ct <= num_computed_tokens:
+            if exposed_tokens(plan, ct) <= num_computed_tokens:
                 self._plans.pop(rid, None)
                 return 0
             self._plans[rid] = (plan, num_computed_tokens, probe_s)
-        return plan.num_chunks * ct - num_computed_tokens
+        return exposed_tokens(plan, ct) - num_computed_tokens
 
     def _plan_all_ranks(self, tokens: list[int], max_chunks: int, keyspace: KeySpace) -> ProbeDecision:
         best: ProbeDecision | None = None
@@ -369,15 +423,18 @@ class Planner:
                 self._pending.pop(rid, None)
                 return None
             plan, computed, probe_s = entry
-            n = min(plan.num_chunks, (computed + num_external_tokens) // self.reg.chunk_tokens)
+            ct, tokens = self.reg.chunk_tokens, tokens_of(request)
+            end = min(exposed_tokens(plan, ct), computed + num_external_tokens)
+            n = -(-end // ct)
+            tail = plan.tail_tokens if n > len(tokens) // ct else 0  # the last chunk is the tail object
             blocks = block_lists(block_ids_per_group)
             if len(blocks) != self.reg.num_groups:
                 raise ValueError(f"{len(blocks)} block lists for {self.reg.num_groups} KV-cache groups")
             inputs = self.inputs(request)
-            spec = LoadSpec(rid, tokens_of(request), n, plan.tier_index,
-                            without_local_blocks(self.reg, blocks, computed), inputs.salt, probe_s,
-                            min(computed, n * self.reg.chunk_tokens),
-                            inputs.features)
+            spec = LoadSpec(rid, tokens, n, plan.tier_index,
+                            only_blocks_of(self.reg, blocks, computed, end, n), inputs.salt, probe_s,
+                            local_tokens=min(computed, end), features=inputs.features, num_tokens=end,
+                            tail_tokens=tail)
             self._pending[rid] = spec
             return spec
 

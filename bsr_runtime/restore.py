@@ -80,6 +80,13 @@ class RestoreRequest:
     # tokens the engine holds already (a local prefix-cache hit, other requests may share its blocks):
     # its whole chunks are not fetched, and no block of it is written (their ids may read -1)
     local_tokens: int = 0
+    # where the prefix ends when not at the end of its last chunk: blocks past it are not written (-1)
+    end_tokens: int | None = None
+    # the last chunk is the prompt's tail object (PrefixKeys' tail) of this many tokens
+    tail_tokens: int = 0
+
+    def prefix_keys(self, chunk_tokens: int) -> PrefixKeys:
+        return PrefixKeys(self.keyspace, self.tokens, chunk_tokens, self.tail_tokens)
 
 
 @dataclass
@@ -281,6 +288,8 @@ class BoundedRestorer:
         # at depth 2 every install but the last runs while the next window's fetch uses the host: the
         # native cpu backend then keeps to one thread (depth 1: a second one from its size threshold up)
         local = {"local_tokens": req.local_tokens} if req.local_tokens else {}
+        if req.end_tokens is not None:
+            local["end_tokens"] = req.end_tokens
         installer = self.make_installer(reg, req.kv, req.block_tables, num_chunks, backend=cfg.backend,
                                         stream=self.stream, fingerprint=reg.fingerprint,
                                         cpu_threads=1 if cfg.pipeline_depth == 2 else 0, **local)
@@ -308,9 +317,12 @@ class BoundedRestorer:
 
     def _check(self, req: RestoreRequest, tier: Tier, num_chunks: int) -> None:
         reg = self.reg
-        if num_chunks < 0 or num_chunks * reg.chunk_tokens > len(req.tokens):
+        if num_chunks < 0 or num_chunks > req.prefix_keys(reg.chunk_tokens).num_chunks:
             raise ValueError(f"confirmed prefix of {num_chunks} chunks exceeds the request's "
                              f"{len(req.tokens)} tokens")
+        if req.end_tokens is not None:
+            check_int("end_tokens", req.end_tokens, lo=max(0, num_chunks - 1) * reg.chunk_tokens + 1,
+                      hi=num_chunks * reg.chunk_tokens)
         check_int("local_tokens", req.local_tokens, lo=0, hi=num_chunks * reg.chunk_tokens)
         if req.keyspace.fingerprint != reg.fingerprint:
             raise ValueError("request keyspace was built for another registration "
@@ -326,7 +338,7 @@ class BoundedRestorer:
              report: RestoreReport) -> RestoreReport:
         """The windows through the loop; every failure becomes a fail-closed report."""
         reg, cfg = self.reg, self.config
-        keys = PrefixKeys(req.keyspace, req.tokens, reg.chunk_tokens)
+        keys = req.prefix_keys(reg.chunk_tokens)
         in_place = tier.window_source(keys, cfg.fetch_timeout_s)
         if in_place is not None:
             return self._run_in_place(req, num_chunks, installer, report, in_place)
@@ -347,7 +359,7 @@ class BoundedRestorer:
                     loop.restore(plan_windows(num_chunks, w, cfg.pipeline_depth, first), source,
                                  installer.install)
                     report.ok = True
-                    report.committed_tokens = num_chunks * reg.chunk_tokens
+                    report.committed_tokens = req.end_tokens or num_chunks * reg.chunk_tokens
                 except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
                     cause = e.cause if isinstance(e, WindowFailed) else e
                     report.error = f"{type(cause).__name__}: {cause}"

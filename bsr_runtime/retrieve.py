@@ -57,12 +57,16 @@ def request_block_ids(reg: Registration, block_tables: Sequence[torch.Tensor | S
 
 @dataclass
 class ProbeDecision:
-    """The probe decision: N chunks on tier `tier_index` (None: no tier holds chunk 0)."""
+    """The probe decision: N chunks on tier `tier_index` (None: no tier holds chunk 0). A prefix may
+    end inside its last chunk (`num_tokens`), and that chunk may be the prompt's tail object (the
+    `tail_tokens` tokens past its last whole chunk: PrefixKeys' tail)."""
 
     num_chunks: int
     tier_index: int | None
     tier: str
     probes: list[tuple[str, int | str]] = field(default_factory=list)  # (tier, prefix chunks | error)
+    num_tokens: int | None = None  # the prefix's tokens (None: num_chunks whole chunks)
+    tail_tokens: int = 0
 
 
 @dataclass
@@ -282,7 +286,7 @@ class Retriever:
             probed = None
             if pos > 0 or plan_tier is None:  # fallback tiers must hold the SAME complete prefix
                 try:
-                    probed = probe_prefix(tier, PrefixKeys(req.keyspace, req.tokens, reg.chunk_tokens),
+                    probed = probe_prefix(tier, req.prefix_keys(reg.chunk_tokens),
                                           num_chunks).prefix_chunks
                 except TierError as e:
                     if isinstance(e, TierUnavailableError):

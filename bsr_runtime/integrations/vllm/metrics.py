@@ -13,6 +13,7 @@ front end, rebuilds it there (`build_kv_connector_stats`) and hands it to `BSRPr
                                               queueing for a loader thread and for the byte budget, fetch,
                                               install, agreement, ...), summed over every load
     vllm:bsr_restored_tokens_total            tokens exposed by committed loads
+    vllm:bsr_recomputed_tokens_total          prompt tokens prefilled after a committed load's prefix (its tail)
     vllm:bsr_restore_windows_total            windows of committed loads
     vllm:bsr_restore_seconds                  histogram: restore time of every load (committed or not)
     vllm:bsr_restored_bytes_total             bytes of committed loads, summed over TP ranks
@@ -67,6 +68,7 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "loads_committed": ("BSR connector: loads that committed (restored prefix exposed).", None),
     "loads_failed": ("BSR connector: loads that failed closed (prefix recomputed), by cause.", "cause"),
     "restored_tokens": ("BSR connector: tokens restored by committed loads.", None),
+    "recomputed_tokens": ("BSR connector: prompt tokens prefilled after the prefix committed loads restored.", None),
     "restore_windows": ("BSR connector: windows of committed loads.", None),
     "restored_bytes": ("BSR connector: bytes restored by committed loads, all TP ranks.", None),
     "saved_chunks": ("BSR connector: 256-token chunks stored into a tier.", None),
@@ -174,6 +176,7 @@ class LoadSaveStats:
                 if first_rank:
                     s.add("loads_committed", 1)
                     s.add("restored_tokens", r["exposed_tokens"])
+                    s.add("recomputed_tokens", r.get("recomputed_tokens", 0))
                     s.add("restore_windows", r["windows"])
             elif first_rank:
                 s.add("loads_failed", 1, failure_cause(r.get("error")))

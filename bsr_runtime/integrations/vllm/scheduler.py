@@ -46,6 +46,8 @@ class _Tracked:
     num_chunks: int  # complete prompt chunks
     salt: str
     features: tuple[tuple[int, int, str], ...]
+    tail_tokens: int = 0  # the prompt's tail saved after its whole chunks (whole blocks; 0: none)
+    tail_saved: bool = False
     computed: int = 0
     saved_chunks: int = 0  # chunks 0..saved_chunks-1 went out in SaveSpecs (or were loaded from a tier)
     overwrite: bool = False
@@ -59,7 +61,8 @@ class SchedulerSide:
         self.block_ids_of = block_ids_of  # request id -> its current block ids per group (vLLM's)
         self.load_async = cfg.load_async
         self.planner = Planner(reg, tiers, tp_world=tp_world, salt=cfg.salt, model=model, probe_all_ranks=True,
-                               probe_timeout_s=cfg.probe_timeout_s, key_inputs=VllmKeyInputs())
+                               probe_timeout_s=cfg.probe_timeout_s, key_inputs=VllmKeyInputs(),
+                               restore_tail=cfg.restore_tail)
         self._refused_taken: dict[str, int] = {}  # planner.stats.refused at the last take_stats()
         self.inflight: dict[str, tuple[int, set[int]]] = {}  # request -> (chunks, blocks) of its load
         self._tracked: dict[str, _Tracked] = {}
@@ -110,9 +113,11 @@ class SchedulerSide:
             tokens = request.prompt_token_ids or ()
             ct = self.reg.chunk_tokens
             n = len(tokens) // ct
+            align = self.planner.tail_align
+            tail = (len(tokens) - n * ct) // align * align if self.cfg.restore_tail and n else 0
             if n > 0:
                 inputs = self.planner.inputs(request)
-                self._tracked[rid] = _Tracked(list(tokens[: n * ct]), n, inputs.salt, inputs.features)
+                self._tracked[rid] = _Tracked(list(tokens[: n * ct + tail]), n, inputs.salt, inputs.features, tail)
 
     def _keyable(self, request) -> bool:
         """False for a request whose inputs BSR cannot key (the planner counts it, once per request)."""
@@ -147,7 +152,8 @@ class SchedulerSide:
             self.events.append(("load", spec.request_id))
             t = self._tracked.get(spec.request_id)
             if t is not None:  # the tier holds what it restores; a failed load resets this
-                t.saved_chunks = max(t.saved_chunks, spec.num_chunks)
+                t.saved_chunks = max(t.saved_chunks, min(spec.num_chunks, t.num_chunks))
+                t.tail_saved = t.tail_saved or bool(spec.tail_tokens)
         for new in so.scheduled_new_reqs:
             if new.req_id not in load_ids:
                 self._running(new.req_id)
@@ -176,12 +182,16 @@ class SchedulerSide:
             sched = so.num_scheduled_tokens.get(rid)
             if sched is None:
                 continue
-            done = min(t.num_chunks, (t.computed + sched) // self.reg.chunk_tokens)
-            if done <= t.saved_chunks:
-                continue
-            saves.append(SaveSpec(rid, t.tokens, done, block_lists(self.block_ids_of(rid)), t.salt, t.overwrite,
-                                  t.saved_chunks, t.features))
-            t.saved_chunks = done
+            ct, upto = self.reg.chunk_tokens, t.computed + sched
+            done = min(t.num_chunks, upto // ct)
+            if done > t.saved_chunks:
+                saves.append(SaveSpec(rid, t.tokens, done, block_lists(self.block_ids_of(rid)), t.salt, t.overwrite,
+                                      t.saved_chunks, t.features))
+                t.saved_chunks = done
+            if t.tail_tokens and not t.tail_saved and done == t.num_chunks and upto >= len(t.tokens):
+                saves.append(SaveSpec(rid, t.tokens, t.num_chunks + 1, block_lists(self.block_ids_of(rid)), t.salt,
+                                      t.overwrite, t.num_chunks, t.features, t.tail_tokens))
+                t.tail_saved = True
         return saves
 
     def _running(self, rid: str) -> None:
@@ -204,7 +214,7 @@ class SchedulerSide:
                 del self.inflight[rid]
                 t = self._tracked.get(rid)
                 if t is not None:  # saved again as the recompute goes, every chunk rewritten
-                    t.saved_chunks, t.overwrite = 0, True
+                    t.saved_chunks, t.overwrite, t.tail_saved = 0, True, False
 
     def request_finished(self, request, block_ids) -> tuple[bool, None]:
         """Teardown. The blocks may be freed at once: saves gather during the step, loads of an aborted

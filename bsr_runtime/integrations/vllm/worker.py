@@ -133,7 +133,12 @@ class WorkerSide:
         rec = {"role": "worker", "rank": self.tp_rank, "event": "load", "request_id": outcome.request_id,
                "committed": outcome.committed, "cancelled": result.cancelled, "num_chunks": outcome.num_chunks,
                "local_tokens": result.spec.local_tokens,
-               "exposed_tokens": outcome.exposed_tokens, "served_by": outcome.served_by,
+               "exposed_tokens": min(outcome.exposed_tokens, result.spec.num_tokens or outcome.exposed_tokens),
+               "tail_tokens": result.spec.tail_tokens,
+               # prompt tokens prefilled after the restored prefix (vLLM's own prefix cache leaves 1 to 63)
+               "recomputed_tokens": len(result.spec.tokens) - (result.spec.num_tokens or
+                                                               outcome.num_chunks * self.reg.chunk_tokens),
+               "served_by": outcome.served_by,
                "tiers_tried": outcome.tiers_tried, "invalid_blocks": outcome.invalid_blocks,
                "total_blocks": outcome.total_blocks,
                "peak_staging_bytes": max((a.peak_staging_bytes for a in outcome.attempts), default=0),
@@ -160,7 +165,7 @@ class WorkerSide:
                 continue  # its blocks hold a failed load; the scheduler saves it again after the recompute
             try:
                 self.saver.save(spec.request_id, spec.tokens, spec.first_chunk, spec.num_chunks, spec.block_ids,
-                                spec.salt, spec.overwrite, spec.features)
+                                spec.salt, spec.overwrite, spec.features, spec.tail_tokens)
             except Exception as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
                 log.warning("BSR: save of %s failed: %s: %s", spec.request_id, type(e).__name__, e)
                 self._record_save({"event": "save", "request_id": spec.request_id, "ok": False, "stored": 0,
