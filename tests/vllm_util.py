@@ -173,3 +173,14 @@ def step_until(llm, done, timeout_s: float = 120.0) -> dict:
 
 def run_all(llm, timeout_s: float = 120.0) -> dict:
     return step_until(llm, lambda: not llm.llm_engine.has_unfinished_requests(), timeout_s)
+
+
+def flip_byte(path: str, from_end: int = 500, mask: int = 0x10) -> None:
+    """Damage an object file in place: one payload byte, `from_end` bytes before its end, flipped."""
+    import os
+
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - from_end)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ mask]))

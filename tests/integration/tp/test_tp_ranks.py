@@ -11,12 +11,9 @@ own Mooncake client on a real mooncake_master of the module's own, its own objec
 
 from __future__ import annotations
 
-import json
-import time
-
 import pytest
-import torch.multiprocessing as mp
 import tp_worker
+from tp_util import run_ranks
 
 from bsr_harness.mooncake_launcher import free_port
 
@@ -36,29 +33,9 @@ def store_host(module_mooncake_master):
 
 
 def _spawn(mode: str, master, tmp_path, world: int = 2) -> tuple[dict[int, dict], list[int]]:
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=tp_worker.rank_main,
-                         args=(r, world, port, mode, master.master_address, master.metadata_server, str(tmp_path),
-                               AGREE_TIMEOUT_S), daemon=False)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + JOIN_S
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-        p.join(10)
-    assert not hung, f"{mode}: ranks still running after {JOIN_S}s"
-    results = {}
-    for r in range(world):
-        f = tmp_path / f"rank{r}.json"
-        if f.exists():
-            results[r] = json.loads(f.read_text())
-            assert "exception" not in results[r], results[r]["exception"]
-    return results, [p.exitcode for p in procs]
+    args = (world, port, mode, master.master_address, master.metadata_server, str(tmp_path), AGREE_TIMEOUT_S)
+    return run_ranks(tp_worker.rank_main, lambda r: (r, *args), world, tmp_path, JOIN_S, mode)
 
 
 def test_commit_needs_every_rank(module_mooncake_master, store_host, tmp_path):

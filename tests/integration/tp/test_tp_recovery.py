@@ -9,12 +9,9 @@ tier of its own objects (tests/tp_recovery_worker.py). No Mooncake: the ranks' o
 
 from __future__ import annotations
 
-import json
-import time
-
 import pytest
-import torch.multiprocessing as mp
 import tp_recovery_worker
+from tp_util import run_ranks
 
 from bsr_harness.mooncake_launcher import free_port
 
@@ -25,24 +22,9 @@ JOIN_S = 60
 def ranks(tmp_path_factory) -> dict[int, dict]:
     """Both ranks run every scenario once (one spawn for the module's tests)."""
     outdir = tmp_path_factory.mktemp("tp-recovery")
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=tp_recovery_worker.rank_main, args=(r, 2, port, str(outdir)), daemon=False)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + JOIN_S
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-        p.join(10)
-    assert not hung, f"ranks still running after {JOIN_S}s"
-    results = {}
-    for r in range(2):
-        results[r] = json.loads((outdir / f"rank{r}.json").read_text())
-        assert "exception" not in results[r], results[r]["exception"]
+    results, _ = run_ranks(tp_recovery_worker.rank_main, lambda r: (r, 2, port, str(outdir)), 2, outdir, JOIN_S)
+    assert set(results) == {0, 1}, "a rank left no results"
     return results
 
 

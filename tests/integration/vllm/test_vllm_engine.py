@@ -12,7 +12,6 @@ test_mooncake_deployment and test_vllm_repair).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -39,18 +38,6 @@ PROMPTS = {  # name -> (token count, seed): whole chunks plus a partial one
     **{f"c{i}": ((3 + i) * U.CHUNK + 11, 10 + i) for i in range(8)},
 }
 A_TOKENS = 64  # the co-running request A decodes this many tokens
-
-
-@pytest.fixture(scope="module")
-def engines():
-    e = U.Engines()
-    yield e
-    e.close()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return U.build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -159,12 +146,7 @@ def test_restore_fs_windowed(engines, model, served, cold, prompts):
 
 
 def _flip_byte(tier, key: str) -> None:
-    path = tier.path_of(key)
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - 1000)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x40]))
+    U.flip_byte(tier.path_of(key), 1000, 0x40)
 
 
 def test_fail_closed_flipped_and_dropped(engines, model, served, cold, prompts):

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
@@ -56,11 +55,7 @@ def _lmcache_object_path(llm, tokens, chunk: int) -> str:
 
 
 def _flip_payload_byte(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - 500)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    U.flip_byte(path)
 
 
 def test_lmcache_fs_damaged_object_is_repaired_by_the_recompute(model, tokens, cold, tmp_path):

@@ -16,8 +16,6 @@ filesystem tier): what a load may touch and what a key must cover.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -33,18 +31,6 @@ P_TOKENS = 4 * U.CHUNK + 40  # prompt of the loading request: 4 whole chunks (al
 SHARED = 6 * U.BLOCK_SIZE
 OWN_BLOCKS = (2 * U.CHUNK - SHARED) // U.BLOCK_SIZE + 2 * U.CHUNK // U.BLOCK_SIZE  # chunk 1 past the hit, chunks 2-3
 A_MAX_TOKENS = 40
-
-
-@pytest.fixture(scope="module")
-def engines():
-    e = U.Engines()
-    yield e
-    e.close()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return U.build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +76,7 @@ def _replace_objects(llm, tokens, chunks: range) -> None:
 def _flip_objects(llm, tokens, chunks: range) -> None:
     tier = U.worker_connector().worker.tiers[0]
     for key in U.prefix_keys(U.scheduler_connector(llm).scheduler, tokens, chunks.stop)[chunks.start:]:
-        path = tier.path_of(key)
-        with open(path, "r+b") as f:
-            f.seek(os.path.getsize(path) - 500)
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ 0x10]))
+        U.flip_byte(tier.path_of(key))
 
 
 def _running_beside_a_load(llm, prompts, *, before_load=None):

@@ -23,8 +23,7 @@ UNALIGNED = 4 * U.CHUNK + 200  # 1216 tokens: 4 chunks and a 192-token tail (3 w
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    model = U.build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+def engine(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("tier")
     llm = U.make_llm(model, U.kv_transfer([{"type": "filesystem", "root": str(root)}], window_chunks=2,
                                           restore_tail=True))
@@ -71,11 +70,7 @@ def test_a_damaged_tail_fails_closed_and_a_missing_one_falls_back_to_whole_chunk
     worker = U.worker_connector().worker
     assert worker.wait_saves(30)
     path = worker.tiers[0].path_of(_tail_key(engine, tokens, 192))
-    with open(path, "r+b") as f:  # one payload byte flipped
-        f.seek(os.path.getsize(path) - 300)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x01]))
+    U.flip_byte(path, 300, 0x01)
     U.forget_local_kv(engine)
     damaged = U.generate(engine, tokens)
     load = _last_load()
