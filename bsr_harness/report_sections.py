@@ -81,7 +81,11 @@ def _vllm_stall(figures: dict) -> dict:
                      "async_ttft_vs_goal": r["ttft_ratio_async"],
                      "standalone_beside_decode_s": r.get("standalone_beside_decode_s"),
                      "async_ttft_vs_goal_beside_decode": r.get("ttft_ratio_beside_decode"),
-                     "restored_alone_identical": r["async_alone_identical"]})
+                     "restored_alone_identical": r["async_alone_identical"],
+                     # tokens of B exposed (vLLM's num_cached_tokens): resident hit against restored (records of
+                     # 2026-12-03 on; --restore-tail restores all but the last block, as the resident hit)
+                     "resident_cached_tokens": res.get("b_cached_tokens"),
+                     "async_cached_tokens": asy.get("b_cached_tokens")})
     return {"rows": rows, "concurrency": figures.get("concurrency") or []}
 
 
@@ -139,7 +143,8 @@ _SECTIONS = [
         {"rows": ["model", "tokens", "a_median_gap_ms", "resident_max_gap_ms", "sync_max_gap_ms", "async_max_gap_ms",
                   "sync_vs_resident", "async_vs_resident", "resident_ttft_s", "async_ttft_s", "standalone_restore_s",
                   "async_restore_s", "ttft_goal_s", "async_ttft_vs_goal", "standalone_beside_decode_s",
-                  "async_ttft_vs_goal_beside_decode", "restored_alone_identical"],
+                  "async_ttft_vs_goal_beside_decode", "restored_alone_identical", "resident_cached_tokens",
+                  "async_cached_tokens"],
          "concurrency": ["model", "budget_bytes", "peak_staging_bytes", "within_budget", "outputs_equal_cold",
                          "restore_order_chunks", "short_first", "long_tokens_equal_cold",
                          "short_tokens_equal_cold"]}, _vllm_stall),
