@@ -143,7 +143,7 @@ class WorkerSide:
                "seconds": result.timings.get("restore_s", 0.0), "windows": att.windows if att else 0,
                "valid_per_group": outcome.valid_per_group, "agreed": outcome.agreed,
                "fingerprint": self.reg.fingerprint, "model": self.keyspace.model, "error": outcome.error,
-               "timings": result.timings}
+               "cause": None if outcome.cause is None else outcome.cause.value, "timings": result.timings}
         self.loads.append(rec)
         self.stats.record_load(rec)
         write_report(self.cfg.report_path, rec)
@@ -163,8 +163,10 @@ class WorkerSide:
                                 spec.salt, spec.overwrite, spec.features)
             except Exception as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
                 log.warning("BSR: save of %s failed: %s: %s", spec.request_id, type(e).__name__, e)
+                error = f"{type(e).__name__}: {e}"  # before any tier was asked: a miss in every one
                 self._record_save({"event": "save", "request_id": spec.request_id, "ok": False, "stored": 0,
-                                   "error": f"{type(e).__name__}: {e}"})
+                                   "stored_per_tier": {}, "error": error,
+                                   "failed_per_tier": {t.name: error for t in self.saver.tiers}})
         self._drain_saves()
 
     def _drain_saves(self) -> None:
