@@ -19,6 +19,7 @@ from bsr_harness.faulty_tier import FaultyTier
 from bsr_harness.testdata import POISON, block_tables, poison
 from bsr_kernels import presets
 from bsr_kernels.staging_arena import StagingArena
+from bsr_runtime.admission import ArenaAdmission
 from bsr_runtime.loader import Loader
 from bsr_runtime.planner import LoadSpec
 from bsr_runtime.restore import RestoreConfig
@@ -128,6 +129,27 @@ def test_arena_quarantine_retires_a_run_and_close_wakes_waiters():
     arena.close()
     t.join(10)
     assert not t.is_alive() and errors and "closed" in str(errors[0])
+
+
+def test_a_wait_on_a_retired_arena_goes_on_on_its_replacement():
+    """An arena retired while a window waits on it: the wait goes on, within its bound, on the arena its
+    owner put in its place; the retired one leases nothing more and is drained once its leases are back."""
+    old, new = StagingArena(16, 2), StagingArena(16, 2)
+    current = [old]
+    held = old.acquire(2)
+    admission = ArenaAdmission(old, current=lambda: current[0])
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(admission.window(32, timeout=10)))
+    t.start()
+    _queued(old, 1)
+    current[0] = new
+    old.retire()
+    t.join(10)
+    assert got and got[0].lease.pool is new
+    assert old.try_acquire(1) is None and not old.drained  # retired; its lease is still out
+    held.release()
+    got[0].release()
+    assert old.drained and new.live_bytes == 0
 
 
 # -- the loader --------------------------------------------------------------------------------
