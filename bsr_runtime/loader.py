@@ -384,6 +384,7 @@ class Loader:
                 if arena.drained:
                     for tier in self._registered:
                         tier.unregister_staging(arena.buffer)
+            self._registered.clear()
         else:
             log.warning("BSR loader: %d load(s) did not stop within %.1f s; their staging is left registered",
                         len(self._jobs), timeout_s)

@@ -50,7 +50,8 @@ class WorkerSide:
         self.load_async = cfg.load_async
         self.loader = Loader(reg, tiers, None, self.restore_config, budget_bytes=cfg.restore_budget_bytes,
                              max_restores=cfg.max_concurrent_restores, tp_rank=tp_rank, tp_world=tp_world,
-                             salt=cfg.salt, model=model, agree=agree, agree_timeout_s=cfg.agree_timeout_s)
+                             salt=cfg.salt, model=model, agree=agree, agree_timeout_s=cfg.agree_timeout_s,
+                             max_staging_retirements=cfg.max_staging_retirements)
         self.keyspace = self.loader.keyspace
         self.saver: Saver | None = None
         save_tiers = [tiers[i] for i in cfg.save_tiers]
