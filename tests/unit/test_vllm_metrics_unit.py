@@ -5,6 +5,7 @@ exported to Prometheus. Expected values are written out from the records. The re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pickle
 import time
@@ -174,6 +175,26 @@ def test_a_load_that_skipped_a_tier_in_cooldown_is_counted_unavailable(tmp_path)
         first, second = _load_labels(scene, loader, 2)
         assert first == {"unavailable": 1}
         assert second == {"unavailable": 1}
+    finally:
+        loader.close(5)
+        scene.close()
+
+
+def test_a_load_whose_input_is_refused_is_counted_bad_input(tmp_path):
+    """Block tables for one group fewer than the registration has: the load is refused before any byte
+    moves and counted `bad_input` (was: `other`)."""
+    scene = TwoTiers(tmp_path)
+    loader = scene.loader()
+    try:
+        spec = scene.spec(0)
+        loader.submit(dataclasses.replace(spec, block_ids=spec.block_ids[:-1]))
+        end = time.monotonic() + 30
+        while not (results := loader.take_finished()):
+            assert time.monotonic() < end, "the load never finished"
+            loader.wait_finished(0.5)
+        worker = _worker(loader, scene.reg)
+        WorkerSide._report_load(worker, results[0])
+        assert worker.stats.take().data["counters"]["loads_failed"] == {"bad_input": 1}
     finally:
         loader.close(5)
         scene.close()
