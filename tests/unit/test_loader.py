@@ -461,13 +461,13 @@ def test_a_read_that_never_lands_does_not_fail_every_later_load(tmp_path):
     gate = threading.Event()
     try:
         stuck = _late_read_fails_closed(scene, loader, gate)
-        assert loader.arena is not stuck and loader.staging_retirements == 1
         for i in (1, 2):
             t0 = time.monotonic()
             loader.submit(scene.spec(i))
             (later,) = _wait_all(loader, 1, timeout=10)
             assert later.outcome.committed and scene.restored(i), later.outcome.error
             assert time.monotonic() - t0 < 1.5  # not after a wait for staging
+        assert loader.arena is not stuck and loader.staging_retirements == 1
         assert stuck.buffer.data_ptr() in scene.tier.registered  # its read may still land: kept registered
         gate.set()  # the read lands at last
         _settled(stuck)
