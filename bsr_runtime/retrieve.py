@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -96,9 +96,18 @@ class Attempt:
     install_s = _from_report("install_s", 0.0)
     sync_s = _from_report("sync_s", 0.0)
 
+    _FIGURES = ("windows", "windows_installed", "failed_window", "peak_staging_bytes", "prepare_s", "admit_s",
+                "submit_s", "fetch_s", "install_s", "sync_s")
+
     @classmethod
     def from_report(cls, rep: RestoreReport, probed: int | None, seconds: float) -> Attempt:
         return cls(rep.tier, rep.ok, probed, rep.error, rep.cause, seconds, rep)
+
+    def to_dict(self) -> dict:
+        """Flat: what was tried and its restore's figures (the report itself is RestoreReport.to_dict)."""
+        out = {"tier": self.tier, "ok": self.ok, "probed_chunks": self.probed_chunks, "error": self.error,
+               "cause": self.cause, "seconds": self.seconds}
+        return out | {name: getattr(self, name) for name in self._FIGURES}
 
 
 @dataclass
@@ -190,7 +199,7 @@ class RetrieveOutcome:
                 "exposed_tokens": self.exposed_tokens, "served_by": self.served_by,
                 "invalid_block_ids": [sorted(s) for s in self.invalid_block_ids],
                 "block_ids": [sorted(s) for s in self.block_ids], "valid_per_group": self.valid_per_group,
-                "agreed": self.agreed, "attempts": [asdict(a) for a in self.attempts], "error": self.error,
+                "agreed": self.agreed, "attempts": [a.to_dict() for a in self.attempts], "error": self.error,
                 "cause": self.cause, "outcome": self.outcome}
 
 
