@@ -18,12 +18,20 @@ it answers True (a cancelled request must not wait for staging it no longer need
 because a late writer may still land there (`quarantine(lease, settled)`) comes back once `settled`
 says the writer stopped: one watcher thread per quarantined run (at most one per chunk), so a read that
 lands late costs its staging only until it lands, not for the life of the worker.
+
+A read that never lands keeps its run for good; once quarantined runs leave no room for a window
+(`can_hold`), the owner (bsr_runtime/loader.py) retires the arena (`retire`: waiters raise
+StagingArenaRetired and wait again on the replacement, nothing new is leased here) and allocates a
+replacement. A retired arena is `drained` once its leases came back and its quarantined runs settled;
+only then may its buffer be unregistered from the tiers. `stuck_reason`, once set, ends a wait for a
+run the quarantine leaves no room for at once (StagingExhausted), instead of at the wait's bound.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -32,16 +40,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .staging_pool import CompletionEvent, LeasedChunks, StagingBuffer
+from .staging_pool import CompletionEvent, LeasedChunks, StagingBuffer, StagingWaitTimeout
 
 log = logging.getLogger(__name__)
 
 STOP_POLL_S = 0.02  # how often a waiter given `should_stop` asks it (the cancel latency of a staging wait)
 SETTLE_POLL_S = 0.5  # how often a quarantine watcher checks whether the arena closed
+_FREE, _LIVE, _QUARANTINED = 1, 0, 2  # a chunk's state (`_state`)
 
 
 class StagingWaitCancelled(RuntimeError):
     """`acquire` ended because its `should_stop` answered True (the request was cancelled)."""
+
+
+class StagingArenaRetired(RuntimeError):
+    """The arena was retired (`retire`) while the caller waited: wait on its replacement."""
+
+
+class StagingExhausted(RuntimeError):
+    """Runs quarantined behind reads that never landed leave no room for the window, and the owner will
+    not replace the arena again (`stuck_reason`)."""
 
 
 @dataclass
@@ -75,7 +93,7 @@ class StagingArena(StagingBuffer):
                  device: str | torch.device = "cpu", pin_memory: bool | None = None) -> None:
         super().__init__("staging arena", chunk_bytes, capacity_chunks, headroom, device, pin_memory)
         self.prefault()  # shared by every restore of a worker for its lifetime
-        self._free = bytearray(b"\x01") * capacity_chunks  # 1: chunk free
+        self._state = bytearray([_FREE]) * capacity_chunks
         self._quarantined = 0
         self._live = 0
         self._peak = 0
@@ -83,7 +101,11 @@ class StagingArena(StagingBuffer):
         self._queue: deque[int] = deque()
         self._tickets = itertools.count()
         self._closed = False
+        self._retired = False
         self.max_wait_s = 0.0
+        # called (with this arena, on the thread that quarantined, outside the lock) after a run was quarantined
+        self.on_quarantine: Callable[[StagingArena], None] | None = None
+        self.stuck_reason: str | None = None  # set by the owner: why no replacement comes (StagingExhausted)
 
     # -- meters ----------------------------------------------------------------------------
     @property
@@ -104,6 +126,22 @@ class StagingArena(StagingBuffer):
         with self._cond:
             return len(self._queue)
 
+    @property
+    def retired(self) -> bool:
+        return self._retired
+
+    @property
+    def drained(self) -> bool:
+        """No lease out and no quarantined run: nothing can still write into the buffer."""
+        with self._cond:
+            return self._live == 0 and self._quarantined == 0
+
+    def can_hold(self, num_chunks: int) -> bool:
+        """Whether a run of `num_chunks` chunks could still be leased once every live lease came back
+        (quarantined runs may never come back)."""
+        with self._cond:
+            return self._can_hold(num_chunks)
+
     def reset_peak(self) -> None:
         with self._cond:
             self._peak = self._live
@@ -112,8 +150,9 @@ class StagingArena(StagingBuffer):
     def acquire(self, num_chunks: int, timeout: float | None = None,
                 should_stop: Callable[[], bool] | None = None) -> ArenaLease:
         """Lease a run of `num_chunks` chunks, first come first served, waiting up to `timeout`
-        (TimeoutError) or until `should_stop()` answers True (StagingWaitCancelled, asked every
-        STOP_POLL_S). ValueError if the arena can never hold that many."""
+        (StagingWaitTimeout) or until `should_stop()` answers True (StagingWaitCancelled, asked every
+        STOP_POLL_S). ValueError if the arena can never hold that many; StagingArenaRetired once it is
+        retired; StagingExhausted when quarantined runs leave no room and `stuck_reason` is set."""
         self._check(num_chunks)
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
@@ -122,18 +161,16 @@ class StagingArena(StagingBuffer):
             self._queue.append(ticket)
             try:
                 while True:
-                    if self._closed:
-                        raise RuntimeError("staging arena closed")
-                    if should_stop is not None and should_stop():
-                        raise StagingWaitCancelled(f"cancelled while waiting for staging for {num_chunks} chunks")
+                    self._check_open(num_chunks, should_stop)
                     first = self._find(num_chunks) if self._queue[0] == ticket else None
                     if first is not None:
                         lease = self._take(first, num_chunks)
                         break
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
-                        raise TimeoutError(f"no staging for {num_chunks} chunks within {timeout}s "
-                                           f"({self._live}/{self.capacity_chunks} chunks live)")
+                        raise StagingWaitTimeout(f"no staging for {num_chunks} chunks within {timeout}s ("
+                                                 f"{self._live}/{self.capacity_chunks} chunks live, "
+                                                 f"{self._quarantined} quarantined behind reads not landed)")
                     if should_stop is not None:  # nothing notifies a cancel: ask again soon
                         remaining = STOP_POLL_S if remaining is None else min(remaining, STOP_POLL_S)
                     self._cond.wait(remaining)
@@ -147,7 +184,7 @@ class StagingArena(StagingBuffer):
         """A run at once, or None (also when others are waiting: nobody is overtaken)."""
         self._check(num_chunks)
         with self._cond:
-            if self._closed or self._queue:
+            if self._closed or self._retired or self._queue:
                 return None
             first = self._find(num_chunks)
             return None if first is None else self._take(first, num_chunks)
@@ -159,7 +196,7 @@ class StagingArena(StagingBuffer):
             if lease.recorded and not lease.synchronized:
                 raise RuntimeError("staging released before the work recorded on it was synchronized")
             lease.released = True
-            self._free[lease.first : lease.first + lease.num_chunks] = b"\x01" * lease.num_chunks
+            self._mark(lease, _FREE)
             self._live -= lease.num_chunks
             self._cond.notify_all()
 
@@ -171,11 +208,14 @@ class StagingArena(StagingBuffer):
             if lease.released:
                 return
             lease.released = True
+            self._mark(lease, _QUARANTINED)
             self._live -= lease.num_chunks
             self._quarantined += lease.num_chunks
             self._cond.notify_all()
         if settled is not None:
             threading.Thread(target=self._watch, args=(lease, settled), name="bsr-quarantine", daemon=True).start()
+        if self.on_quarantine is not None:
+            self.on_quarantine(self)
 
     def _watch(self, lease: ArenaLease, settled: Callable[[float], bool]) -> None:
         """Give a quarantined run back once its writer settled; give up when the arena closes."""
@@ -187,8 +227,15 @@ class StagingArena(StagingBuffer):
             log.exception("staging arena: a quarantined run's writer could not be asked; the run stays retired")
             return
         with self._cond:
-            self._free[lease.first : lease.first + lease.num_chunks] = b"\x01" * lease.num_chunks
+            self._mark(lease, _FREE)
             self._quarantined -= lease.num_chunks
+            self._cond.notify_all()
+
+    def retire(self) -> None:
+        """Lease nothing more: every waiter raises StagingArenaRetired (to wait on the replacement). Leases
+        out stay valid until released, quarantined runs are still watched (`drained`)."""
+        with self._cond:
+            self._retired = True
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -205,13 +252,31 @@ class StagingArena(StagingBuffer):
             raise ValueError(f"{num_chunks} chunks exceed the staging budget of {self.capacity_chunks} chunks "
                              f"({self.capacity_bytes:,} B)")
 
+    def _check_open(self, num_chunks: int, should_stop: Callable[[], bool] | None) -> None:
+        """Raise if a wait for `num_chunks` chunks must end now (under the lock)."""
+        if self._closed:
+            raise RuntimeError("staging arena closed")
+        if self._retired:
+            raise StagingArenaRetired("staging arena retired: wait on its replacement")
+        if should_stop is not None and should_stop():
+            raise StagingWaitCancelled(f"cancelled while waiting for staging for {num_chunks} chunks")
+        if self.stuck_reason is not None and not self._can_hold(num_chunks):
+            raise StagingExhausted(f"no staging for {num_chunks} chunks: {self._quarantined} of "
+                                   f"{self.capacity_chunks} chunks quarantined behind reads that never landed; "
+                                   f"{self.stuck_reason}")
+
+    def _can_hold(self, n: int) -> bool:
+        return re.search(b"[^\\x%02x]{%d}" % (_QUARANTINED, n), self._state) is not None
+
+    def _mark(self, lease: ArenaLease, state: int) -> None:
+        self._state[lease.first : lease.first + lease.num_chunks] = bytes([state]) * lease.num_chunks
+
     def _find(self, n: int) -> int | None:
-        run = b"\x01" * n
-        i = self._free.find(run)
+        i = self._state.find(bytes([_FREE]) * n)
         return None if i < 0 else i
 
     def _take(self, first: int, n: int) -> ArenaLease:
-        self._free[first : first + n] = b"\x00" * n
+        self._state[first : first + n] = bytes([_LIVE]) * n
         self._live += n
         self._peak = max(self._peak, self._live)
         start = first * self.chunk_stride

@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+class StagingWaitTimeout(TimeoutError):
+    """No staging for a window within the wait's bound (a pool's slot, an arena's run, a byte budget)."""
+
+
 class CompletionEvent:
     """Completion of the work that reads or writes a slot.
 
@@ -233,7 +237,7 @@ class StagingPool(StagingBuffer):
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"no staging slot free for {num_chunks} chunks within {timeout}s")
+                    raise StagingWaitTimeout(f"no staging slot free for {num_chunks} chunks within {timeout}s")
                 self._cond.wait(0.01 if remaining is None else min(0.01, remaining))
             slot.leased = True
             slot.leased_chunks = num_chunks

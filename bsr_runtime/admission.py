@@ -19,6 +19,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from bsr_kernels.staging_arena import StagingArenaRetired
+from bsr_kernels.staging_pool import StagingWaitTimeout
+
 from .validation import check_int, check_timeout
 
 
@@ -85,7 +88,7 @@ class SerialAdmission(Admission):
         timeout = check_timeout("admission timeout", timeout, allow_none=True)
         t0 = time.monotonic()
         if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-            raise TimeoutError(f"restore admission not granted within {timeout}s")
+            raise StagingWaitTimeout(f"restore admission not granted within {timeout}s")
         self.max_wait_s = max(self.max_wait_s, time.monotonic() - t0)
         try:
             yield self
@@ -144,7 +147,7 @@ class ByteBudget(Admission):
                 while self._queue[0] != ticket or self._used + nbytes > self.budget_bytes:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
-                        raise TimeoutError(f"{nbytes:,} B not granted from the budget within {timeout}s")
+                        raise StagingWaitTimeout(f"{nbytes:,} B not granted from the budget within {timeout}s")
                     self._cond.wait(remaining)
                 self._take(nbytes)
             finally:
@@ -175,26 +178,45 @@ def _check_nbytes(nbytes: object) -> int:
 
 class ArenaAdmission(Admission):
     """Windows lease their staging from one StagingArena (the byte budget B of concurrent restores).
-    A reservation carries the lease; releasing it (after the install synchronized) frees the run."""
+    A reservation carries the lease; releasing it (after the install synchronized) frees the run.
 
-    def __init__(self, arena, should_stop: Callable[[], bool] | None = None) -> None:
-        self.arena = arena
+    `current` (default: `arena` for good) names the arena to lease from now: its owner may retire an
+    arena (runs quarantined behind reads that never land) and put a replacement in its place; a wait
+    on the retired one then goes on, within the same bound, on the replacement."""
+
+    def __init__(self, arena, should_stop: Callable[[], bool] | None = None,
+                 current: Callable[[], object] | None = None) -> None:
+        self._current = current or (lambda: arena)
         self.budget_bytes = arena.capacity_bytes
         self.should_stop = should_stop  # one restore's: its wait for staging ends when it is cancelled
 
-    def _chunks(self, nbytes: int) -> int:
+    @property
+    def arena(self):
+        return self._current()
+
+    def _chunks(self, arena, nbytes: int) -> int:
         nbytes = _check_nbytes(nbytes)
-        n, rest = divmod(nbytes, self.arena.chunk_bytes)
+        n, rest = divmod(nbytes, arena.chunk_bytes)
         if rest or n == 0:
-            raise ValueError(f"a window of {nbytes:,} B is not a whole number of {self.arena.chunk_bytes:,} B chunks")
+            raise ValueError(f"a window of {nbytes:,} B is not a whole number of {arena.chunk_bytes:,} B chunks")
         return n
 
     def window(self, nbytes: int, timeout: float | None = None) -> WindowReservation:
         timeout = check_timeout("reservation timeout", timeout, allow_none=True)
-        return WindowReservation(self, nbytes, self.arena.acquire(self._chunks(nbytes), timeout, self.should_stop))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            arena = self.arena
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return WindowReservation(self, nbytes, arena.acquire(self._chunks(arena, nbytes), remaining,
+                                                                     self.should_stop))
+            except StagingArenaRetired:
+                if self.arena is arena:  # retired with no replacement: nothing to wait on
+                    raise
 
     def try_window(self, nbytes: int) -> WindowReservation | None:
-        lease = self.arena.try_acquire(self._chunks(nbytes))
+        arena = self.arena
+        lease = arena.try_acquire(self._chunks(arena, nbytes))
         return None if lease is None else WindowReservation(self, nbytes, lease)
 
     def reserve(self, nbytes: int, timeout: float | None = None) -> None:

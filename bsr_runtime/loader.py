@@ -24,6 +24,13 @@ Bounded, and every way out reports (docs/reliability.md, class 7): a window wait
 request is cancelled; a submit that is refused takes no agreement turn (the agreement thread waits for
 every turn handed out); a BaseException out of a restore is reported as a failed load before it is
 re-raised; the agreement thread outlives any one load's failure.
+
+A read that never lands: its run stays quarantined (StagingArena). Once quarantined runs leave the arena
+no room for one window, the loader retires it and allocates a replacement of B bytes, registered with
+the tiers; the retired arena is kept (with its registration) until every late read in it landed, and
+only then unregistered and dropped, or forever. Memory: one extra B per such episode, at most
+`max_staging_retirements` of them (DEFAULT_STAGING_RETIREMENTS); past that, a load that finds no room
+fails at once (StagingExhausted, cause `staging`) until the reads land or the worker restarts.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from bsr_kernels import Registration
 from bsr_kernels.staging_arena import StagingArena
 
 from . import commit
+from .causes import FailureCause, cause_of
 from .keys import KeySpace
 from .plan import slot_sizes
 from .planner import LoadSpec
@@ -58,6 +66,8 @@ log = logging.getLogger(__name__)
 # staging another restore never gives back (a writer that never lands) must fail this load closed,
 # not hold it, and the request waiting on it, forever
 DEFAULT_STAGING_WAIT_S = 30.0
+# arenas replaced for reads that never landed, at most (each costs B bytes more until its reads land)
+DEFAULT_STAGING_RETIREMENTS = 2
 
 
 @dataclass
@@ -92,7 +102,8 @@ class Loader:
                  config: RestoreConfig, *, budget_bytes: int | None = None, max_restores: int = 8,
                  tp_rank: int = 0, tp_world: int = 1, salt: str = "", model: str = "",
                  agree: AgreeFn | None = None, agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S,
-                 unavailable_cooldown_s: float = 30.0, make_installer=None) -> None:
+                 unavailable_cooldown_s: float = 30.0, make_installer=None,
+                 max_staging_retirements: int = DEFAULT_STAGING_RETIREMENTS) -> None:
         if config.window_chunks <= 0:
             raise ValueError("background loads need W > 0 (the whole-plan path W = 0 has no window to bound)")
         if config.admission_timeout_s is None:
@@ -112,13 +123,18 @@ class Loader:
                              f"pipeline depth {config.pipeline_depth}): raise B to at least "
                              f"{window * reg.chunk_bytes:,} B")
         self.max_restores = check_int("max_restores", max_restores, lo=1)
-        self.arena = StagingArena(reg.chunk_bytes, budget_chunks, headroom=FETCH_HEADROOM)
+        self.max_staging_retirements = check_int("max_staging_retirements", max_staging_retirements, lo=0)
+        self.staging_retirements = 0  # arenas retired so far
+        self._window_chunks = window
+        self._arena_lock = threading.Lock()
+        self._retired: list[StagingArena] = []  # retired arenas whose late reads have not all landed
+        self.arena = self._new_arena(budget_chunks)
         kw = {} if make_installer is None else {"make_installer": make_installer}
         restorer = BoundedRestorer(reg, config, arena=self.arena, **kw)
         self.retriever = Retriever(reg, tiers, restorer=restorer, agree=agree, agree_timeout_s=agree_timeout_s,
                                    unavailable_cooldown_s=unavailable_cooldown_s)
         self.kv: list[torch.Tensor] | None = list(kv) if kv is not None else None
-        self._registered: list[Tier] = []
+        self._registered: list[Tier] = []  # the tiers every arena's buffer is registered with
         for tier in self.retriever.tiers:
             tier.register_staging(self.arena.buffer)
             self._registered.append(tier)
@@ -143,6 +159,64 @@ class Loader:
         if len(kv) != self.reg.num_tensors:
             raise ValueError(f"{len(kv)} kv caches for {self.reg.num_tensors} registered tensors")
         self.kv = list(kv)
+
+    # -- staging: retiring an arena lost to reads that never landed ----------------------------
+    def _new_arena(self, chunks: int) -> StagingArena:
+        arena = StagingArena(self.reg.chunk_bytes, chunks, headroom=FETCH_HEADROOM)
+        arena.on_quarantine = self._on_quarantine
+        return arena
+
+    def _on_quarantine(self, arena: StagingArena) -> None:
+        """A run was quarantined (on the restore thread that gave up on its read). Never raises: it runs in
+        that restore's clean-up."""
+        try:
+            self._replace_if_stuck(arena)
+        except Exception:  # noqa: BLE001 - no replacement: loads wait for the reads, bounded as before
+            log.exception("BSR loader: the staging arena could not be replaced")
+
+    def _replace_if_stuck(self, arena: StagingArena) -> None:
+        """Retire `arena` and put a new one of B bytes in its place once its quarantined runs leave no room
+        for one window; past the bound, mark it stuck instead (loads that find no room fail at once)."""
+        with self._arena_lock:
+            if arena is not self.arena or self._closed or arena.can_hold(self._window_chunks):
+                return
+            if self.staging_retirements >= self.max_staging_retirements:
+                arena.stuck_reason = (f"the loader replaced its staging {self.staging_retirements} time(s) already "
+                                      f"(max_staging_retirements); loads fail until the reads land")
+                log.error("BSR loader: staging lost to reads that never landed and not replaced again: %s",
+                          arena.stuck_reason)
+                return
+            replacement = self._new_arena(arena.capacity_chunks)
+            self._register(replacement)
+            self.staging_retirements += 1
+            self._retired.append(arena)
+            self.arena = self.retriever.restorer.arena = replacement
+        arena.retire()  # its waiters wait on the replacement
+        log.warning("BSR loader: %d staging chunks quarantined behind reads that never landed; staging replaced "
+                    "(%d of at most %d times, %s B more until they land)", arena.quarantined_chunks,
+                    self.staging_retirements, self.max_staging_retirements, f"{arena.capacity_bytes:,}")
+
+    def _register(self, arena: StagingArena) -> None:
+        """Register `arena` with every tier, or with none (a failure undoes what was done)."""
+        done: list[Tier] = []
+        try:
+            for tier in self._registered:
+                tier.register_staging(arena.buffer)
+                done.append(tier)
+        except BaseException:
+            for tier in done:
+                tier.unregister_staging(arena.buffer)
+            raise
+
+    def _sweep_retired(self) -> None:
+        """Drop the retired arenas whose late reads all landed: only then is unregistering them safe."""
+        with self._arena_lock:
+            drained = [a for a in self._retired if a.drained]
+            self._retired = [a for a in self._retired if a not in drained]
+        for arena in drained:
+            arena.close()
+            for tier in self._registered:
+                tier.unregister_staging(arena.buffer)
 
     # -- background ------------------------------------------------------------------------
     def submit(self, spec: LoadSpec) -> None:
@@ -238,8 +312,7 @@ class Loader:
                     raise
                 log.error("BSR: agreement of %s raised %s; failed closed", job.spec.request_id, type(e).__name__,
                           exc_info=e)
-            job.local.valid_per_group = [False] * self.reg.num_groups
-            job.local.error = f"commit: {type(e).__name__}: {e}"
+            job.local.fail(f"commit: {type(e).__name__}: {e}", job.local.cause or FailureCause.AGREEMENT)
             return Retriever.finalize(job.local, False)
 
     def _finish(self, job: _Job, outcome: RetrieveOutcome) -> None:
@@ -270,6 +343,7 @@ class Loader:
     # -- the restore -----------------------------------------------------------------------
     def _restore_local(self, spec: LoadSpec, stop: threading.Event) -> LocalResult:
         """This rank's restore of one load; any exception fails it closed (every block invalid)."""
+        self._sweep_retired()
         try:
             if self.kv is None:
                 raise RuntimeError("load before register_kv_caches: no destination tensors")
@@ -302,10 +376,15 @@ class Loader:
         self._threads.shutdown(wait=stopped, cancel_futures=True)
         if self._agree_thread is not None:
             self._agree_thread.join(max(0.0, deadline - time.monotonic()))
-        self.arena.close()
-        if stopped:
-            for tier in self._registered:
-                tier.unregister_staging(self.arena.buffer)
+        with self._arena_lock:
+            arenas = [self.arena, *self._retired]
+        for arena in arenas:
+            arena.close()
+        if stopped:  # an arena with a read still out (quarantined) stays registered: it may still land there
+            for arena in arenas:
+                if arena.drained:
+                    for tier in self._registered:
+                        tier.unregister_staging(arena.buffer)
             self._registered.clear()
         else:
             log.warning("BSR loader: %d load(s) did not stop within %.1f s; their staging is left registered",
@@ -321,7 +400,7 @@ def failed_local(reg: Registration, spec: LoadSpec, error: BaseException) -> Loc
         blocks = all_block_ids(spec.block_ids, reg.num_groups)
     num_chunks = spec.num_chunks if isinstance(spec.num_chunks, int) else 0
     return LocalResult(spec.request_id, num_chunks, reg.chunk_tokens, [False] * reg.num_groups, LOCAL,
-                       blocks, error=f"load failed: {type(error).__name__}: {error}")
+                       blocks, error=f"load failed: {type(error).__name__}: {error}", cause=cause_of(error))
 
 
 def all_block_ids(block_ids, num_groups: int) -> tuple[frozenset[int], ...]:

@@ -30,6 +30,7 @@ from bsr_kernels.install import BACKENDS
 from bsr_kernels.staging_arena import StagingArena
 
 from .admission import ArenaAdmission, ByteBudget, SerialAdmission, WindowReservation
+from .causes import FailureCause, cause_of
 from .keys import KeySpace, PrefixKeys
 from .plan import Window, count_windows, plan_windows, slot_sizes
 from .tiers.base import FETCH_HEADROOM, FetchHandle, Tier
@@ -112,6 +113,7 @@ class RestoreReport:
     sync_s: float = 0.0
     total_s: float = 0.0
     error: str | None = None
+    cause: FailureCause | None = None  # why it failed (None: it did not); set with `error`
     failed_window: int | None = None
     backend: str | None = None
     tiers_tried: list[str] = field(default_factory=list)
@@ -361,9 +363,7 @@ class BoundedRestorer:
                     report.ok = True
                     report.committed_tokens = req.end_tokens or num_chunks * reg.chunk_tokens
                 except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
-                    cause = e.cause if isinstance(e, WindowFailed) else e
-                    report.error = f"{type(cause).__name__}: {cause}"
-                    report.failed_window = loop.stats.failed_window
+                    _failed(report, e, loop.stats)
                 finally:
                     if pool is not self.pool:
                         self._unregister(tier, pool.buffer)
@@ -425,16 +425,15 @@ class BoundedRestorer:
             report.ok = True
             report.committed_tokens = num_chunks * self.reg.chunk_tokens
         except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
-            cause = e.cause if isinstance(e, WindowFailed) else e
-            report.error = f"{type(cause).__name__}: {cause}"
-            report.failed_window = loop.stats.failed_window
+            _failed(report, e, loop.stats)
 
     def _admission_of(self, req: RestoreRequest):
         """The admission of one restore: over a shared arena, one that ends the restore's wait for staging
         when the request is cancelled (its loop asks only at window boundaries, and a wait is not one)."""
         if self.arena is None:
             return self.admission
-        return ArenaAdmission(self.arena, should_stop=req.should_stop)
+        # the arena leased from is the restorer's at each window: its owner may have replaced a retired one
+        return ArenaAdmission(self.arena, should_stop=req.should_stop, current=lambda: self.arena)
 
     def _retire(self, pool: StagingPool) -> None:
         """A late read may still land in `pool`: never hand it out again."""
@@ -451,6 +450,14 @@ class BoundedRestorer:
     def _unregister(self, tier: Tier, buffer: torch.Tensor) -> None:
         if self._registered.pop((id(tier), buffer.data_ptr()), None) is not None:
             tier.unregister_staging(buffer)
+
+
+def _failed(report: RestoreReport, error: Exception, stats: LoopStats) -> None:
+    """Fail the report closed with what failed it: its text, its cause, its window."""
+    failure = error.cause if isinstance(error, WindowFailed) else error
+    report.error = f"{type(failure).__name__}: {failure}"
+    report.cause = cause_of(failure)
+    report.failed_window = stats.failed_window
 
 
 def _copy_stats(report: RestoreReport, stats: LoopStats, chunk_bytes: int) -> None:

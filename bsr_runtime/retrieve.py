@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
 from bsr_kernels import Registration
 
 from . import commit
+from .causes import FailureCause, cause_of
 from .keys import KeySpace, PrefixKeys
 from .probe import probe_prefix
 from .restore import BoundedRestorer, RestoreConfig, RestoreReport, RestoreRequest
-from .tiers.base import Tier, TierError, TierUnavailableError
+from .tiers.base import Tier, TierError
 from .validation import check_duration, check_int, check_timeout
 
 LOCAL = "local"  # served_by when no tier served the prefix: the engine prefills it locally
@@ -69,31 +70,48 @@ class ProbeDecision:
     tail_tokens: int = 0
 
 
+def _from_report(name: str, default: float | int | None = 0):
+    """An Attempt's figure read from its restore report (`default` when the tier was not restored from)."""
+    return property(lambda self: default if self.report is None else getattr(self.report, name),
+                    doc=f"RestoreReport.{name} of the attempt's restore ({default!r} without one)")
+
+
 @dataclass
 class Attempt:
-    """One tier tried for the prefix: probed (fallback tiers), restored or skipped."""
+    """One tier tried for the prefix: probed (fallback tiers), restored or skipped. A restore's own
+    figures are its RestoreReport's (`report`), read through, never copied."""
 
     tier: str
     ok: bool
     probed_chunks: int | None = None  # None: not probed here (the plan tier was probed by the scheduler)
     error: str | None = None
-    windows: int = 0
-    windows_installed: int = 0
-    failed_window: int | None = None
-    peak_staging_bytes: int = 0
+    cause: FailureCause | None = None  # why it failed (None: it did not)
     seconds: float = 0.0
-    prepare_s: float = 0.0
-    admit_s: float = 0.0
-    submit_s: float = 0.0
-    fetch_s: float = 0.0
-    install_s: float = 0.0
-    sync_s: float = 0.0
+    report: RestoreReport | None = None  # the restore's record, when the tier was restored from
+
+    windows = _from_report("windows")
+    windows_installed = _from_report("windows_installed")
+    failed_window = _from_report("failed_window", None)
+    peak_staging_bytes = _from_report("peak_staging_bytes")
+    prepare_s = _from_report("prepare_s", 0.0)
+    admit_s = _from_report("admit_s", 0.0)
+    submit_s = _from_report("submit_s", 0.0)
+    fetch_s = _from_report("fetch_s", 0.0)
+    install_s = _from_report("install_s", 0.0)
+    sync_s = _from_report("sync_s", 0.0)
+
+    _FIGURES = ("windows", "windows_installed", "failed_window", "peak_staging_bytes", "prepare_s", "admit_s",
+                "submit_s", "fetch_s", "install_s", "sync_s")
 
     @classmethod
     def from_report(cls, rep: RestoreReport, probed: int | None, seconds: float) -> Attempt:
-        return cls(rep.tier, rep.ok, probed, rep.error, rep.windows, rep.windows_installed, rep.failed_window,
-                   rep.peak_staging_bytes, seconds, rep.prepare_s, rep.admit_s, rep.submit_s, rep.fetch_s,
-                   rep.install_s, rep.sync_s)
+        return cls(rep.tier, rep.ok, probed, rep.error, rep.cause, seconds, rep)
+
+    def to_dict(self) -> dict:
+        """Flat: what was tried and its restore's figures (the report itself is RestoreReport.to_dict)."""
+        out = {"tier": self.tier, "ok": self.ok, "probed_chunks": self.probed_chunks, "error": self.error,
+               "cause": self.cause, "seconds": self.seconds}
+        return out | {name: getattr(self, name) for name in self._FIGURES}
 
 
 @dataclass
@@ -108,23 +126,61 @@ class LocalResult:
     block_ids: tuple[frozenset[int], ...]
     attempts: list[Attempt] = field(default_factory=list)
     error: str | None = None
+    cause: FailureCause | None = None  # why this rank's restore failed (None: it did not)
+
+    def fail(self, error: str, cause: FailureCause) -> None:
+        """This rank's restore failed: every group invalid here."""
+        self.valid_per_group = [False] * len(self.valid_per_group)
+        self.error, self.cause = error, cause
 
 
 @dataclass
 class RetrieveOutcome:
-    """The committed (or failed-closed) result of one request on one rank."""
+    """The committed (or failed-closed) result of one request on one rank: its rank's LocalResult
+    (`local`, held, not copied) and the commit decision over it."""
 
-    request_id: str
-    num_chunks: int
+    local: LocalResult
     committed: bool
-    exposed_tokens: int  # external tokens the engine may count as computed (0 unless committed)
-    served_by: str  # tier name, or LOCAL when nothing was committed
-    invalid_block_ids: tuple[frozenset[int], ...]  # per group; every block of the request if not committed
-    block_ids: tuple[frozenset[int], ...]  # per group, every destination block of the request
-    valid_per_group: list[bool]  # this rank's q[r][.]
     agreed: bool  # the commit rule over every rank and group
-    attempts: list[Attempt] = field(default_factory=list)
     error: str | None = None
+    cause: FailureCause | None = None  # why it was not committed (None: committed)
+
+    @property
+    def request_id(self) -> str:
+        return self.local.request_id
+
+    @property
+    def num_chunks(self) -> int:
+        return self.local.num_chunks
+
+    @property
+    def exposed_tokens(self) -> int:
+        """External tokens the engine may count as computed (0 unless committed)."""
+        return self.local.num_chunks * self.local.chunk_tokens if self.committed else 0
+
+    @property
+    def served_by(self) -> str:
+        """The tier whose objects are in the blocks, or LOCAL when nothing was committed."""
+        return self.local.served_by if self.committed else LOCAL
+
+    @property
+    def block_ids(self) -> tuple[frozenset[int], ...]:
+        """Per group, every destination block of the request."""
+        return self.local.block_ids
+
+    @property
+    def invalid_block_ids(self) -> tuple[frozenset[int], ...]:
+        """Per group; every block of the request if not committed."""
+        return tuple(frozenset() for _ in self.block_ids) if self.committed else self.block_ids
+
+    @property
+    def valid_per_group(self) -> list[bool]:
+        """This rank's q[r][.]."""
+        return list(self.local.valid_per_group)
+
+    @property
+    def attempts(self) -> list[Attempt]:
+        return self.local.attempts
 
     @property
     def outcome(self) -> str:
@@ -143,11 +199,12 @@ class RetrieveOutcome:
         return [a.tier for a in self.attempts]
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["invalid_block_ids"] = [sorted(s) for s in self.invalid_block_ids]
-        d["block_ids"] = [sorted(s) for s in self.block_ids]
-        d["outcome"] = self.outcome
-        return d
+        return {"request_id": self.request_id, "num_chunks": self.num_chunks, "committed": self.committed,
+                "exposed_tokens": self.exposed_tokens, "served_by": self.served_by,
+                "invalid_block_ids": [sorted(s) for s in self.invalid_block_ids],
+                "block_ids": [sorted(s) for s in self.block_ids], "valid_per_group": self.valid_per_group,
+                "agreed": self.agreed, "attempts": [a.to_dict() for a in self.attempts], "error": self.error,
+                "cause": self.cause, "outcome": self.outcome}
 
 
 AgreeFn = Callable[..., bool]  # agree(valid_per_group, *, timeout_s, tag) -> bool
@@ -178,6 +235,11 @@ class TierSet:
     def mark_unavailable(self, tier: Tier) -> None:
         self._down_until[id(tier)] = time.monotonic() + self.unavailable_cooldown_s
 
+    def note_failure(self, tier: Tier, cause: FailureCause | None) -> None:
+        """Tier health from a failure's cause: an unreachable tier is skipped for the cooldown."""
+        if cause is FailureCause.UNAVAILABLE:
+            self.mark_unavailable(tier)
+
     def reset_health(self) -> None:
         self._down_until.clear()
 
@@ -199,8 +261,7 @@ class TierSet:
             try:
                 n = probe_prefix(tier, PrefixKeys(keyspace, tokens, self.reg.chunk_tokens), cand).prefix_chunks
             except TierError as e:
-                if isinstance(e, TierUnavailableError):
-                    self.mark_unavailable(tier)
+                self.note_failure(tier, cause_of(e))
                 best.probes.append((tier.name, f"{type(e).__name__}: {e}"))
                 continue
             best.probes.append((tier.name, n))
@@ -274,66 +335,62 @@ class Retriever:
         if plan_tier is not None:
             order.remove(plan_tier)
             order.insert(0, plan_tier)
-        errors = []
+        failures: list[tuple[str, FailureCause]] = []  # (what failed, its cause), in the order tried
         for pos, i in enumerate(order):
             if req.should_stop is not None and req.should_stop():
-                errors.append("cancelled")
+                failures.append(("cancelled", FailureCause.CANCELLED))
                 break
-            tier = self.tiers[i]
-            if not self.tier_available(tier):
-                res.attempts.append(Attempt(tier.name, False, error="skipped: unavailable (cooldown)"))
-                continue
-            probed = None
-            if pos > 0 or plan_tier is None:  # fallback tiers must hold the SAME complete prefix
-                try:
-                    probed = probe_prefix(tier, req.prefix_keys(reg.chunk_tokens),
-                                          num_chunks).prefix_chunks
-                except TierError as e:
-                    if isinstance(e, TierUnavailableError):
-                        self.mark_unavailable(tier)
-                    res.attempts.append(Attempt(tier.name, False, error=f"probe: {type(e).__name__}: {e}"))
-                    continue
-                if probed < num_chunks:
-                    res.attempts.append(Attempt(tier.name, False, probed, error=f"holds {probed}/{num_chunks} chunks"))
-                    continue
-            t0 = time.perf_counter()
-            try:
-                rep = self.restorer.restore(req, tier, num_chunks)
-            except Exception as e:  # noqa: BLE001 - bad destinations or a bug: fail closed, no retry
-                res.attempts.append(Attempt(tier.name, False, probed, error=f"{type(e).__name__}: {e}",
-                                            seconds=time.perf_counter() - t0))
-                errors.append(f"{tier.name}: {type(e).__name__}: {e}")
-                break
-            att = Attempt.from_report(rep, probed, time.perf_counter() - t0)
+            att, raised = self._attempt(req, self.tiers[i], num_chunks, probe=pos > 0 or plan_tier is None)
             res.attempts.append(att)
-            if rep.ok:
-                res.served_by = tier.name
-                res.error = None
+            if att.ok:
+                res.served_by = att.tier
                 return res
-            errors.append(f"{tier.name}: {rep.error}")
-            if rep.error and rep.error.startswith(TierUnavailableError.__name__):
-                self.mark_unavailable(tier)
+            failures.append((f"{att.tier}: {att.error}", att.cause or FailureCause.OTHER))
+            if raised:
+                break  # the restore raised: bad destinations or a bug, no other tier would do better
         # no tier restored the complete prefix: local recompute, every group invalid here
-        res.valid_per_group = [False] * reg.num_groups
-        res.error = "; ".join(errors) if errors else "no tier holds the complete prefix"
+        if not failures:
+            failures.append(("no tier holds the complete prefix", FailureCause.MISSING))
+        res.fail("; ".join(text for text, _ in failures), failures[0][1])  # the first tier tried names the cause
         return res
+
+    def _attempt(self, req: RestoreRequest, tier: Tier, num_chunks: int, probe: bool) -> tuple[Attempt, bool]:
+        """One tier tried: skipped in its cooldown, probed (a fallback tier must hold the SAME complete
+        prefix), restored; each failure with its cause, set where it was caught. True with it when the
+        restore raised (no other tier is tried then)."""
+        if not self.tier_available(tier):
+            return Attempt(tier.name, False, error="skipped: unavailable (cooldown)",
+                           cause=FailureCause.UNAVAILABLE), False
+        probed = None
+        if probe:
+            try:
+                probed = probe_prefix(tier, req.prefix_keys(self.reg.chunk_tokens),
+                                      num_chunks).prefix_chunks
+            except TierError as e:
+                self.tier_set.note_failure(tier, cause_of(e))
+                return Attempt(tier.name, False, error=f"probe: {type(e).__name__}: {e}", cause=cause_of(e)), False
+            if probed < num_chunks:
+                return Attempt(tier.name, False, probed, error=f"holds {probed}/{num_chunks} chunks",
+                               cause=FailureCause.MISSING), False
+        t0 = time.perf_counter()
+        try:
+            rep = self.restorer.restore(req, tier, num_chunks)
+        except Exception as e:  # noqa: BLE001 - bad destinations or a bug: fail closed, no retry
+            return Attempt(tier.name, False, probed, error=f"{type(e).__name__}: {e}", cause=cause_of(e),
+                           seconds=time.perf_counter() - t0), True
+        self.tier_set.note_failure(tier, rep.cause)
+        return Attempt.from_report(rep, probed, time.perf_counter() - t0), False
 
     # -- commit ----------------------------------------------------------------------------
     @staticmethod
     def finalize(local: LocalResult, agreed: bool) -> RetrieveOutcome:
-        """Apply the commit decision to one rank's result: all or nothing."""
+        """Apply the commit decision to one rank's result: all or nothing. Not committed, the cause is
+        this rank's own, else the commit rule (another rank or group was invalid)."""
         committed = bool(agreed) and all(local.valid_per_group)
-        empty = tuple(frozenset() for _ in local.block_ids)
-        error = local.error
-        if not committed and error is None:
-            error = "another rank or group was invalid (commit rule)"
-        return RetrieveOutcome(
-            request_id=local.request_id, num_chunks=local.num_chunks, committed=committed,
-            exposed_tokens=local.num_chunks * local.chunk_tokens if committed else 0,
-            served_by=local.served_by if committed else LOCAL,
-            invalid_block_ids=empty if committed else local.block_ids, block_ids=local.block_ids,
-            valid_per_group=list(local.valid_per_group), agreed=bool(agreed), attempts=local.attempts, error=error,
-        )
+        error, cause = local.error, local.cause
+        if not committed and cause is None:
+            error, cause = error or "another rank or group was invalid (commit rule)", FailureCause.COMMIT_RULE
+        return RetrieveOutcome(local, committed, bool(agreed), error, None if committed else cause)
 
     def retrieve(self, req: RestoreRequest, num_chunks: int, plan_tier: int | None = 0, *,
                  tag: int | None = None) -> RetrieveOutcome:
@@ -350,5 +407,6 @@ class Retriever:
             agreed = self.agree_fn(local.valid_per_group, timeout_s=self.agree_timeout_s, tag=tag)
         except Exception as e:  # noqa: BLE001 - an agreement that cannot be reached is a no
             local.error = (local.error + "; " if local.error else "") + f"agree: {type(e).__name__}: {e}"
+            local.cause = local.cause or FailureCause.AGREEMENT  # this rank's own failure came first
             agreed = False
         return self.finalize(local, agreed)

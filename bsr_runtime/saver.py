@@ -188,7 +188,9 @@ class Saver:
             try:
                 self._put(job)
             except BaseException as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
-                job.record.update(ok=False, error=f"{type(e).__name__}: {e}")
+                error = f"{type(e).__name__}: {e}"
+                job.record.update(ok=False, error=error, stored=0, stored_per_tier={},
+                                  failed_per_tier={t.name: error for t in self.tiers})
                 log.warning("BSR: save of %s failed: %s", job.request_id, job.record["error"])
             finally:
                 job.lease.release()
@@ -199,13 +201,17 @@ class Saver:
                         self._idle.set()
 
     def _put(self, job: _SaveJob) -> None:
+        """The job's chunks into every save tier. The record is per tier (`stored_per_tier`: chunks each
+        stored, `failed_per_tier`: why each failed); one tier down does not hide what the others stored."""
         t0 = time.perf_counter()
         chain = self._chain(job)
         keys = chain.window(job.first_chunk, job.num_chunks)
         if job.sweep_tails and not job.tail_tokens:
             self._delete_dead_tails(chain, job.first_chunk)
         views = job.lease.chunks()
-        stored, held, errors = {}, {}, []
+        stored: dict[str, int] = {}
+        held: dict[str, int] = {}  # chunks a tier held already
+        failed: dict[str, str] = {}  # a put stores every key or raises: a failed tier stored none of them
         for tier in self.tiers:
             try:
                 todo = list(range(job.num_chunks))
@@ -217,13 +223,13 @@ class Saver:
                     put_replacing(tier, [keys[i] for i in todo], [views[i] for i in todo], headroom=self.arena.headroom)
                 stored[tier.name] = len(todo)
             except (TierError, ValueError, RuntimeError, OSError) as e:
-                errors.append(f"{tier.name}: {type(e).__name__}: {e}")
-        job.record.update(ok=not errors, stored=max(stored.values(), default=0), stored_per_tier=stored,
-                          already_held=min(held.values(), default=0), gather_s=job.gather_s,
+                failed[tier.name] = f"{type(e).__name__}: {e}"
+        job.record.update(ok=not failed, stored=max(stored.values(), default=0), stored_per_tier=stored,
+                          failed_per_tier=failed, already_held=min(held.values(), default=0), gather_s=job.gather_s,
                           put_s=time.perf_counter() - t0, seconds=job.gather_s + time.perf_counter() - t0,
                           staging_bytes=job.num_chunks * self.reg.chunk_bytes)
-        if errors:
-            job.record["error"] = "; ".join(errors)
+        if failed:
+            job.record["error"] = "; ".join(f"{name}: {error}" for name, error in failed.items())
             log.warning("BSR: save of %s failed: %s", job.request_id, job.record["error"])
 
     def _chain(self, job: _SaveJob) -> PrefixKeys:

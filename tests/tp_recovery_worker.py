@@ -85,7 +85,8 @@ def _run(rank: int, world: int, outdir: Path) -> dict:
             for r in ld.take_finished():
                 if r.spec.request_id == name:
                     o = r.outcome
-                    return {"finished": True, "committed": o.committed, "agreed": o.agreed, "error": o.error}
+                    return {"finished": True, "committed": o.committed, "agreed": o.agreed, "error": o.error,
+                            "cause": None if o.cause is None else o.cause.value}
         return {"finished": False}
 
     out: dict = {}

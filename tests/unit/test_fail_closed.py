@@ -352,3 +352,29 @@ def test_hma_collapse_one_invalid_group_invalidates_every_group():
     ok = Retriever.finalize(LocalResult("r", 1, 256, [True] * 3, "mooncake", blocks), agreed=False)
     assert not ok.committed and ok.invalid_block_ids == blocks  # another rank failed
 
+
+
+def test_the_outcome_carries_the_ranks_own_cause_else_the_commit_rules():
+    """Not committed, the cause is this rank's own (corrupt here), else the commit rule (this rank valid,
+    another rank or group not), else the agreement (it raised); committed, none."""
+    from bsr_runtime.causes import FailureCause
+    from bsr_runtime.tiers import MemoryTier
+
+    reg = presets.dsv4_flash(scale=1 / 64)
+    blocks = request_block_ids(reg, [torch.tensor([3]), torch.tensor([0]), torch.tensor([2])], 1)
+
+    def local(valid: bool = True) -> LocalResult:
+        return LocalResult("r", 1, 256, [valid] * 3, "mooncake", blocks)
+
+    own = local()
+    own.fail("mooncake: CorruptObjectError: crc", FailureCause.CORRUPT)
+    assert Retriever.finalize(own, agreed=False).cause is FailureCause.CORRUPT
+    assert Retriever.finalize(local(), agreed=False).cause is FailureCause.COMMIT_RULE
+    assert Retriever.finalize(local(), agreed=True).cause is None
+
+    def broken(valid, *, timeout_s, tag):
+        raise commit.AgreementFailed("the reduction timed out")
+
+    with Retriever(reg, [MemoryTier(reg.chunk_bytes, reg.fingerprint)], agree=broken) as r:
+        out = r.commit_local(local())
+    assert not out.committed and out.cause is FailureCause.AGREEMENT and "agree: " in out.error

@@ -19,6 +19,7 @@ from bsr_harness.faulty_tier import FaultyTier
 from bsr_harness.testdata import POISON, block_tables, poison
 from bsr_kernels import presets
 from bsr_kernels.staging_arena import StagingArena
+from bsr_runtime.admission import ArenaAdmission
 from bsr_runtime.loader import Loader
 from bsr_runtime.planner import LoadSpec
 from bsr_runtime.restore import RestoreConfig
@@ -128,6 +129,27 @@ def test_arena_quarantine_retires_a_run_and_close_wakes_waiters():
     arena.close()
     t.join(10)
     assert not t.is_alive() and errors and "closed" in str(errors[0])
+
+
+def test_a_wait_on_a_retired_arena_goes_on_on_its_replacement():
+    """An arena retired while a window waits on it: the wait goes on, within its bound, on the arena its
+    owner put in its place; the retired one leases nothing more and is drained once its leases are back."""
+    old, new = StagingArena(16, 2), StagingArena(16, 2)
+    current = [old]
+    held = old.acquire(2)
+    admission = ArenaAdmission(old, current=lambda: current[0])
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(admission.window(32, timeout=10)))
+    t.start()
+    _queued(old, 1)
+    current[0] = new
+    old.retire()
+    t.join(10)
+    assert got and got[0].lease.pool is new
+    assert old.try_acquire(1) is None and not old.drained  # retired; its lease is still out
+    held.release()
+    got[0].release()
+    assert old.drained and new.live_bytes == 0
 
 
 # -- the loader --------------------------------------------------------------------------------
@@ -313,46 +335,59 @@ def test_a_budget_smaller_than_one_window_is_refused_before_anything_moves(tmp_p
 
 
 # -- a late read (issue 35, item 1) ------------------------------------------------------------
-def _late_read_fails_closed(scene: Scene, loader: Loader, gate: threading.Event):
-    """Load 0 with its read held back past its fetch timeout (and the grace after it): it fails
-    closed and its staging run is quarantined while the read may still land."""
+def _late_read_fails_closed(scene: Scene, loader: Loader, gate: threading.Event, i: int = 0) -> StagingArena:
+    """Load i with its read held back past its fetch timeout (and the grace after it): it fails closed
+    and its staging run is quarantined while the read may still land. Returns the arena it was in."""
+    arena = loader.arena
     scene.tier.plan.read_gate = gate
-    loader.submit(scene.spec(0))
+    loader.submit(scene.spec(i))
     (first,) = _wait_all(loader, 1, timeout=10)
     scene.tier.plan.read_gate = None
     assert not first.outcome.committed and "FetchTimeoutError" in (first.outcome.error or "")
-    assert loader.arena.quarantined_chunks == 2  # the whole budget: one window of W = 2
-    return first
+    assert arena.quarantined_chunks == 2  # the whole budget: one window of W = 2
+    return arena
+
+
+def _settled(arena: StagingArena, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while arena.quarantined_chunks:
+        assert time.monotonic() < end, "the quarantined run never came back"
+        time.sleep(0.01)
 
 
 def test_a_late_read_gives_its_quarantined_staging_back_when_it_lands(tmp_path):
-    """Default budget (one window): once the late read landed, the next load gets the staging back
-    and commits, instead of waiting for it forever."""
+    """Default budget (one window), no replacement arena: once the late read landed, the next load gets
+    the staging back and commits, instead of waiting for it forever."""
     scene = Scene(tmp_path, [2, 2])
-    loader = scene.loader(w=2, budget_windows=1, timeout=0.2)
+    loader = scene.loader(w=2, budget_windows=1, timeout=0.2, max_staging_retirements=0)
     gate = threading.Event()
     try:
-        _late_read_fails_closed(scene, loader, gate)
+        arena = _late_read_fails_closed(scene, loader, gate)
         gate.set()  # the read lands
+        _settled(arena)
         loader.submit(scene.spec(1))
         (second,) = _wait_all(loader, 1, timeout=10)
         assert second.outcome.committed and scene.restored(1), second.outcome.error
-        assert loader.arena.quarantined_chunks == 0 and loader.arena.live_bytes == 0
+        assert loader.arena is arena and arena.live_bytes == 0
     finally:
         gate.set()
         loader.close(5)
         scene.close()
 
 
+def _held_budget(loader: Loader):
+    """Every chunk of the budget leased (a load that holds its staging): later loads must wait."""
+    return loader.arena.acquire(loader.arena.capacity_chunks)
+
+
 def test_a_wait_for_staging_ends_on_cancel(tmp_path):
-    """The read never lands: cancel() ends a load waiting for staging at once (it never reaches a window
+    """The budget is held: cancel() ends a load waiting for staging at once (it never reaches a window
     boundary, where cancellation was asked before)."""
     scene = Scene(tmp_path, [2, 2])
     cfg = RestoreConfig(window_chunks=2, pipeline_depth=1, fetch_timeout_s=0.2, backend="cpu")
     loader = Loader(scene.reg, [scene.tier], scene.kv, cfg)  # default budget (one window), default bound
-    gate = threading.Event()
+    held = _held_budget(loader)
     try:
-        _late_read_fails_closed(scene, loader, gate)
         loader.submit(scene.spec(1))
         end = time.monotonic() + 10
         while loader.arena.waiters == 0:
@@ -365,21 +400,20 @@ def test_a_wait_for_staging_ends_on_cancel(tmp_path):
         assert cancelled.cancelled and not cancelled.outcome.committed and scene.untouched(1)
         assert "cancelled" in (cancelled.outcome.error or "")
     finally:
-        gate.set()
+        held.release()
         loader.close(5)
         scene.close()
 
 
 def test_a_wait_for_staging_is_bounded(tmp_path):
-    """The read never lands: a later load's wait for staging ends at its bound, failed closed with the
+    """The budget is held: a later load's wait for staging ends at its bound, failed closed with the
     budget named; a loader given no bound takes the default one, never an unbounded wait."""
     scene = Scene(tmp_path, [2, 2])
     cfg = RestoreConfig(window_chunks=2, pipeline_depth=1, fetch_timeout_s=0.2, backend="cpu",
                         admission_timeout_s=0.5)
     loader = Loader(scene.reg, [scene.tier], scene.kv, cfg)
-    gate = threading.Event()
+    held = _held_budget(loader)
     try:
-        _late_read_fails_closed(scene, loader, gate)
         t0 = time.monotonic()
         loader.submit(scene.spec(1))
         (bounded,) = _wait_all(loader, 1, timeout=10)
@@ -392,7 +426,89 @@ def test_a_wait_for_staging_is_bounded(tmp_path):
         assert unbounded.config.admission_timeout_s == DEFAULT_STAGING_WAIT_S
         unbounded.close(5)
     finally:
+        held.release()
+        loader.close(5)
+        scene.close()
+
+
+# -- a read that never lands (issue 35, leftover of item 1) ---------------------------------------
+class RegistrationLog(FaultyTier):
+    """A FaultyTier that records which staging buffers are registered with it now."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner, close_inner=False)
+        self.registered: list[int] = []
+
+    def register_staging(self, buffer) -> None:
+        super().register_staging(buffer)
+        self.registered.append(buffer.data_ptr())
+
+    def unregister_staging(self, buffer) -> None:
+        super().unregister_staging(buffer)
+        self.registered.remove(buffer.data_ptr())
+
+
+def test_a_read_that_never_lands_does_not_fail_every_later_load(tmp_path):
+    """Default budget (one window): a read that never lands quarantines the whole budget. The loader
+    retires that arena and allocates a replacement, so the next load commits at once instead of failing
+    at the staging wait's bound (was: every later load failed, `no staging`, until the read landed).
+    The retired arena stays registered until its read lands, then it is unregistered and dropped."""
+    scene = Scene(tmp_path, [2, 2, 2])
+    scene.tier = RegistrationLog(scene.inner)
+    cfg = RestoreConfig(window_chunks=2, pipeline_depth=1, fetch_timeout_s=0.2, backend="cpu",
+                        admission_timeout_s=2.0)
+    loader = Loader(scene.reg, [scene.tier], scene.kv, cfg)
+    gate = threading.Event()
+    try:
+        stuck = _late_read_fails_closed(scene, loader, gate)
+        for i in (1, 2):
+            t0 = time.monotonic()
+            loader.submit(scene.spec(i))
+            (later,) = _wait_all(loader, 1, timeout=10)
+            assert later.outcome.committed and scene.restored(i), later.outcome.error
+            assert time.monotonic() - t0 < 1.5  # not after a wait for staging
+        assert loader.arena is not stuck and loader.staging_retirements == 1
+        assert stuck.buffer.data_ptr() in scene.tier.registered  # its read may still land: kept registered
+        gate.set()  # the read lands at last
+        _settled(stuck)
+        loader.submit(scene.spec(1))  # a load sweeps the drained arena
+        _wait_all(loader, 1, timeout=10)
+        assert scene.tier.registered == [loader.arena.buffer.data_ptr()]
+    finally:
         gate.set()
+        loader.close(5)
+        scene.close()
+    assert scene.tier.registered == []
+
+
+def test_staging_replacements_are_bounded_then_loads_fail_at_once_with_the_reason(tmp_path):
+    """max_staging_retirements = 1: the second read that never lands is not answered by a second
+    replacement; the next load fails closed at once (not at the wait's bound), cause `staging`, and says
+    why. Once the reads land, loads commit again."""
+    scene = Scene(tmp_path, [2, 2, 2])
+    cfg = RestoreConfig(window_chunks=2, pipeline_depth=1, fetch_timeout_s=0.2, backend="cpu",
+                        admission_timeout_s=20.0)
+    loader = Loader(scene.reg, [scene.tier], scene.kv, cfg, max_staging_retirements=1)
+    gates = [threading.Event(), threading.Event()]
+    try:
+        _late_read_fails_closed(scene, loader, gates[0])
+        last = _late_read_fails_closed(scene, loader, gates[1], i=1)
+        assert loader.arena is last and loader.staging_retirements == 1
+        t0 = time.monotonic()
+        loader.submit(scene.spec(2))
+        (refused,) = _wait_all(loader, 1, timeout=10)
+        assert time.monotonic() - t0 < 5  # far below the 20 s bound
+        assert not refused.outcome.committed and scene.untouched(2)
+        assert refused.outcome.cause == "staging"
+        assert "never landed" in refused.outcome.error and "max_staging_retirements" in refused.outcome.error
+        gates[1].set()
+        _settled(last)
+        loader.submit(scene.spec(2))
+        (ok,) = _wait_all(loader, 1, timeout=10)
+        assert ok.outcome.committed and scene.restored(2), ok.outcome.error
+    finally:
+        for g in gates:
+            g.set()
         loader.close(5)
         scene.close()
 

@@ -67,6 +67,11 @@ def test_the_bounds_of_probes_and_staging_waits_are_checked_where_they_enter(tmp
         for bad in (0, -1, float("inf"), "5", None):
             with pytest.raises(ValueError, match=key):
                 ConnectorConfig.from_extra({"tiers": tiers, key: bad})
+    assert cfg.max_staging_retirements == 2  # replacements of staging lost to reads that never land
+    assert ConnectorConfig.from_extra({"tiers": tiers, "max_staging_retirements": 0}).max_staging_retirements == 0
+    for bad in (-1, 65, 1.0, "2", None):
+        with pytest.raises(ValueError, match="max_staging_retirements"):
+            ConnectorConfig.from_extra({"tiers": tiers, "max_staging_retirements": bad})
 
 
 def test_pipeline_depth_is_the_first_tiers_unless_configured(tmp_path):

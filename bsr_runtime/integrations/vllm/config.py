@@ -123,6 +123,9 @@ class ConnectorConfig(Schema):
     # how long a load's window waits for staging from the budget B before the load fails closed (staging a
     # late read still holds comes back when the read lands; a read that never lands must not hold loads)
     staging_wait_timeout_s: Seconds = 30.0
+    # staging replaced (B bytes more each, until its reads land) when reads that never land leave B no room
+    # for a window; past this many, such loads fail at once until the reads land (bsr_runtime/loader.py)
+    max_staging_retirements: Annotated[int, Field(ge=0, le=64)] = 2
     backend: Backend = "auto"
     salt: Text = ""  # tenant of this engine (a request's cache_salt is added to it)
     model_id: Name | None = None  # default: a digest of the served checkpoint's weights (model_identity.py)

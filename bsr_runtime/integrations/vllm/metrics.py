@@ -7,8 +7,9 @@ worker's load and save records); every step vLLM takes what was recorded since t
 front end, rebuilds it there (`build_kv_connector_stats`) and hands it to `BSRPromMetrics.observe`.
 
     vllm:bsr_loads_committed_total            loads that committed (rank 0's view: the outcome is agreed)
-    vllm:bsr_loads_failed_total{cause}        loads that failed closed, by cause (FAILURE_CAUSES; "cancelled":
-                                              the request was aborted while it restored)
+    vllm:bsr_loads_failed_total{cause}        loads that failed closed, by cause: the load record's "cause", a
+                                              bsr_runtime.causes.FailureCause set where the failure was caught
+                                              (FAILURE_CAUSES; never read from the error text)
     vllm:bsr_load_phase_seconds_total{phase}  where the loads' time went (LOAD_PHASES: the scheduler's probe,
                                               queueing for a loader thread and for the byte budget, fetch,
                                               install, agreement, ...), summed over every load
@@ -17,9 +18,11 @@ front end, rebuilds it there (`build_kv_connector_stats`) and hands it to `BSRPr
     vllm:bsr_restore_windows_total            windows of committed loads
     vllm:bsr_restore_seconds                  histogram: restore time of every load (committed or not)
     vllm:bsr_restored_bytes_total             bytes of committed loads, summed over TP ranks
-    vllm:bsr_saved_chunks_total               chunks stored (rank 0's view)
-    vllm:bsr_saved_bytes_total                bytes stored, summed over TP ranks
-    vllm:bsr_saves_failed_total               saves that failed (a later miss, not an error), every rank
+    vllm:bsr_saved_chunks_total{tier}         chunks stored into each tier (rank 0's view)
+    vllm:bsr_saved_bytes_total{tier}          bytes stored into each tier, summed over TP ranks
+    vllm:bsr_saves_failed_total{tier}         saves that failed in each tier (a later miss, not an error), every
+                                              rank: a save stored by one tier and failed by another counts its
+                                              chunks under the first and one failure under the second
     vllm:bsr_saves_skipped_total              saves skipped at once for want of save staging (never waited for)
     vllm:bsr_peak_staging_bytes               gauge: the largest staging any load or save held
     vllm:bsr_requests_unkeyed_total{reason}   requests neither saved nor restored: an input BSR cannot key
@@ -27,8 +30,9 @@ front end, rebuilds it there (`build_kv_connector_stats`) and hands it to `BSRPr
 
 Request-level counts come from rank 0 alone, since every rank reports the same agreed outcome;
 a load failed by another rank's object counts under cause "commit_rule" (that rank's own cause
-is in its `report_path` line). Recording never raises into the engine: a malformed record is
-logged and dropped.
+is in its `report_path` line). The per-tier series show from a tier's first save (the front end does
+not know the tier names); the rest from the start, at 0. Recording never raises into the engine: a
+malformed record (a cause that is not a FailureCause) is logged and dropped.
 """
 
 from __future__ import annotations
@@ -41,23 +45,11 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from ...causes import FailureCause
+
 log = logging.getLogger(__name__)
 
-# (cause label, what in a load record's error names it); the earliest match in the error text
-# wins, so with several tiers tried the planning tier's failure names the cause
-_CAUSE_PATTERNS = (
-    ("corrupt", "CorruptObjectError"),
-    ("missing", "MissingObjectError"),
-    ("missing", "holds "),  # a fallback tier probed fewer chunks than the plan
-    ("timeout", "FetchTimeoutError"),
-    ("unavailable", "TierUnavailableError"),
-    ("unavailable", "skipped: unavailable"),
-    ("commit_rule", "another rank or group was invalid"),
-    ("agreement", "agree: "),
-    ("cancelled", "RestoreCancelled"),
-    ("cancelled", "cancelled"),
-)
-FAILURE_CAUSES = ("corrupt", "missing", "timeout", "unavailable", "commit_rule", "agreement", "cancelled", "other")
+FAILURE_CAUSES = tuple(c.value for c in FailureCause)
 # a load record's "timings" (bsr_runtime/loader.py) -> the phase label
 LOAD_PHASES = {"probe_s": "probe", "queued_s": "queue", "prepare_s": "prepare", "admit_s": "budget",
                "submit_s": "submit", "fetch_s": "fetch", "install_s": "install", "sync_s": "sync",
@@ -71,9 +63,9 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "recomputed_tokens": ("BSR connector: prompt tokens prefilled after the prefix committed loads restored.", None),
     "restore_windows": ("BSR connector: windows of committed loads.", None),
     "restored_bytes": ("BSR connector: bytes restored by committed loads, all TP ranks.", None),
-    "saved_chunks": ("BSR connector: 256-token chunks stored into a tier.", None),
-    "saved_bytes": ("BSR connector: bytes stored into a tier, all TP ranks.", None),
-    "saves_failed": ("BSR connector: saves that failed (the prefix will miss), every TP rank.", None),
+    "saved_chunks": ("BSR connector: 256-token chunks stored, by tier.", "tier"),
+    "saved_bytes": ("BSR connector: bytes stored, by tier, all TP ranks.", "tier"),
+    "saves_failed": ("BSR connector: saves that failed (the prefix will miss there), by tier, every TP rank.", "tier"),
     "saves_skipped": ("BSR connector: saves skipped for want of save staging (the prefix will miss).", None),
     "load_phase_seconds": ("BSR connector: seconds of the loads spent in each phase (rank 0).", "phase"),
     "requests_unkeyed": ("BSR connector: requests neither saved nor restored because an input of theirs "
@@ -85,11 +77,10 @@ RESTORE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 PREFIX = "vllm:bsr_"
 
 
-def failure_cause(error: str | None) -> str:
-    """The cause label of a failed load's error text (one of FAILURE_CAUSES)."""
-    text = error or ""
-    found = [(text.find(pattern), cause) for cause, pattern in _CAUSE_PATTERNS if pattern in text]
-    return min(found)[1] if found else "other"
+def load_cause(record: dict[str, Any]) -> str:
+    """The cause label of a failed load's record: its "cause" (a FailureCause value; ValueError if not one),
+    "other" for a record that carries none."""
+    return FailureCause(record.get("cause") or FailureCause.OTHER).value
 
 
 @dataclass
@@ -179,7 +170,7 @@ class LoadSaveStats:
                     s.add("recomputed_tokens", r.get("recomputed_tokens", 0))
                     s.add("restore_windows", r["windows"])
             elif first_rank:
-                s.add("loads_failed", 1, failure_cause(r.get("error")))
+                s.add("loads_failed", 1, load_cause(r))
             if first_rank:
                 s.data[RESTORE_SECONDS].append(float(r["seconds"]))
                 for key, phase in LOAD_PHASES.items():
@@ -187,17 +178,22 @@ class LoadSaveStats:
             s.data[PEAK_STAGING] = max(s.data[PEAK_STAGING], int(r.get("peak_staging_bytes") or 0))
 
     def _record_save(self, r: dict[str, Any]) -> None:
+        """Per tier: the chunks each tier stored, one failure for each tier that failed (a save that failed
+        before any tier was asked, its gather, fails in every tier it was for)."""
+        stored = {str(t): int(n) for t, n in (r.get("stored_per_tier") or {}).items()}
+        failed = list(r.get("failed_per_tier") or ())
+        if not r["ok"] and not failed:
+            failed = [t for t in r.get("tiers") or () if t not in stored] or ["unknown"]
         with self._lock:
             s = self._stats
-            if not r["ok"]:
-                s.add("saves_failed", 1)
-                return
+            for tier in failed:
+                s.add("saves_failed", 1, str(tier))
             if r.get("skipped"):
                 s.add("saves_skipped", 1)
-            stored = int(r.get("stored") or 0)
-            s.add("saved_bytes", stored * self.chunk_bytes)
-            if r.get("rank", 0) == 0:
-                s.add("saved_chunks", stored)
+            for tier, n in stored.items():
+                s.add("saved_bytes", n * self.chunk_bytes, tier)
+                if r.get("rank", 0) == 0:
+                    s.add("saved_chunks", n, tier)
             s.data[PEAK_STAGING] = max(s.data[PEAK_STAGING], int(r.get("staging_bytes") or 0))
 
     def take(self) -> BSRConnectorStats | None:

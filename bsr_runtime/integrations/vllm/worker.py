@@ -50,7 +50,8 @@ class WorkerSide:
         self.load_async = cfg.load_async
         self.loader = Loader(reg, tiers, None, self.restore_config, budget_bytes=cfg.restore_budget_bytes,
                              max_restores=cfg.max_concurrent_restores, tp_rank=tp_rank, tp_world=tp_world,
-                             salt=cfg.salt, model=model, agree=agree, agree_timeout_s=cfg.agree_timeout_s)
+                             salt=cfg.salt, model=model, agree=agree, agree_timeout_s=cfg.agree_timeout_s,
+                             max_staging_retirements=cfg.max_staging_retirements)
         self.keyspace = self.loader.keyspace
         self.saver: Saver | None = None
         save_tiers = [tiers[i] for i in cfg.save_tiers]
@@ -148,7 +149,7 @@ class WorkerSide:
                "seconds": result.timings.get("restore_s", 0.0), "windows": att.windows if att else 0,
                "valid_per_group": outcome.valid_per_group, "agreed": outcome.agreed,
                "fingerprint": self.reg.fingerprint, "model": self.keyspace.model, "error": outcome.error,
-               "timings": result.timings}
+               "cause": None if outcome.cause is None else outcome.cause.value, "timings": result.timings}
         self.loads.append(rec)
         self.stats.record_load(rec)
         write_report(self.cfg.report_path, rec)
@@ -168,8 +169,10 @@ class WorkerSide:
                                 spec.salt, spec.overwrite, spec.features, spec.tail_tokens)
             except Exception as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
                 log.warning("BSR: save of %s failed: %s: %s", spec.request_id, type(e).__name__, e)
+                error = f"{type(e).__name__}: {e}"  # before any tier was asked: a miss in every one
                 self._record_save({"event": "save", "request_id": spec.request_id, "ok": False, "stored": 0,
-                                   "error": f"{type(e).__name__}: {e}"})
+                                   "stored_per_tier": {}, "error": error,
+                                   "failed_per_tier": {t.name: error for t in self.saver.tiers}})
         self._drain_saves()
 
     def _drain_saves(self) -> None:

@@ -32,7 +32,8 @@ def test_a_timed_out_agreement_fails_that_load_and_the_next_one_agrees_afresh(ra
     for r in (0, 1):
         slow, after = ranks[r]["slow"], ranks[r]["after"]
         assert slow["finished"] and not slow["committed"], (r, slow)
-        assert "agree: " in slow["error"] and "commit rule" not in slow["error"], (r, slow)  # metrics: agreement
+        assert "agree: " in slow["error"] and "commit rule" not in slow["error"], (r, slow)
+        assert slow["cause"] == "agreement", (r, slow)  # the metrics label, typed
         assert after["finished"] and after["committed"] and after["agreed"], (r, after)
 
 

@@ -70,11 +70,11 @@ def test_readme_serve_command_restores_over_http(server):
     assert _bsr(m, "vllm:external_prefix_cache_hits_total") == PROMPT_CHUNKS * U.CHUNK
     assert _bsr(m, "vllm:bsr_loads_committed_total") == 1
     assert _bsr(m, "vllm:bsr_restored_tokens_total") == PROMPT_CHUNKS * U.CHUNK
-    assert _bsr(m, "vllm:bsr_saved_chunks_total") == PROMPT_CHUNKS
+    assert _bsr(m, "vllm:bsr_saved_chunks_total", tier="filesystem") == PROMPT_CHUNKS
     chunk_bytes = _bsr(m, "vllm:bsr_restored_bytes_total") / PROMPT_CHUNKS
     # 2 layers x K and V x 2 KV heads x head size 32 x 256 tokens x 4 bytes (the tiny Llama, float32)
     assert chunk_bytes == 2 * 2 * 2 * 32 * U.CHUNK * 4
-    assert _bsr(m, "vllm:bsr_saved_bytes_total") == PROMPT_CHUNKS * chunk_bytes
+    assert _bsr(m, "vllm:bsr_saved_bytes_total", tier="filesystem") == PROMPT_CHUNKS * chunk_bytes
     # W = 32 of the README and the filesystem tier's depth 2: one window of 11 chunks, two 16-chunk slots
     assert _bsr(m, "vllm:bsr_restore_windows_total") == 1
     assert 0 < _bsr(m, "vllm:bsr_peak_staging_bytes") <= 32 * chunk_bytes
