@@ -87,7 +87,7 @@ def _open_target(args, name: str, reg, src, windows, progress: Progress):
     with open_tier(_tier_options(args, name), reg, capacity_bytes=capacity, l1_bytes=l1_bytes) as tier:
         _store(progress, src, tier, store_window)
         yield TierTarget(tier, reg, windows, depth=args.depth, fetch_timeout_s=args.timeout, backend=args.backend,
-                         name=name if name.startswith("lmcache-") else None)
+                         name=name if name.startswith("lmcache-") else None, whole_plan_chunks=src.num_chunks)
 
 
 def cmd_demo(args) -> int:

@@ -103,13 +103,18 @@ class TierTarget:
     """What a sweep restores from: a BSR tier (LMCache's too), restored by one BoundedRestorer per W."""
 
     def __init__(self, tier: Tier, reg: Registration, windows: Sequence[int], *, depth: int | None = None,
-                 fetch_timeout_s: float = 120.0, backend: str = "auto", name: str | None = None) -> None:
-        """`depth` None: the tier's preferred pipeline depth; `name` the rows' tier (default the tier's name)."""
+                 fetch_timeout_s: float = 120.0, backend: str = "auto", name: str | None = None,
+                 whole_plan_chunks: int | None = None) -> None:
+        """`depth` None: the tier's preferred pipeline depth; `name` the rows' tier (default the tier's name).
+        `whole_plan_chunks`: the largest prefix W = 0 restores; its staging is allocated for that once,
+        before any restore (the whole plan at its best, as a system that sized its cache up front)."""
         self.tier = tier
         self.name = name or tier.name
         depth = tier.preferred_pipeline_depth if depth is None else depth
+        whole = None if whole_plan_chunks is None else whole_plan_chunks * reg.chunk_bytes
         self.restorers = {w: BoundedRestorer(reg, RestoreConfig(window_chunks=w, pipeline_depth=depth,
-                                                                fetch_timeout_s=fetch_timeout_s, backend=backend))
+                                                                fetch_timeout_s=fetch_timeout_s, backend=backend,
+                                                                max_staging_bytes=whole if w == 0 else None))
                           for w in windows}
 
     def probe_chunks(self, src: SourceState, n: int) -> int:
@@ -140,7 +145,8 @@ def sweep(src: SourceState, target: Tier | TierTarget, token_counts: Sequence[in
     expected = expected or source_hashes(src, chunk_counts)
     dst = dst or Destinations(reg, src.num_chunks, seed=1)
     if isinstance(target, Tier):
-        target = TierTarget(target, reg, windows, depth=depth, fetch_timeout_s=fetch_timeout_s, backend=backend)
+        target = TierTarget(target, reg, windows, depth=depth, fetch_timeout_s=fetch_timeout_s, backend=backend,
+                            whole_plan_chunks=max(chunk_counts))
     rows = []
     try:
         for tokens, n in zip(token_counts, chunk_counts):

@@ -234,9 +234,15 @@ class BoundedRestorer:
             if slot > arena.capacity_chunks:
                 raise ValueError(f"a window of {slot} chunks ({slot * reg.chunk_bytes:,} B) exceeds the staging "
                                  f"budget B = {arena.capacity_bytes:,} B")
-        self.pool = self._new_pool(w, self.config.pipeline_depth) if w > 0 and arena is None else None
+        self.pool = None
+        if arena is None and w > 0:
+            self.pool = self._new_pool(w, self.config.pipeline_depth)
+        elif arena is None and cap is not None and cap >= reg.chunk_bytes:
+            # the whole plan as a real system runs it: staging for the largest prefix it accepts, allocated
+            # once (LMCache's L1 at start-up), not per restore; each restore leases the run it needs
+            self.pool = self._new_pool(cap // reg.chunk_bytes)
         if self.pool is not None:
-            self.pool.prefault()  # the restorer's for its lifetime (a whole-plan pool per restore is not)
+            self.pool.prefault()  # the restorer's for its lifetime, touched before any restore is timed
         self._registered: dict[tuple[int, int], tuple[Tier, torch.Tensor]] = {}
         self._busy = threading.Lock()  # taken without blocking by restore(): one restore at a time
 

@@ -170,3 +170,41 @@ def test_staging_bytes_never_above_capacity_in_flight(stored):
     assert rep.ok
     assert seen and max(seen) <= 3 * sp.reg.chunk_bytes
     assert torch.tensor(seen).max().item() == 3 * sp.reg.chunk_bytes  # both slots live at once
+
+
+def test_the_whole_plan_moves_the_same_bytes_through_the_same_calls_as_one_window(tmp_path):
+    """The baseline (W = 0) at its best: staging for the largest prefix allocated and touched once,
+    before any restore, and the same fetch and install calls as one window of N chunks (counted)."""
+    from bsr_kernels import WindowInstaller
+    from bsr_runtime.tiers import FilesystemTier
+
+    reg = REGS["dsv4"]()
+    calls: list[tuple] = []
+
+    class Counted(FilesystemTier):
+        def fetch(self, keys, views, deadline, *, headroom=0):
+            calls.append(("fetch", len(keys), sum(v.numel() for v in views), headroom))
+            return super().fetch(keys, views, deadline, headroom=headroom)
+
+    class CountedInstaller(WindowInstaller):
+        def install(self, staging, first_chunk, num_chunks):
+            calls.append(("install", first_chunk, num_chunks, staging.numel()))
+            return super().install(staging, first_chunk, num_chunks)
+
+    n = 7
+    with Counted(tmp_path, reg.chunk_bytes, reg.fingerprint) as tier:
+        sp = store_random_prefix(reg, tier, num_chunks=n, seed=5)
+        seen = {}
+        for w, cap in ((0, n * reg.chunk_bytes), (n, None)):
+            cfg = RestoreConfig(window_chunks=w, max_staging_bytes=cap)
+            with BoundedRestorer(reg, cfg, make_installer=CountedInstaller) as restorer:
+                assert restorer.staging_capacity_bytes == n * reg.chunk_bytes  # allocated before any restore
+                buffer = restorer.pool.buffer.data_ptr()
+                for rep_i in range(2):
+                    calls.clear()
+                    req = fresh_request(sp, seed=rep_i)
+                    rep = restorer.restore(req, tier, n)
+                    assert rep.ok and state_hash(reg, req.kv, req.block_tables, n) == sp.state_hash
+                    assert restorer.pool.buffer.data_ptr() == buffer  # not a fresh pool per restore
+                seen[w] = (list(calls), rep.bytes_moved, rep.peak_staging_bytes)
+        assert seen[0] == seen[n], "the whole plan took another path than one window of N chunks"
