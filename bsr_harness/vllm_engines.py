@@ -16,15 +16,15 @@ from typing import Any
 CONNECTOR_MODULE = "bsr_runtime.integrations.vllm"
 
 
-def kv_transfer_config(tiers: list[dict], *, policy: str = "recompute", restore_tail: bool = False,
+def kv_transfer_config(tiers: list[dict], *, policy: str = "recompute", restore_partial_chunk: bool = False,
                        **extra: Any) -> dict:
     """The kv_transfer_config of an engine with the BSR connector (extra: kv_connector_extra_config keys).
-    Restored prefixes end on chunk boundaries unless `restore_tail`: these drivers compare a restored
+    Restored prefixes end on chunk boundaries unless `restore_partial_chunk`: these drivers compare a restored
     request's output with a cold prefill's bit for bit, which holds where the restored prefix ends on
     one of the cold run's 256-token prefill steps (docs/vllm.md)."""
     return {"kv_connector": "BSRConnector", "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both", "kv_load_failure_policy": policy,
-            "kv_connector_extra_config": {"tiers": tiers, "restore_tail": restore_tail, **extra}}
+            "kv_connector_extra_config": {"tiers": tiers, "restore_partial_chunk": restore_partial_chunk, **extra}}
 
 
 def make_llm(model: str, kv: dict | None = None, *, block_size: int = 64, max_num_batched_tokens: int = 256,

@@ -77,7 +77,7 @@ class PrefixKeys:
     walks the chain once; asking out of order restarts the walk from chunk 0.
     """
 
-    def __init__(self, space: KeySpace, tokens: Sequence[int], chunk_tokens: int, tail_tokens: int = 0) -> None:
+    def __init__(self, space: KeySpace, tokens: Sequence[int], chunk_tokens: int, partial_tokens: int = 0) -> None:
         check_int("chunk_tokens", chunk_tokens, lo=1)
         check_token_ids(tokens)  # a float id would be truncated into another token's key
         self.space = space
@@ -85,8 +85,8 @@ class PrefixKeys:
         self.chunk_tokens = chunk_tokens
         self.full_chunks = len(tokens) // chunk_tokens
         rest = len(tokens) - self.full_chunks * chunk_tokens
-        self.tail_tokens = check_int("tail_tokens", tail_tokens, lo=0, hi=min(rest, chunk_tokens - 1))
-        self.num_chunks = self.full_chunks + (1 if tail_tokens else 0)
+        self.partial_tokens = check_int("partial_tokens", partial_tokens, lo=0, hi=min(rest, chunk_tokens - 1))
+        self.num_chunks = self.full_chunks + (1 if partial_tokens else 0)
         self._cursor = 0
         self._hash = _CHAIN_START
 
@@ -98,7 +98,7 @@ class PrefixKeys:
             raise ValueError(
                 f"chunks {first_chunk}..{end - 1} outside a prefix of {self.num_chunks} chunks"
             )
-        tail = end > self.full_chunks  # the last key asked for is the tail's
+        partial = end > self.full_chunks  # the last key asked for is the partial chunk's
         end = min(end, self.full_chunks)
         if first_chunk < self._cursor:
             self._cursor, self._hash = 0, _CHAIN_START
@@ -118,13 +118,13 @@ class PrefixKeys:
                 if k >= first_chunk:
                     out.append(f"{prefix}-{h.hex()}")
             self._cursor, self._hash = stop, h
-        if tail:
-            out.append(f"{prefix}-{self._tail_hash().hex()}")
+        if partial:
+            out.append(f"{prefix}-{self._partial_hash().hex()}")
         return out
 
-    def tail_candidates(self, chunk: int, align: int) -> list[str]:
-        """The keys every tail of whole `align`-token blocks shorter than a chunk would have after
-        chunks 0..chunk-1 of these tokens (chunk `chunk` being whole here): the tails of shorter
+    def partial_candidates(self, chunk: int, align: int) -> list[str]:
+        """The keys every partial chunk of whole `align`-token blocks shorter than a chunk would have after
+        chunks 0..chunk-1 of these tokens (chunk `chunk` being whole here): the partial chunks of shorter
         prompts that a stored chunk `chunk` makes dead."""
         ct = self.chunk_tokens
         if not 0 <= chunk < self.full_chunks:
@@ -135,19 +135,20 @@ class PrefixKeys:
             self._cursor, self._hash = 0, _CHAIN_START
         out = []
         for n in range(align, ct, align):
-            tail = PrefixKeys(self.space, self.tokens[: chunk * ct + n], ct, n)
-            tail._cursor, tail._hash = chunk, self._hash
-            out.append(f"{self.space._prefix}-{tail._tail_hash().hex()}")
+            partial = PrefixKeys(self.space, self.tokens[: chunk * ct + n], ct, n)
+            partial._cursor, partial._hash = chunk, self._hash
+            out.append(f"{self.space._prefix}-{partial._partial_hash().hex()}")
         return out
 
-    def _tail_hash(self) -> bytes:
-        """The tail: the `tail_tokens` tokens past the last whole chunk, chained after it under a marker
-        and with their count, so it is never a whole chunk's key nor another tail's (of other tokens
+    def _partial_hash(self) -> bytes:
+        """The partial chunk: the `partial_tokens` tokens past the last whole chunk, chained after it under a marker
+        and with their count, so it is never a whole chunk's key nor another partial chunk's (of other tokens
         or another length). Called with the chain walked to the last whole chunk."""
         ct, f = self.chunk_tokens, self.full_chunks
-        start, stop = f * ct, f * ct + self.tail_tokens
+        start, stop = f * ct, f * ct + self.partial_tokens
         placed = _features_in(self.space.features, start, stop)
-        return _h(self._hash, b"tail", str(self.tail_tokens).encode(), _token_bytes(self.tokens[start:stop]), placed)
+        return _h(self._hash, b"partial chunk", str(self.partial_tokens).encode(),
+                  _token_bytes(self.tokens[start:stop]), placed)
 
 
 def _features_in(features: Sequence[tuple[int, int, str]], start: int, end: int) -> bytes:

@@ -352,7 +352,7 @@ class Loader:
                                            features=tuple(spec.features))
             req = RestoreRequest(spec.request_id, spec.tokens, keyspace, self.kv, tables,
                                  should_stop=lambda: stop.is_set() or self._closed, local_tokens=spec.local_tokens,
-                                 end_tokens=spec.num_tokens or None, tail_tokens=spec.tail_tokens)
+                                 end_tokens=spec.num_tokens or None, partial_tokens=spec.partial_tokens)
             return self.retriever.restore_local(req, spec.num_chunks, spec.plan_tier)
         except Exception as e:  # noqa: BLE001 - this load fails closed; the others go on
             return failed_local(self.reg, spec, e)

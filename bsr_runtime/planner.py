@@ -79,7 +79,7 @@ class LoadSpec:
     probe_s: float = 0.0  # the scheduler's probe for this request (keys and tier lookups)
     local_tokens: int = 0  # the engine's local hit: its whole chunks are not loaded, its blocks not written
     num_tokens: int = 0  # where the loaded prefix ends (0: num_chunks whole chunks); blocks past it not written
-    tail_tokens: int = 0  # chunk num_chunks-1 is the prompt's tail object (PrefixKeys' tail) of this many tokens
+    partial_tokens: int = 0  # chunk num_chunks-1 is the prompt's partial chunk (PrefixKeys') of this many tokens
     features: tuple[tuple[int, int, str], ...] = ()  # KeySpace.features of the request
 
 
@@ -145,7 +145,7 @@ def block_lists(blocks) -> list[list[int]]:
     return [t.tolist() if isinstance(t, torch.Tensor) else [int(b) for b in t] for t in blocks]
 
 
-def tail_align(reg: Registration) -> int:
+def block_align(reg: Registration) -> int:
     """Tokens a prefix ending inside a chunk is a multiple of: whole blocks of every group."""
     return math.lcm(*(reg.group_tokens_per_block(g) for g in range(reg.num_groups)))
 
@@ -184,12 +184,12 @@ class Planner:
                  salt: str = "", model: str = "", markers: ForceLocalMarkers | None = None,
                  probe_all_ranks: bool = True, agree_plan: bool = False,
                  agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S, unavailable_cooldown_s: float = 30.0,
-                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S, restore_tail: bool = False,
+                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S, restore_partial_chunk: bool = False,
                  key_inputs: Callable[[str, object], KeyInputs] = salt_only) -> None:
         self.reg = reg
         self.key_inputs = key_inputs
-        self.restore_tail = restore_tail
-        self.tail_align = tail_align(reg)
+        self.restore_partial_chunk = restore_partial_chunk
+        self.block_align = block_align(reg)
         self.probe_timeout_s = check_timeout("probe_timeout_s", probe_timeout_s)
         self.tier_set = tiers if isinstance(tiers, TierSet) else TierSet(reg, tiers, unavailable_cooldown_s)
         self.tp_world = tp_world
@@ -350,38 +350,39 @@ class Planner:
         tokens = tokens_of(request)
         ct, n = self.reg.chunk_tokens, len(tokens)
         # at least one token left to compute: up to the last whole block before it, or whole chunk
-        end = (n - 1) // self.tail_align * self.tail_align if self.restore_tail else (n - 1) // ct * ct
+        end = (n - 1) // self.block_align * self.block_align if self.restore_partial_chunk else (n - 1) // ct * ct
         inputs = self.inputs(request)
         if inputs.refused is not None:
             return ProbeDecision(0, None, "refused")
         keyspace = dataclasses.replace(self.keyspace, salt=inputs.salt, features=inputs.features)
         self.stats.probes += 1
-        max_chunks = min(n // ct, -(-end // ct))  # whole chunks only: a tail has its own object
+        max_chunks = min(n // ct, -(-end // ct))  # whole chunks only: a partial chunk has its own object
         if self.probe_all_ranks and self.tp_world > 1:
             plan = self._plan_all_ranks(tokens, max_chunks, keyspace)
         else:
             plan = self.tier_set.plan(tokens, keyspace, max_chunks)
-        return self._with_tail(plan, tokens, keyspace, end)
+        return self._with_partial_chunk(plan, tokens, keyspace, end)
 
-    def _with_tail(self, plan: ProbeDecision, tokens: list[int], keyspace: KeySpace, end: int) -> ProbeDecision:
+    def _with_partial_chunk(self, plan: ProbeDecision, tokens: list[int], keyspace: KeySpace,
+                            end: int) -> ProbeDecision:
         """The prefix in tokens: up to `end` (the last whole block before the prompt's last token), past
-        the last whole chunk only through the prompt's tail object on the plan tier (every rank's)."""
+        the last whole chunk only through the prompt's partial chunk on the plan tier (every rank's)."""
         ct = self.reg.chunk_tokens
         plan.num_tokens = min(plan.num_chunks * ct, end)
         full = len(tokens) // ct
-        tail = (len(tokens) - full * ct) // self.tail_align * self.tail_align
-        if plan.num_tokens >= end or plan.num_chunks != full or not tail or plan.tier_index is None:
+        partial = (len(tokens) - full * ct) // self.block_align * self.block_align
+        if plan.num_tokens >= end or plan.num_chunks != full or not partial or plan.tier_index is None:
             return plan
         tier = self.tiers[plan.tier_index]
         ranks = range(self.tp_world) if self.probe_all_ranks else (keyspace.tp_rank,)
-        keys = [PrefixKeys(dataclasses.replace(keyspace, tp_rank=r), tokens, ct, tail).window(full, 1)[0]
+        keys = [PrefixKeys(dataclasses.replace(keyspace, tp_rank=r), tokens, ct, partial).window(full, 1)[0]
                 for r in ranks]
         try:
             held = all(tier.probe(keys))
         except TierError:
             held = False
         if held:
-            plan.num_chunks, plan.num_tokens, plan.tail_tokens = full + 1, min(end, full * ct + tail), tail
+            plan.num_chunks, plan.num_tokens, plan.partial_tokens = full + 1, min(end, full * ct + partial), partial
         return plan
 
     def _decide(self, request, plan: ProbeDecision, num_computed_tokens: int, probe_s: float) -> int:
@@ -426,7 +427,7 @@ class Planner:
             ct, tokens = self.reg.chunk_tokens, tokens_of(request)
             end = min(exposed_tokens(plan, ct), computed + num_external_tokens)
             n = -(-end // ct)
-            tail = plan.tail_tokens if n > len(tokens) // ct else 0  # the last chunk is the tail object
+            partial = plan.partial_tokens if n > len(tokens) // ct else 0  # the last chunk is the partial chunk
             blocks = block_lists(block_ids_per_group)
             if len(blocks) != self.reg.num_groups:
                 raise ValueError(f"{len(blocks)} block lists for {self.reg.num_groups} KV-cache groups")
@@ -434,7 +435,7 @@ class Planner:
             spec = LoadSpec(rid, tokens, n, plan.tier_index,
                             only_blocks_of(self.reg, blocks, computed, end, n), inputs.salt, probe_s,
                             local_tokens=min(computed, end), features=inputs.features, num_tokens=end,
-                            tail_tokens=tail)
+                            partial_tokens=partial)
             self._pending[rid] = spec
             return spec
 

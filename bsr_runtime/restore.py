@@ -83,11 +83,11 @@ class RestoreRequest:
     local_tokens: int = 0
     # where the prefix ends when not at the end of its last chunk: blocks past it are not written (-1)
     end_tokens: int | None = None
-    # the last chunk is the prompt's tail object (PrefixKeys' tail) of this many tokens
-    tail_tokens: int = 0
+    # the last chunk is the prompt's partial chunk (PrefixKeys' partial chunk) of this many tokens
+    partial_tokens: int = 0
 
     def prefix_keys(self, chunk_tokens: int) -> PrefixKeys:
-        return PrefixKeys(self.keyspace, self.tokens, chunk_tokens, self.tail_tokens)
+        return PrefixKeys(self.keyspace, self.tokens, chunk_tokens, self.partial_tokens)
 
 
 @dataclass

@@ -59,15 +59,15 @@ def request_block_ids(reg: Registration, block_tables: Sequence[torch.Tensor | S
 @dataclass
 class ProbeDecision:
     """The probe decision: N chunks on tier `tier_index` (None: no tier holds chunk 0). A prefix may
-    end inside its last chunk (`num_tokens`), and that chunk may be the prompt's tail object (the
-    `tail_tokens` tokens past its last whole chunk: PrefixKeys' tail)."""
+    end inside its last chunk (`num_tokens`), and that chunk may be the prompt's partial chunk (the
+    `partial_tokens` tokens past its last whole chunk: PrefixKeys' partial chunk)."""
 
     num_chunks: int
     tier_index: int | None
     tier: str
     probes: list[tuple[str, int | str]] = field(default_factory=list)  # (tier, prefix chunks | error)
     num_tokens: int | None = None  # the prefix's tokens (None: num_chunks whole chunks)
-    tail_tokens: int = 0
+    partial_tokens: int = 0
 
 
 def _from_report(name: str, default: float | int | None = 0):

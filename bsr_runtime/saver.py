@@ -10,12 +10,12 @@ save staging (memory speed), and the tier puts run on a background thread.
 Since the gather reads the destination blocks before `save` returns, no block is read after the step:
 the engine may free and reuse a finished request's blocks at once, whatever the puts still do.
 
-Tails: a save with `tail_tokens` stores the prompt's tail (its whole blocks past the last whole chunk,
-PrefixKeys' tail) as the object of chunk num_chunks-1, the blocks past it read as zeros. A tail is dead
-once a longer prompt stores that chunk whole: the first chunk a request stores is where an earlier
-turn's tail would hang, so the saver deletes every tail that chunk's tokens could have had there, on
-tiers that can delete (a growing conversation leaves at most one tail object per stored prompt, not
-one per turn; a repeat of the shorter prompt then recomputes its tail).
+Partial chunks: a save with `partial_tokens` stores the prompt's partial chunk (its whole blocks past
+its last whole chunk, PrefixKeys') as the object of chunk num_chunks-1, the blocks past it read as
+zeros. A partial chunk is dead once a longer prompt stores that chunk whole: the first chunk a request
+stores is where an earlier turn's partial chunk would hang, so the saver deletes every partial chunk
+that chunk's tokens could have had there, on tiers that can delete (a growing conversation leaves at
+most one per stored prompt, not one per turn; a repeat of the shorter prompt recomputes its part).
 
 Staging: one StagingArena of S chunks. A save that cannot get staging at once is skipped, never
 waited for (a future miss, counted); the request's later chunks are then not saved either, since an
@@ -38,7 +38,7 @@ from bsr_kernels import Registration, gather_window
 from bsr_kernels.staging_arena import ArenaLease, StagingArena
 
 from .keys import KeySpace, PrefixKeys
-from .planner import only_blocks_of, tail_align
+from .planner import block_align, only_blocks_of
 from .tiers.base import FETCH_HEADROOM, Tier, TierError, put_replacing
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def resident_chunks_end(reg: Registration, block_ids: Sequence[Sequence[int]], f
                         num_chunks: int, end_tokens: int | None = None) -> int:
     """The end of the run of chunks from `first_chunk` whose blocks are resident in every group (a
     sliding-window group's blocks that left the window are -1: such a chunk cannot be saved whole);
-    the last chunk's blocks only up to `end_tokens` (a tail)."""
+    the last chunk's blocks only up to `end_tokens` (a partial chunk)."""
     for k in range(first_chunk, num_chunks):
         stop = (k + 1) * reg.chunk_tokens if end_tokens is None else min((k + 1) * reg.chunk_tokens, end_tokens)
         for g, ids in enumerate(block_ids):
@@ -70,8 +70,8 @@ class _SaveJob:
     lease: ArenaLease
     gather_s: float
     record: dict = field(default_factory=dict)
-    tail_tokens: int = 0  # the job's one chunk is the prompt's tail
-    sweep_tails: bool = False  # the request's first stored chunk: delete the dead tails there
+    partial_tokens: int = 0  # the job's one chunk is the prompt's partial chunk
+    sweep_partials: bool = False  # the request's first stored chunk: delete the dead partial chunks there
 
 
 class Saver:
@@ -86,7 +86,7 @@ class Saver:
         for tier in self.tiers:
             tier.register_staging(self.arena.buffer)
         self._next: dict[str, int] = {}  # request -> the next chunk to save (-1: saving stopped)
-        self._swept: set[str] = set()  # requests whose first stored chunk's dead tails were deleted
+        self._swept: set[str] = set()  # requests whose first stored chunk's dead partial chunks were deleted
         self._keys: dict[tuple[str, str], PrefixKeys] = {}  # (request, salt) -> its key chain, walked in order
         self._queue: queue.Queue[_SaveJob | None] = queue.Queue()
         self._done: list[dict] = []
@@ -100,17 +100,17 @@ class Saver:
     # -- on the step -----------------------------------------------------------------------
     def save(self, request_id: str, tokens: Sequence[int], first_chunk: int, num_chunks: int,
              block_ids: Sequence[Sequence[int]], salt: str, overwrite: bool = False,
-             features: tuple[tuple[int, int, str], ...] = (), tail_tokens: int = 0) -> dict | None:
+             features: tuple[tuple[int, int, str], ...] = (), partial_tokens: int = 0) -> dict | None:
         """Gather chunks first_chunk..num_chunks-1 of the request (those resident in every group) into
         save staging and queue their puts. Returns the record of a save that was skipped or had nothing
         to do at once; None when puts were queued (their record comes from take_finished).
-        `tail_tokens`: chunk num_chunks-1 is the prompt's tail of that many tokens (module docstring)."""
+        `partial_tokens`: chunk num_chunks-1 is the prompt's partial chunk of that many tokens (module docstring)."""
         assert self.kv is not None, "save before register_kv_caches"
         rec = {"event": "save", "request_id": request_id, "first_chunk": first_chunk, "num_chunks": num_chunks,
-               "overwrite": overwrite, "tiers": [t.name for t in self.tiers], "tail_tokens": tail_tokens}
+               "overwrite": overwrite, "tiers": [t.name for t in self.tiers], "partial_tokens": partial_tokens}
         end_tokens = None
-        if tail_tokens:
-            end_tokens = (num_chunks - 1) * self.reg.chunk_tokens + tail_tokens
+        if partial_tokens:
+            end_tokens = (num_chunks - 1) * self.reg.chunk_tokens + partial_tokens
             block_ids = only_blocks_of(self.reg, [list(b) for b in block_ids], 0, end_tokens, num_chunks)
         nxt = self._next.get(request_id, 0)
         if overwrite and first_chunk == 0:
@@ -134,13 +134,13 @@ class Saver:
                 return self._skipped(dict(rec, first_chunk=at), f"no save staging for {n} chunks ("
                                      f"{self.arena.live_bytes:,} of {self.arena.capacity_bytes:,} B in use)")
             self._queue_piece(request_id, tokens, at, n, tables, space, overwrite, lease, dict(rec, first_chunk=at),
-                              tail_tokens if at + n == num_chunks else 0, end_tokens)
+                              partial_tokens if at + n == num_chunks else 0, end_tokens)
             at += n
             self._next[request_id] = at if at == num_chunks else -1
         return None
 
     def _queue_piece(self, request_id: str, tokens: Sequence[int], first: int, n: int, tables, space: KeySpace,
-                     overwrite: bool, lease: ArenaLease, rec: dict, tail_tokens: int = 0,
+                     overwrite: bool, lease: ArenaLease, rec: dict, partial_tokens: int = 0,
                      end_tokens: int | None = None) -> None:
         t0 = time.perf_counter()
         try:
@@ -151,7 +151,7 @@ class Saver:
             self._next[request_id] = -1
             raise
         job = _SaveJob(request_id, tokens, first, n, space, overwrite, lease, time.perf_counter() - t0, rec,
-                       tail_tokens, sweep_tails=request_id not in self._swept)
+                       partial_tokens, sweep_partials=request_id not in self._swept)
         self._swept.add(request_id)
         with self._lock:
             self._pending += 1
@@ -206,8 +206,8 @@ class Saver:
         t0 = time.perf_counter()
         chain = self._chain(job)
         keys = chain.window(job.first_chunk, job.num_chunks)
-        if job.sweep_tails and not job.tail_tokens:
-            self._delete_dead_tails(chain, job.first_chunk)
+        if job.sweep_partials and not job.partial_tokens:
+            self._delete_dead_partials(chain, job.first_chunk)
         views = job.lease.chunks()
         stored: dict[str, int] = {}
         held: dict[str, int] = {}  # chunks a tier held already
@@ -234,23 +234,23 @@ class Saver:
 
     def _chain(self, job: _SaveJob) -> PrefixKeys:
         """The request's key chain, kept between its saves so each save hashes only its new chunks."""
-        key = (job.request_id, job.keyspace.salt, job.tail_tokens)
+        key = (job.request_id, job.keyspace.salt, job.partial_tokens)
         with self._lock:
             keys = self._keys.get(key)
             if keys is None or keys.tokens is not job.tokens:
-                keys = self._keys[key] = PrefixKeys(job.keyspace, job.tokens, self.reg.chunk_tokens, job.tail_tokens)
+                keys = self._keys[key] = PrefixKeys(job.keyspace, job.tokens, self.reg.chunk_tokens, job.partial_tokens)
         return keys
 
-    def _delete_dead_tails(self, chain: PrefixKeys, chunk: int) -> None:
-        """Chunk `chunk` is stored whole: a tail an earlier, shorter prompt stored there is dead."""
-        keys = chain.tail_candidates(chunk, tail_align(self.reg))
+    def _delete_dead_partials(self, chain: PrefixKeys, chunk: int) -> None:
+        """Chunk `chunk` is stored whole: a partial chunk an earlier, shorter prompt stored there is dead."""
+        keys = chain.partial_candidates(chunk, block_align(self.reg))
         for tier in self.tiers:
             try:
                 tier.delete(keys)
             except NotImplementedError:
                 pass  # a tier that cannot delete ages them out as any object
             except (TierError, OSError, ValueError, RuntimeError) as e:  # a future waste, never a failed save
-                log.warning("BSR: dead tails at chunk %d not deleted from %s: %s", chunk, tier.name, e)
+                log.warning("BSR: dead partial chunks at chunk %d not deleted from %s: %s", chunk, tier.name, e)
 
     # -- shutdown --------------------------------------------------------------------------
     def close(self, timeout_s: float = 30.0) -> bool:

@@ -131,9 +131,9 @@ class ConnectorConfig(Schema):
     model_id: Name | None = None  # default: a digest of the served checkpoint's weights (model_identity.py)
     save: bool = True  # store complete prompt chunks after prefill
     # restore up to the last whole block before a prompt's last token, as vLLM's own prefix cache does
-    # (prompts' tails stored as objects of their own); False: whole chunks only (the restored prefix
+    # (prompts' partial chunks stored as objects of their own); False: whole chunks only (the restored prefix
     # then ends on a chunk boundary, where a cold prefill of 256-token steps also stops: bit-identical)
-    restore_tail: bool = True
+    restore_partial_chunk: bool = True
     save_window_chunks: SaveWindow | None = None  # earlier name of save_staging_chunks (read as it)
     report_path: OutputFile | None = None  # append one JSON line per load and save (both roles, all ranks)
     chunk_tokens: ChunkTokens = 256

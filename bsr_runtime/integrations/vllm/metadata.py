@@ -24,7 +24,7 @@ class SaveSpec:
     overwrite: bool = False  # the request's load failed: rewrite the chunks (repairs damaged objects)
     first_chunk: int = 0
     features: tuple[tuple[int, int, str], ...] = ()  # KeySpace.features of the request
-    tail_tokens: int = 0  # chunk num_chunks-1 is the prompt's tail of this many tokens (Saver.save)
+    partial_tokens: int = 0  # chunk num_chunks-1 is the prompt's partial chunk of this many tokens (Saver.save)
 
 
 @dataclass

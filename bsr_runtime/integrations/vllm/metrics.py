@@ -14,7 +14,7 @@ front end, rebuilds it there (`build_kv_connector_stats`) and hands it to `BSRPr
                                               queueing for a loader thread and for the byte budget, fetch,
                                               install, agreement, ...), summed over every load
     vllm:bsr_restored_tokens_total            tokens exposed by committed loads
-    vllm:bsr_recomputed_tokens_total          prompt tokens prefilled after a committed load's prefix (its tail)
+    vllm:bsr_recomputed_tokens_total          prompt tokens prefilled after a committed load's prefix
     vllm:bsr_restore_windows_total            windows of committed loads
     vllm:bsr_restore_seconds                  histogram: restore time of every load (committed or not)
     vllm:bsr_restored_bytes_total             bytes of committed loads, summed over TP ranks

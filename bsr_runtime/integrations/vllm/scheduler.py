@@ -46,8 +46,8 @@ class _Tracked:
     num_chunks: int  # complete prompt chunks
     salt: str
     features: tuple[tuple[int, int, str], ...]
-    tail_tokens: int = 0  # the prompt's tail saved after its whole chunks (whole blocks; 0: none)
-    tail_saved: bool = False
+    partial_tokens: int = 0  # the prompt's partial chunk saved after its whole chunks (whole blocks; 0: none)
+    partial_saved: bool = False
     computed: int = 0
     saved_chunks: int = 0  # chunks 0..saved_chunks-1 went out in SaveSpecs (or were loaded from a tier)
     overwrite: bool = False
@@ -62,7 +62,7 @@ class SchedulerSide:
         self.load_async = cfg.load_async
         self.planner = Planner(reg, tiers, tp_world=tp_world, salt=cfg.salt, model=model, probe_all_ranks=True,
                                probe_timeout_s=cfg.probe_timeout_s, key_inputs=VllmKeyInputs(),
-                               restore_tail=cfg.restore_tail)
+                               restore_partial_chunk=cfg.restore_partial_chunk)
         self._refused_taken: dict[str, int] = {}  # planner.stats.refused at the last take_stats()
         self.inflight: dict[str, tuple[int, set[int]]] = {}  # request -> (chunks, blocks) of its load
         self._tracked: dict[str, _Tracked] = {}
@@ -113,11 +113,12 @@ class SchedulerSide:
             tokens = request.prompt_token_ids or ()
             ct = self.reg.chunk_tokens
             n = len(tokens) // ct
-            align = self.planner.tail_align
-            tail = (len(tokens) - n * ct) // align * align if self.cfg.restore_tail and n else 0
+            align = self.planner.block_align
+            partial = (len(tokens) - n * ct) // align * align if self.cfg.restore_partial_chunk and n else 0
             if n > 0:
                 inputs = self.planner.inputs(request)
-                self._tracked[rid] = _Tracked(list(tokens[: n * ct + tail]), n, inputs.salt, inputs.features, tail)
+                self._tracked[rid] = _Tracked(list(tokens[: n * ct + partial]), n, inputs.salt, inputs.features,
+                                              partial)
 
     def _keyable(self, request) -> bool:
         """False for a request whose inputs BSR cannot key (the planner counts it, once per request)."""
@@ -153,7 +154,7 @@ class SchedulerSide:
             t = self._tracked.get(spec.request_id)
             if t is not None:  # the tier holds what it restores; a failed load resets this
                 t.saved_chunks = max(t.saved_chunks, min(spec.num_chunks, t.num_chunks))
-                t.tail_saved = t.tail_saved or bool(spec.tail_tokens)
+                t.partial_saved = t.partial_saved or bool(spec.partial_tokens)
         for new in so.scheduled_new_reqs:
             if new.req_id not in load_ids:
                 self._running(new.req_id)
@@ -188,10 +189,10 @@ class SchedulerSide:
                 saves.append(SaveSpec(rid, t.tokens, done, block_lists(self.block_ids_of(rid)), t.salt, t.overwrite,
                                       t.saved_chunks, t.features))
                 t.saved_chunks = done
-            if t.tail_tokens and not t.tail_saved and done == t.num_chunks and upto >= len(t.tokens):
+            if t.partial_tokens and not t.partial_saved and done == t.num_chunks and upto >= len(t.tokens):
                 saves.append(SaveSpec(rid, t.tokens, t.num_chunks + 1, block_lists(self.block_ids_of(rid)), t.salt,
-                                      t.overwrite, t.num_chunks, t.features, t.tail_tokens))
-                t.tail_saved = True
+                                      t.overwrite, t.num_chunks, t.features, t.partial_tokens))
+                t.partial_saved = True
         return saves
 
     def _running(self, rid: str) -> None:
@@ -214,7 +215,7 @@ class SchedulerSide:
                 del self.inflight[rid]
                 t = self._tracked.get(rid)
                 if t is not None:  # saved again as the recompute goes, every chunk rewritten
-                    t.saved_chunks, t.overwrite, t.tail_saved = 0, True, False
+                    t.saved_chunks, t.overwrite, t.partial_saved = 0, True, False
 
     def request_finished(self, request, block_ids) -> tuple[bool, None]:
         """Teardown. The blocks may be freed at once: saves gather during the step, loads of an aborted

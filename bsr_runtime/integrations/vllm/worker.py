@@ -135,7 +135,7 @@ class WorkerSide:
                "committed": outcome.committed, "cancelled": result.cancelled, "num_chunks": outcome.num_chunks,
                "local_tokens": result.spec.local_tokens,
                "exposed_tokens": min(outcome.exposed_tokens, result.spec.num_tokens or outcome.exposed_tokens),
-               "tail_tokens": result.spec.tail_tokens,
+               "partial_tokens": result.spec.partial_tokens,
                # prompt tokens prefilled after the restored prefix (vLLM's own prefix cache leaves 1 to 63)
                "recomputed_tokens": len(result.spec.tokens) - (result.spec.num_tokens or
                                                                outcome.num_chunks * self.reg.chunk_tokens),
@@ -166,7 +166,7 @@ class WorkerSide:
                 continue  # its blocks hold a failed load; the scheduler saves it again after the recompute
             try:
                 self.saver.save(spec.request_id, spec.tokens, spec.first_chunk, spec.num_chunks, spec.block_ids,
-                                spec.salt, spec.overwrite, spec.features, spec.tail_tokens)
+                                spec.salt, spec.overwrite, spec.features, spec.partial_tokens)
             except Exception as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
                 log.warning("BSR: save of %s failed: %s: %s", spec.request_id, type(e).__name__, e)
                 error = f"{type(e).__name__}: {e}"  # before any tier was asked: a miss in every one

@@ -1,6 +1,6 @@
-"""The prompt's tail (issue 40): its key is never a whole chunk's nor another tail's, the planner
+"""The prompt's partial chunk (issue 40): its key is never a whole chunk's nor another partial chunk's, the planner
 exposes it only where every TP rank holds it, a load writes and reports only the blocks up to where
-the prefix ends, and the dead tails a whole chunk makes are the ones a shorter prompt stored."""
+the prefix ends, and the dead partial chunks a whole chunk makes are the ones a shorter prompt stored."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from bsr_kernels import Registration, TensorSpec
 from bsr_runtime.keys import KeySpace, PrefixKeys
-from bsr_runtime.planner import Planner, only_blocks_of, tail_align
+from bsr_runtime.planner import Planner, block_align, only_blocks_of
 from bsr_runtime.tiers import MemoryTier
 
 CT = 256
@@ -22,19 +22,19 @@ def _tokens(n: int, seed: int = 0) -> list[int]:
 def test_a_tail_key_is_apart_from_chunks_and_other_tails():
     t = _tokens(3 * CT + 200)
     whole = PrefixKeys(SPACE, t[: 4 * CT] + [0] * 56, CT).window(0, 3)
-    tail = PrefixKeys(SPACE, t, CT, 192).window(0, 4)
-    assert tail[:3] == whole[:3]  # the whole chunks keep their keys
-    assert tail[3] not in whole
-    assert PrefixKeys(SPACE, t, CT, 128).window(3, 1)[0] != tail[3]  # another length
+    partial = PrefixKeys(SPACE, t, CT, 192).window(0, 4)
+    assert partial[:3] == whole[:3]  # the whole chunks keep their keys
+    assert partial[3] not in whole
+    assert PrefixKeys(SPACE, t, CT, 128).window(3, 1)[0] != partial[3]  # another length
     other = t[:-200] + _tokens(200, seed=9)
-    assert PrefixKeys(SPACE, other, CT, 192).window(3, 1)[0] != tail[3]  # other tokens
+    assert PrefixKeys(SPACE, other, CT, 192).window(3, 1)[0] != partial[3]  # other tokens
     padded = t[: 3 * CT + 192] + [5] * 60
-    assert PrefixKeys(SPACE, padded, CT, 192).window(3, 1)[0] == tail[3]  # tokens past the tail do not count
+    assert PrefixKeys(SPACE, padded, CT, 192).window(3, 1)[0] == partial[3]  # later tokens do not count
 
 
 def test_the_dead_tails_of_a_whole_chunk_are_the_shorter_prompts_tails():
     longer = _tokens(3 * CT + 10)
-    candidates = PrefixKeys(SPACE, longer, CT).tail_candidates(2, 64)
+    candidates = PrefixKeys(SPACE, longer, CT).partial_candidates(2, 64)
     for n in (64, 128, 192):
         shorter = longer[: 2 * CT + n + 7]
         assert PrefixKeys(SPACE, shorter, CT, n).window(2, 1)[0] in candidates
@@ -48,7 +48,7 @@ def _reg() -> Registration:
 
 def test_a_load_writes_only_the_blocks_of_its_tokens():
     reg = _reg()
-    assert tail_align(reg) == 64
+    assert block_align(reg) == 64
     blocks = [list(range(100, 116)), list(range(200, 230))]  # 1024 and 960 tokens' worth
     out = only_blocks_of(reg, blocks, 320, 960, 4)
     assert out[0] == [-1] * 5 + list(range(105, 115)) + [-1]  # tokens 320..959 of 1024
@@ -68,20 +68,20 @@ def test_the_tail_is_exposed_only_where_every_rank_holds_it():
     reg = _reg()
     tier = MemoryTier(reg.chunk_bytes, reg.fingerprint)
     t = _tokens(2 * CT + 200)
-    planner = Planner(reg, [tier], tp_world=2, restore_tail=True)
+    planner = Planner(reg, [tier], tp_world=2, restore_partial_chunk=True)
     for r in (0, 1):
         space = KeySpace(reg.fingerprint, r, 2)
         _put(tier, PrefixKeys(space, t, CT).window(0, 2))
-    assert planner.match(_Req("a", t), 0) == 2 * CT  # no tail: whole chunks
+    assert planner.match(_Req("a", t), 0) == 2 * CT  # no partial chunk: whole chunks
     _put(tier, PrefixKeys(KeySpace(reg.fingerprint, 0, 2), t, CT, 192).window(2, 1))
     assert planner.match(_Req("b", t), 0) == 2 * CT  # rank 1 lacks it
     _put(tier, PrefixKeys(KeySpace(reg.fingerprint, 1, 2), t, CT, 192).window(2, 1))
     assert planner.match(_Req("c", t), 0) == 2 * CT + 192  # (2*256+199)//64*64
     spec = planner.allocated(_Req("c", t), [list(range(20)), list(range(40))], 2 * CT + 192)
-    assert (spec.num_chunks, spec.num_tokens, spec.tail_tokens) == (3, 2 * CT + 192, 192)
+    assert (spec.num_chunks, spec.num_tokens, spec.partial_tokens) == (3, 2 * CT + 192, 192)
     aligned = _tokens(3 * CT, seed=4)
     for r in (0, 1):
         _put(tier, PrefixKeys(KeySpace(reg.fingerprint, r, 2), aligned, CT).window(0, 3))
-    assert planner.match(_Req("d", aligned), 0) == 3 * CT - 64  # the last chunk in part, no tail needed
-    assert Planner(reg, [tier], tp_world=2).match(_Req("e", aligned), 0) == 2 * CT  # restore_tail off
+    assert planner.match(_Req("d", aligned), 0) == 3 * CT - 64  # the last chunk in part, no partial chunk needed
+    assert Planner(reg, [tier], tp_world=2).match(_Req("e", aligned), 0) == 2 * CT  # restore_partial_chunk off
     tier.close()

