@@ -46,20 +46,20 @@ def test_the_sweep_headline_reads_records_under_either_tier_name(earlier, curren
     """Records before the rename say fs / lmcache-fs, later ones the current name: the README's sweep
     headline takes the latest record under either."""
     recs = {k: list(v) for k, v in records.all_records().items()}
-    latest_earlier = [r for r in recs["bsr_sweep"] if r["settings"]["tier"] == earlier][-1]
-    newer = json.loads(json.dumps(latest_earlier))
-    newer["settings"]["tier"] = current
-    newer["commit"] = "f" * 40
-    for row in newer["figures"]["rows"]:
-        row["tier"] = current
-        if row["window_chunks"]:
-            row["seconds"] *= 3
+    latest = [r for r in recs["bsr_sweep"] if r["settings"]["tier"] in (earlier, current)][-1]
     before = report.render_readme_table(recs)
-    assert f"`{latest_earlier['commit'][:12]}`" in before
-    recs["bsr_sweep"].append(newer)
-    after = report.render_readme_table(recs)
-    (line,) = [line for line in after.splitlines() if "`ffffffffffff`" in line]
-    assert "BSR / whole plan" in line and after != before
+    assert f"`{latest['commit'][:12]}" in before  # (a record made from a changed tree says -dirty)
+    for name, commit in ((earlier, "e" * 40), (current, "f" * 40)):  # a newer record under each name is read
+        newer = json.loads(json.dumps(latest))
+        newer["settings"]["tier"], newer["commit"] = name, commit
+        for row in newer["figures"]["rows"]:
+            row["tier"] = name
+            if row["window_chunks"]:
+                row["seconds"] *= 3
+        recs["bsr_sweep"].append(newer)
+        after = report.render_readme_table(recs)
+        (line,) = [line for line in after.splitlines() if f"`{commit[:12]}`" in line]
+        assert "BSR / whole plan" in line and after != before
 
 
 def test_every_record_names_its_commit_command_and_machine():
