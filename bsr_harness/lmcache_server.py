@@ -51,13 +51,15 @@ class LMCacheServer:
     """One `python -m lmcache.v1.multiprocess.server` child (lmcache_driven transfer on CPU)."""
 
     def __init__(self, l2_dir: str | os.PathLike, *, l1_size_gb: float = 0.5, window_chunks: int | None = None,
-                 module_config: dict | None = None, checked_fs: bool = False, port: int | None = None,
+                 module_config: dict | None = None, checked_fs: bool = False, l2_adapter: str | None = None,
+                 port: int | None = None,
                  transfer_mode: str = "lmcache_driven", extra_args: list[str] | None = None,
                  start_timeout_s: float = 60.0, stop_timeout_s: float = 10.0, env: dict | None = None) -> None:
         self.l2_dir = Path(l2_dir)
         self.l1_size_gb, self.window_chunks = l1_size_gb, window_chunks
         self.module_config = module_config or {}
         self.checked_fs, self.transfer_mode = checked_fs, transfer_mode
+        self.l2_adapter = l2_adapter  # --l2-adapter JSON of its own (default: fs_l2_arg)
         self.extra_args = list(extra_args or [])
         self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
         self.port, self.metrics_port = fill_free_ports([port, None])
@@ -70,7 +72,7 @@ class LMCacheServer:
         args = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "localhost",
                 "--port", str(self.port), "--chunk-size", "256", "--l1-size-gb", str(self.l1_size_gb),
                 "--no-l1-use-lazy", "--eviction-policy", "LRU", "--supported-transfer-mode", self.transfer_mode,
-                "--l2-adapter", fs_l2_arg(self.l2_dir, checked=self.checked_fs),
+                "--l2-adapter", self.l2_adapter or fs_l2_arg(self.l2_dir, checked=self.checked_fs),
                 "--prometheus-port", str(self.metrics_port)]
         if self.window_chunks is not None:
             args += ["--server-module", server_module_arg(self.window_chunks, **self.module_config)]
