@@ -54,7 +54,8 @@ class LMCacheServer:
                  module_config: dict | None = None, checked_fs: bool = False, l2_adapter: str | None = None,
                  port: int | None = None,
                  transfer_mode: str = "lmcache_driven", extra_args: list[str] | None = None,
-                 start_timeout_s: float = 60.0, stop_timeout_s: float = 10.0, env: dict | None = None) -> None:
+                 start_timeout_s: float = 60.0, stop_timeout_s: float = 10.0, env: dict | None = None,
+                 argv: list[str] | None = None) -> None:
         self.l2_dir = Path(l2_dir)
         self.l1_size_gb, self.window_chunks = l1_size_gb, window_chunks
         self.module_config = module_config or {}
@@ -63,12 +64,18 @@ class LMCacheServer:
         self.extra_args = list(extra_args or [])
         self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
         self.port, self.metrics_port = fill_free_ports([port, None])
+        self.argv = argv  # a command line of its own (the README's); its --port and --prometheus-port are used
+        if argv is not None:
+            self.port = int(argv[argv.index("--port") + 1])
+            self.metrics_port = int(argv[argv.index("--prometheus-port") + 1])
         self.env = env
         self.log_path: Path | None = None
         self._proc: subprocess.Popen | None = None
         self._log = None
 
     def args(self) -> list[str]:
+        if self.argv is not None:
+            return list(self.argv)
         args = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "localhost",
                 "--port", str(self.port), "--chunk-size", "256", "--l1-size-gb", str(self.l1_size_gb),
                 "--no-l1-use-lazy", "--eviction-policy", "LRU", "--supported-transfer-mode", self.transfer_mode,
