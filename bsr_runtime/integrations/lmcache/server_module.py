@@ -17,6 +17,8 @@ Configured by the paper's names (the `config` object of --server-module):
     fetch_timeout_s         a window's prefetch deadline (default 30 s): a late object fails closed
     marker_ttl_s            how long a force-local marker outlives a request that never ends its
                             session (default 600 s)
+    admission_timeout_s     how long a retrieve waits for the one before it (one retrieve at a time
+                            holds L1; default 120 s, then it fails closed)
 
 What it replaces: LookupModule's LOOKUP, QUERY_PREFETCH_STATUS, WAIT_PREFETCH_STATUS,
 FREE_LOOKUP_LOCKS, END_SESSION (server_lookup.py) and LMCacheDrivenTransferModule's RETRIEVE
@@ -47,6 +49,7 @@ class ServerModuleConfig(Schema):
     pipeline_depth: Literal[1, 2] = 1
     fetch_timeout_s: Seconds = 30.0
     marker_ttl_s: Seconds = 600.0
+    admission_timeout_s: Seconds = 120.0
 
 
 class RefusedServerModule(ValueError):
@@ -103,7 +106,7 @@ def _modules(build, cfg: ServerModuleConfig) -> list:
     fold_window_lines()
     return [ProbeLookupModule(ctx, stock_lookup, markers, stats, cfg.fetch_timeout_s),
             WindowedRetrieveModule(ctx, stock_transfer, markers, stats, cfg.prefetch_window_chunks,
-                                   cfg.pipeline_depth, cfg.fetch_timeout_s)]
+                                   cfg.pipeline_depth, cfg.fetch_timeout_s, cfg.admission_timeout_s)]
 
 
 def _one(modules, cls):

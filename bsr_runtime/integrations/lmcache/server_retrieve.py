@@ -272,9 +272,11 @@ class WindowedRetrieveModule:
     worker bookkeeping stay LMCache's (`stock`)."""
 
     def __init__(self, ctx: MPCacheServerContext, stock: LMCacheDrivenTransferModule, markers: ForceLocalMarkers,
-                 stats: ServerStats, window_chunks: int, depth: int, fetch_timeout_s: float) -> None:
+                 stats: ServerStats, window_chunks: int, depth: int, fetch_timeout_s: float,
+                 admission_timeout_s: float = 120.0) -> None:
         self._ctx, self._stock, self._markers, self._stats = ctx, stock, markers, stats
         self.window_chunks, self.depth, self.fetch_timeout_s = window_chunks, depth, fetch_timeout_s
+        self.admission_timeout_s = admission_timeout_s
         self._late = LatePrefetches(ctx.storage_manager, lambda: fetch_timeout_s)
         # one restore at a time in the server: the L1 all restores hold is at most W chunks' objects
         self._admission = SerialAdmission(threading.Lock())
@@ -332,7 +334,7 @@ class WindowedRetrieveModule:
         loop = WindowLoop(self._admission, chunk_bytes=1, stream=cc.stream, depth=self.depth,
                           admission_timeout_s=self.fetch_timeout_s)
         try:
-            with self._admission.admitted(self.fetch_timeout_s):
+            with self._admission.admitted(self.admission_timeout_s):
                 loop.restore(plan_windows(num_chunks, self.window_chunks, self.depth), source,
                              lambda staged, first, n: transfer_window(plan, staged, first, n))
         except Exception as e:  # noqa: BLE001 - every failure fails the retrieve closed
