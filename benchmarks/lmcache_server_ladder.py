@@ -18,7 +18,8 @@ Per prefix length (tokens, + 33 so the last chunk is whole and the request still
 TTFT (a fresh engine's first request, 8 tokens generated) is the comparable time: both include the
 lookup, the L2 loads and the copies.
 
-    python benchmarks/lmcache_server_ladder.py [--tokens 32768,65536,131072] [--window-chunks 32]
+    python benchmarks/lmcache_server_ladder.py [--tokens 32768,65536,131072] [--window-chunks 32] [--depth 1]
+        [--rungs 0.5,1.0,1.25,1.5,2.0] [--repeat 1]
 
 Appends a record to benchmarks/results/lmcache_server_ladder.jsonl (bsr_harness.records).
 """
@@ -83,6 +84,33 @@ def _run(llm, tokens: list[int]):
     return (*out, time.perf_counter() - t0)
 
 
+def _forget(llm, timeout_s: float = 60.0) -> None:
+    """vLLM's prefix cache reset, which also asks the LMCache server to clear its L1 (refused until
+    the connector reported its stores: step until then)."""
+    end = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > end:
+            raise TimeoutError("vLLM kept refusing to reset its prefix cache")
+        llm.llm_engine.step()
+        time.sleep(0.05)
+
+
+def _restores(llm, tokens: list[int], cold, repeat: int) -> dict:
+    """`repeat` restores of the prompt in one engine (its prefix cache and the server's L1 reset
+    before each after the first): cached tokens and output of each, best and median seconds."""
+    times, cached, identical = [], [], True
+    for i in range(repeat):
+        if i:
+            _forget(llm)
+        out = _run(llm, tokens)
+        times.append(out[3])
+        cached.append(out[2])
+        identical = identical and out[:2] == cold[:2]
+    times.sort()
+    return {"ttft_s": round(times[0], 3), "ttft_median_s": round(times[len(times) // 2], 3),
+            "cached_tokens": min(cached), "identical": identical}
+
+
 def _lookup_tokens(llm, tokens: list[int], rid: str, timeout_s: float = 300.0) -> int:
     """The stock server's lookup answer for `tokens`, asked through the engine's connector (the
     scheduler's LMCache adapter), its locks released again; no prefill."""
@@ -133,7 +161,7 @@ def _one_length(args, model: str, n_tokens: int, tmp: Path) -> dict:
             vllm_engines.shutdown(llm)
     row["cold_s"] = round(cold[3], 3)
 
-    for factor in RUNGS:
+    for factor in (float(f) for f in args.rungs.split(",")):
         l1_gb = factor * prefix_bytes / 2**30
         with LMCacheServer(l2, l1_size_gb=l1_gb, window_chunks=0, extra_args=STORE_THROUGH, env=_env(),
                            start_timeout_s=180) as server:
@@ -150,12 +178,12 @@ def _one_length(args, model: str, n_tokens: int, tmp: Path) -> dict:
                            start_timeout_s=180) as server:
             llm = _engine(model, server, n_tokens)
             try:
-                restored = _run(llm, tokens)
+                restored = _restores(llm, tokens, cold, args.repeat)
             finally:
                 vllm_engines.shutdown(llm)
             log = server.log_path.read_text(errors="replace")
-        row.update(stock_l1_gib=round(l1_gb, 4), stock_l1_over_prefix=factor, stock_ttft_s=round(restored[3], 3),
-                   stock_cached_tokens=restored[2], stock_identical=restored[:2] == cold[:2],
+        row.update(stock_l1_gib=round(l1_gb, 4), stock_l1_over_prefix=factor,
+                   **{f"stock_{k}": v for k, v in restored.items()},
                    stock_retrieve_s=_retrieve_seconds(log, r"Retrieved \d+ tokens"))
         break
 
@@ -165,14 +193,13 @@ def _one_length(args, model: str, n_tokens: int, tmp: Path) -> dict:
                        extra_args=STORE_THROUGH, env=_env(), start_timeout_s=180) as server:
         llm = _engine(model, server, n_tokens)
         try:
-            restored = _run(llm, tokens)
+            restored = _restores(llm, tokens, cold, args.repeat)
         finally:
             vllm_engines.shutdown(llm)
-        peak = server.metric("bsr_restore_l1_objects_peak")
+        peak = server.metric("bsr_l1_objects_held_peak")
         log = server.log_path.read_text(errors="replace")
-    row.update(bsr_l1_gib=round(bsr_l1_gb, 4), bsr_ttft_s=round(restored[3], 3), bsr_cached_tokens=restored[2],
-               bsr_identical=restored[:2] == cold[:2], bsr_l1_objects_peak=peak,
-               bsr_retrieve_s=_retrieve_seconds(log, r"BSR retrieved \d+ tokens"))
+    row.update(bsr_l1_gib=round(bsr_l1_gb, 4), **{f"bsr_{k}": v for k, v in restored.items()},
+               bsr_l1_objects_peak=peak, bsr_retrieve_s=_retrieve_seconds(log, r"BSR retrieved \d+ tokens"))
     if row.get("stock_ttft_s"):
         row["ttft_ratio_bsr_over_stock"] = round(row["bsr_ttft_s"] / row["stock_ttft_s"], 3)
     if row.get("stock_retrieve_s") and row.get("bsr_retrieve_s"):
@@ -185,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="32768,65536,131072", help="prefix lengths in tokens (whole chunks)")
     add_window_chunks(ap, default=32, help="W of the module (default 32)")
     ap.add_argument("--depth", type=int, choices=(1, 2), default=1, help="the module's pipeline_depth (default 1)")
+    ap.add_argument("--rungs", default=",".join(map(str, RUNGS)),
+                    help="the stock server's L1 rungs, as multiples of the prefix's object bytes (default %(default)s)")
+    ap.add_argument("--repeat", type=int, default=1, help="restores per server, TTFT best and median (default 1)")
     add_record_options(ap)
     args = parse_with_notices(ap, argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
