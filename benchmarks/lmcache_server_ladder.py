@@ -51,6 +51,14 @@ def _env() -> dict:
             "LMCACHE_DISABLE_BANNER": "1"}
 
 
+def _server(l2: Path, args, **kw):
+    """A server on the length's L2 directory; objects leave its L1 once L2 holds them."""
+    from bsr_harness.lmcache_server import LMCacheServer
+
+    return LMCacheServer(l2, checked_fs=args.l2 == "checked", extra_args=STORE_THROUGH, env=_env(),
+                         start_timeout_s=180, **kw)
+
+
 def _tolerate_llvmlite_in_kernel_scan() -> None:
     """As tests/vllm_util.py: vLLM's worker start rescans module attributes with `vars()`, which
     llvmlite (imported by LMCache's connector) answers with a function wrapper; a second engine in
@@ -137,7 +145,6 @@ def _one_length(args, model: str, n_tokens: int, tmp: Path) -> dict:
     import random
 
     from bsr_harness import vllm_engines
-    from bsr_harness.lmcache_server import LMCacheServer
     from bsr_harness.tiny_model import VOCAB
 
     rng = random.Random(n_tokens)
@@ -147,8 +154,7 @@ def _one_length(args, model: str, n_tokens: int, tmp: Path) -> dict:
     l2 = tmp / f"l2-{n_tokens}"
     row: dict = {"tokens": n_tokens, "chunks": chunks, "chunk_bytes": CHUNK_BYTES, "prefix_bytes": prefix_bytes}
 
-    with LMCacheServer(l2, l1_size_gb=64 * CHUNK_BYTES / 2**30, window_chunks=0, extra_args=STORE_THROUGH, env=_env(),
-                       start_timeout_s=180) as server:
+    with _server(l2, args, l1_size_gb=64 * CHUNK_BYTES / 2**30, window_chunks=0) as server:
         llm = _engine(model, server, n_tokens)
         try:
             cold = _run(llm, tokens)
@@ -163,8 +169,7 @@ def _one_length(args, model: str, n_tokens: int, tmp: Path) -> dict:
 
     for factor in (float(f) for f in args.rungs.split(",")):
         l1_gb = factor * prefix_bytes / 2**30
-        with LMCacheServer(l2, l1_size_gb=l1_gb, window_chunks=0, extra_args=STORE_THROUGH, env=_env(),
-                           start_timeout_s=180) as server:
+        with _server(l2, args, l1_size_gb=l1_gb, window_chunks=0) as server:
             llm = _engine(model, server, n_tokens)
             try:
                 hit = _lookup_tokens(llm, tokens, f"rung-{n_tokens}-{factor}")
@@ -174,8 +179,7 @@ def _one_length(args, model: str, n_tokens: int, tmp: Path) -> dict:
             row.setdefault("stock_failing_rungs_gib", []).append(round(l1_gb, 4))
             continue
         # the passing rung again, fresh (the lookup above left objects in its L1): a real restore
-        with LMCacheServer(l2, l1_size_gb=l1_gb, window_chunks=0, extra_args=STORE_THROUGH, env=_env(),
-                           start_timeout_s=180) as server:
+        with _server(l2, args, l1_size_gb=l1_gb, window_chunks=0) as server:
             llm = _engine(model, server, n_tokens)
             try:
                 restored = _restores(llm, tokens, cold, args.repeat)
@@ -189,8 +193,8 @@ def _one_length(args, model: str, n_tokens: int, tmp: Path) -> dict:
 
     w = args.window
     bsr_l1_gb = 2 * w * CHUNK_BYTES / 2**30
-    with LMCacheServer(l2, l1_size_gb=bsr_l1_gb, window_chunks=w, module_config={"pipeline_depth": args.depth},
-                       extra_args=STORE_THROUGH, env=_env(), start_timeout_s=180) as server:
+    module = {"pipeline_depth": args.depth}
+    with _server(l2, args, l1_size_gb=bsr_l1_gb, window_chunks=w, module_config=module) as server:
         llm = _engine(model, server, n_tokens)
         try:
             restored = _restores(llm, tokens, cold, args.repeat)
@@ -215,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rungs", default=",".join(map(str, RUNGS)),
                     help="the stock server's L1 rungs, as multiples of the prefix's object bytes (default %(default)s)")
     ap.add_argument("--repeat", type=int, default=1, help="restores per server, TTFT best and median (default 1)")
+    ap.add_argument("--l2", choices=("fs", "checked"), default="fs",
+                    help="LMCache's FS L2 adapter, or BSR's checked FS plugin (header + CRC, pooled loads), for every "
+                         "server (default fs)")
     add_record_options(ap)
     args = parse_with_notices(ap, argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
