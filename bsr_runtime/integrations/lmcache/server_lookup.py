@@ -108,12 +108,15 @@ class ProbeLookupModule:
         """Probe the request's prefix; its hit length is answered by the prefetch status."""
         self._publish(EventType.MP_REQUEST_START, key.request_id)
         self._publish(EventType.MP_LOOKUP_PREFETCH_START, key.request_id)
+        t0 = time.perf_counter()
         try:
             hit, result = self._decide(key)
         except Exception:  # noqa: BLE001 - a failed probe is a miss: the request prefills locally
             logger.exception("BSR probe of request %s failed; answering 0", key.request_id)
             hit, result = 0, "miss"
         self._stats.lookup_answered(result)
+        logger.info("BSR probe of request %s: %d chunks hit (%s) in %.3f seconds, nothing held", key.request_id, hit,
+                    result, time.perf_counter() - t0)
         with self._lock:
             self._hits[key.request_id] = hit
 

@@ -63,3 +63,27 @@ def test_readme_lmcache_server_quick_start(tmp_path):
         assert restored[:2] == cold[:2]
         assert server.metric("bsr_restore_windows") >= 1
         assert server.metric("bsr_restores", outcome="ok") >= 1
+
+
+def test_readme_autostart_line_parses_as_lmcache_parses_it():
+    """The README's autostart line: LMCache's launcher reads its server arguments, and the server's own
+    argument parser finds BSR's module with W in them (no server is started)."""
+    import argparse
+
+    from lmcache.integration.vllm.mp_server_launcher import MPServerAutostartConfig
+    from lmcache.v1.multiprocess.config import add_mp_server_args, parse_args_to_mp_server_config
+
+    line = re.search(r"^vllm serve .*lmcache\.mp\.autostart.*$", (S.ROOT / "README.md").read_text(), re.MULTILINE)
+    assert line, "README has no autostart line"
+    argv = shlex.split(line.group(0))
+    extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    config = MPServerAutostartConfig.from_extra_config(extra, "localhost", extra["lmcache.mp.port"])
+    assert config.enabled
+    parser = argparse.ArgumentParser()
+    add_mp_server_args(parser)
+    args, _ = parser.parse_known_args(list(config.server_args))
+    mp = parse_args_to_mp_server_config(args)
+    assert mp.supported_transfer_mode == "lmcache_driven"
+    (module,) = mp.server_modules
+    assert module.module_path == "bsr_runtime.integrations.lmcache.server_module"
+    assert module.config["prefetch_window_chunks"] == 32
