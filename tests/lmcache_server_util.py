@@ -14,6 +14,15 @@ from bsr_harness.testdata import poison
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
+# The server tests' setting: an 8-chunk prefix, W = 2, and an L1 of 1.5 MiB (about 6 objects of the
+# tiny model's 256 KiB chunks): smaller than the prefix.
+W = 2
+N = 8
+L1_GB = 0.0015
+# objects leave L1 once L2 holds them (LMCache's BufferOnlyStorePolicy): stores pass through the small
+# L1 one chunk a step instead of filling it (a store that finds L1 full is dropped)
+STORE_THROUGH = ["--l2-store-policy", "skip_l1"]
+
 
 def server_env(**extra: str) -> dict:
     """The server child's environment: this checkout and tests/ first on its path (the module, the

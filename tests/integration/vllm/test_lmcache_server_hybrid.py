@@ -11,7 +11,6 @@ vllm = pytest.importorskip("vllm")
 
 import lmcache_server_util as S  # noqa: E402
 import vllm_util as U  # noqa: E402
-from test_lmcache_server_module import STORE_THROUGH, W  # noqa: E402
 
 from bsr_harness.lmcache_server import LMCacheServer  # noqa: E402
 
@@ -25,8 +24,8 @@ def hybrid(tmp_path_factory):
     model = U.build_tiny_llama(tmp / "model", seed=4, sliding_window=512,
                                layer_types=["sliding_attention", "full_attention"])
     l2_dir = tmp / "l2"
-    server = LMCacheServer(l2_dir, l1_size_gb=0.01, window_chunks=W, checked_fs=True,
-                           extra_args=[*STORE_THROUGH, "--separate-object-groups"], env=S.server_env()).start()
+    server = LMCacheServer(l2_dir, l1_size_gb=0.01, window_chunks=S.W, checked_fs=True,
+                           extra_args=[*S.STORE_THROUGH, "--separate-object-groups"], env=S.server_env()).start()
     try:
         llm = U.make_llm(model, server.kv_transfer_config())
         try:
@@ -43,7 +42,7 @@ def test_hybrid_restore_and_one_damaged_group_collapses_the_prefix(hybrid):
     cold, files = S.save(llm, l2_dir, tokens, GROUPS * N)
     restored = U.generate(llm, tokens)
     assert restored[2] == N * U.CHUNK and restored[:2] == cold[:2]
-    assert server.metric("bsr_restore_l1_objects_peak") <= GROUPS * W
+    assert server.metric("bsr_restore_l1_objects_peak") <= GROUPS * S.W
 
     tokens = U.prompt(N * U.CHUNK + 33, seed=4)
     cold, files = S.save(llm, l2_dir, tokens, GROUPS * N)

@@ -20,13 +20,8 @@ from lmcache_faults import ENV, l2_adapter_arg  # noqa: E402
 
 from bsr_harness.lmcache_server import LMCacheServer  # noqa: E402
 
-W = 2
-N = 8
-L1_GB = 0.0015  # 1.5 MiB: about 6 objects of this model's 256 KiB chunks, fewer than N
+W, N, L1_GB, STORE_THROUGH = S.W, S.N, S.L1_GB, S.STORE_THROUGH
 FETCH_TIMEOUT_S = 1.5
-# objects leave L1 once L2 holds them (LMCache's BufferOnlyStorePolicy): stores pass through the small
-# L1 one chunk a step instead of filling it (a store that finds L1 full is dropped)
-STORE_THROUGH = ["--l2-store-policy", "skip_l1"]
 
 
 class Setup:
