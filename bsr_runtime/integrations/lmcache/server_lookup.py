@@ -35,35 +35,11 @@ from lmcache.v1.multiprocess.engine_context import MPCacheServerContext
 from lmcache.v1.multiprocess.modules.lookup import LookupModule
 from lmcache.v1.multiprocess.request_handler import HandlerType, request_handler
 
+from ...markers import ForceLocalMarkers
 from .probe import L2Lookups
 from .server_stats import ServerStats
 
 logger = init_logger(__name__)
-
-
-class ForceLocalMarkers:
-    """Requests whose retrieve failed: their next lookup answers 0 (local prefill). A marker lives
-    until the request's session ends or `ttl_s` passed (a client that never ends its session)."""
-
-    def __init__(self, ttl_s: float) -> None:
-        self.ttl_s = ttl_s
-        self._marks: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    def mark(self, request_id: str) -> None:
-        with self._lock:
-            self._marks[request_id] = time.monotonic() + self.ttl_s
-
-    def is_marked(self, request_id: str) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            for rid in [r for r, t in self._marks.items() if t < now]:
-                del self._marks[rid]
-            return request_id in self._marks
-
-    def clear(self, request_id: str) -> None:
-        with self._lock:
-            self._marks.pop(request_id, None)
 
 
 def servable_length(rows: Sequence[Sequence[bool]], windows: Sequence[int]) -> int:
@@ -139,14 +115,14 @@ class ProbeLookupModule:
     @request_handler(HandlerType.BLOCKING)
     def end_session(self, request_id: str) -> None:
         """LMCache's own END_SESSION, and the request's force-local marker dropped."""
-        self._markers.clear(request_id)
+        self._markers.clear_on_teardown(request_id)
         with self._lock:
             self._hits.pop(request_id, None)
         self._stock.end_session(request_id)
 
     # -- the probe ----------------------------------------------------------------------------
     def _decide(self, key: IPCCacheServerKey) -> tuple[int, str]:
-        if self._markers.is_marked(key.request_id):
+        if self._markers.is_set(key.request_id):
             return 0, "force_local"
         rows = self._rows(key)
         if not rows:

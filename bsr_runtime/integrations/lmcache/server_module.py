@@ -94,14 +94,15 @@ def _modules(build, cfg: ServerModuleConfig) -> list:
     from lmcache.v1.multiprocess.modules.lmcache_driven_transfer import LMCacheDrivenTransferModule
     from lmcache.v1.multiprocess.modules.lookup import LookupModule
 
+    from ...markers import ForceLocalMarkers
     from .prefetch import fold_window_lines
-    from .server_lookup import ForceLocalMarkers, ProbeLookupModule
+    from .server_lookup import ProbeLookupModule
     from .server_retrieve import WindowedRetrieveModule
 
     stock_lookup = _one(build.modules, LookupModule)
     stock_transfer = _one(build.modules, LMCacheDrivenTransferModule)
     ctx = build.server_context
-    stats, markers = ServerStats(), ForceLocalMarkers(cfg.marker_ttl_s)
+    stats, markers = ServerStats(), ForceLocalMarkers(ttl_s=cfg.marker_ttl_s)
     stats.register_gauges()
     fold_window_lines()
     return [ProbeLookupModule(ctx, stock_lookup, markers, stats, cfg.fetch_timeout_s),

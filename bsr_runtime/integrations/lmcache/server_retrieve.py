@@ -45,11 +45,11 @@ from lmcache.v1.multiprocess.request_handler import HandlerType, request_handler
 from lmcache.v1.platform.stream import synchronize_stream
 
 from ...admission import SerialAdmission
+from ...markers import ForceLocalMarkers
 from ...plan import Window, plan_windows
 from ...tiers.base import CorruptObjectError, FetchTimeoutError, MissingObjectError
 from ...window_loop import WindowFailed, WindowLoop
 from .prefetch import LatePrefetches, evict_l2_loaded, release_result
-from .server_lookup import ForceLocalMarkers
 from .server_stats import ServerStats
 
 logger = init_logger(__name__)
@@ -388,6 +388,6 @@ class WindowedRetrieveModule:
 
     def _failed(self, key: IPCCacheServerKey, cause: str, peak: int) -> None:
         """Fail closed: the force-local marker, the failure counted. The engine recomputes every block."""
-        self._markers.mark(key.request_id)
+        self._markers.set(key.request_id, "retrieve failed")
         self._stats.restore_done(peak, cause)
 

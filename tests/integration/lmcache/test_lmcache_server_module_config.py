@@ -13,8 +13,9 @@ import pytest
 
 from bsr_harness.lmcache_server import LMCacheServer
 from bsr_runtime.integrations.lmcache import server_guard
-from bsr_runtime.integrations.lmcache.server_lookup import ForceLocalMarkers, servable_length
+from bsr_runtime.integrations.lmcache.server_lookup import servable_length
 from bsr_runtime.integrations.lmcache.server_module import build_server_modules
+from bsr_runtime.markers import ForceLocalMarkers
 
 
 def _build(config: dict, mode: str = "lmcache_driven", transport: str = "zmq"):
@@ -60,13 +61,13 @@ def test_servable_length_follows_lmcache_fold_rule():
 
 def test_force_local_markers_expire_and_clear():
     markers = ForceLocalMarkers(ttl_s=60.0)
-    markers.mark("r1")
-    assert markers.is_marked("r1") and not markers.is_marked("r2")
-    markers.clear("r1")
-    assert not markers.is_marked("r1")
+    markers.set("r1")
+    assert markers.is_set("r1") and not markers.is_set("r2")
+    markers.clear_on_teardown("r1")
+    assert not markers.is_set("r1")
     markers.ttl_s = 0.0
-    markers.mark("r3")
-    assert not markers.is_marked("r3")
+    markers.set("r3")
+    assert not markers.is_set("r3")
 
 
 def test_guard_accepts_this_lmcache_and_names_a_difference():
