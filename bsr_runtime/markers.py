@@ -5,7 +5,9 @@ reports zero external tokens for it without a new lookup against the faulty tier
 request prefills locally. The marker is removed when the request is admitted RUNNING or
 torn down (finished, aborted). The table is bounded: when full, the oldest marker is evicted
 (counted in `evictions`, logged as a warning) — an evicted request may be probed again,
-which costs a lookup, never correctness: a failed restore still fails closed.
+which costs a lookup, never correctness: a failed restore still fails closed. With `ttl_s` a marker
+also expires that long after it was set (a caller that never tears a request down: LMCache's server
+module, whose clients may never end their session).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ DEFAULT_MAX_ENTRIES = 4096
 class ForceLocalMarkers:
     """A bounded, thread-safe table of request ids that must prefill locally."""
 
-    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, ttl_s: float | None = None) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
             raise ValueError(f"max_entries must be a positive int, got {max_entries!r}")
         self.max_entries = max_entries
+        self.ttl_s = ttl_s
         self._table: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id -> (set at, reason)
         self._lock = threading.Lock()
         self.evictions = 0  # markers dropped because the table was full (each one logged)
@@ -46,7 +49,11 @@ class ForceLocalMarkers:
 
     def is_set(self, request_id: str) -> bool:
         with self._lock:
-            return request_id in self._table
+            entry = self._table.get(request_id)
+            if entry is not None and self.ttl_s is not None and time.monotonic() - entry[0] >= self.ttl_s:
+                del self._table[request_id]  # expired
+                return False
+            return entry is not None
 
     def reason(self, request_id: str) -> str | None:
         with self._lock:

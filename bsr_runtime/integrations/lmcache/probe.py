@@ -27,22 +27,25 @@ from .objects import _owners, _poll
 class L2Lookups:
     """Which keys every L2 adapter holds, with every lookup lock returned (see the module docstring)."""
 
-    def __init__(self, sm: StorageManager, layout: MemoryLayoutDesc, timeout_s: float) -> None:
+    def __init__(self, sm: StorageManager, layout: MemoryLayoutDesc | None, timeout_s: float) -> None:
         self.sm, self.layout, self.timeout_s = sm, layout, timeout_s
         self._orphans: list[tuple[object, int, list[ObjectKey]]] = []  # (adapter, task id, keys) to unlock
         self._lock = threading.Lock()
 
-    def lookup(self, keys: list[ObjectKey]) -> tuple[dict[str, list[bool]], list[str]]:
+    def lookup(self, keys: list[ObjectKey], layouts: dict[int, MemoryLayoutDesc] | None = None,
+               ) -> tuple[dict[str, list[bool]], list[str]]:
         """Per adapter ("<index>:<type>") a hit per key, and errors; an adapter that fails or does
-        not answer in time counts as a miss (and is unlocked when it answers)."""
+        not answer in time counts as a miss (and is unlocked when it answers). `layouts`: the
+        object groups' layouts (the adapters' hint); default: the tier's one layout as group 0."""
         self.unlock_orphans()
+        layouts = layouts if layouts is not None else {0: self.layout}
         out: dict[str, list[bool]] = {}
         errors: list[str] = []
         pending = []
         for desc, adapter in self.sm.l2_adapters():
             name = f"{desc.index}:{desc.type_name}"
             try:
-                task = adapter.submit_lookup_and_lock_task(keys, {0: self.layout})
+                task = adapter.submit_lookup_and_lock_task(keys, layouts)
             except Exception as e:  # noqa: BLE001 - an adapter that fails is a miss, reported
                 errors.append(f"{name}: lookup failed: {type(e).__name__}: {e}")
                 out[name] = [False] * len(keys)
