@@ -38,12 +38,12 @@ log = logging.getLogger(__name__)
 
 def resident_chunks_end(reg: Registration, block_ids: Sequence[Sequence[int]], first_chunk: int,
                         num_chunks: int) -> int:
-    """The end of the run of chunks from `first_chunk` whose blocks are resident in every group (a
-    sliding-window group's blocks that left the window are -1: such a chunk cannot be saved whole)."""
+    """The end of the run of chunks from `first_chunk` whose blocks an object holds are resident in
+    every group (a sliding-window group's blocks that left the window are -1: such a chunk cannot be
+    saved whole; of a group whose objects hold each chunk's tail only, the tail blocks count)."""
     for k in range(first_chunk, num_chunks):
         for g, ids in enumerate(block_ids):
-            tpb = reg.group_tokens_per_block(g)
-            lo, hi = k * reg.chunk_tokens // tpb, -(-(k + 1) * reg.chunk_tokens // tpb)
+            lo, hi = reg.chunk_blocks(g, k)
             if len(ids) < hi or any(b < 0 for b in ids[lo:hi]):
                 return k
     return num_chunks
