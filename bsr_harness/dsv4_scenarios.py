@@ -151,11 +151,13 @@ def restore(model: str, root: str, prompt_tokens: int = 1069, window_chunks: int
             size = os.path.getsize(victim)
             hook = _Damage(worker.tiers[0], victim, kind, size - reg.chunk_bytes + reg.segment_offsets[seg] + 77)
             forget()
+            t0 = time.perf_counter()
             try:
                 got = vllm_engines.generate(llm, tokens, max_tokens=max_tokens)
             finally:
                 hook.remove()
             out["damage"][kind] = {"load": _load_record(worker.loads[-1]), "fetched_damaged": hook.done,
+                                   "seconds": round(time.perf_counter() - t0, 2),
                                    "tokens_identical": got[0] == cold[0], "logprobs_identical": got[1] == cold[1]}
     finally:
         vllm_engines.shutdown(llm)

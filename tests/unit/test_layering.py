@@ -83,7 +83,8 @@ RULES: list[Rule] = [
     ("only bsr_runtime.integrations.lmcache imports lmcache",
      lambda m: not _under(m, "bsr_runtime.integrations.lmcache"), lambda i: _under(i, "lmcache")),
     ("only bsr_runtime.integrations.vllm and the harness's engine drivers import vllm",
-     lambda m: not _under_any(m, ("bsr_runtime.integrations.vllm", VLLM_ENGINE_DRIVER, DSV4_ENGINE_DRIVER)), lambda i: _under(i, "vllm")),
+     lambda m: not _under_any(m, ("bsr_runtime.integrations.vllm", VLLM_ENGINE_DRIVER, DSV4_ENGINE_DRIVER)),
+     lambda i: _under(i, "vllm")),
 ]
 
 

@@ -114,3 +114,30 @@ def test_bad_specs(kw, match):
     args = dict(name="x", dtype=torch.uint8, entry_shape=(8,), block_size=16) | kw
     with pytest.raises(ValueError, match=match):
         TensorSpec(**args)
+
+
+def test_tail_tokens_shrink_the_segment_and_keep_other_fingerprints():
+    """A group whose objects hold only each chunk's tail: its segments are the tail's entries, the rest
+    unchanged; a registration without tails keeps its fingerprint (tail_tokens appears only when set)."""
+    plain = (TensorSpec("swa", torch.uint8, (584,), 64, sliding_window=128),
+             TensorSpec("kv", torch.uint8, (584,), 64, 4, 1))
+    tailed = (dataclasses.replace(plain[0], tail_tokens=128), plain[1])
+    a, b = Registration(plain), Registration(tailed)
+    assert "tail_tokens" not in json.dumps(a.to_dict())
+    assert a.fingerprint != b.fingerprint
+    assert b.segment_bytes(0) == 128 * 584 and a.segment_bytes(0) == 256 * 584
+    assert b.segment_bytes(1) == a.segment_bytes(1) == 64 * 584
+    assert b.tail_groups == {0} and a.tail_groups == frozenset()
+    assert b.chunk_blocks(0, 3) == (14, 16) and b.chunk_blocks(1, 3) == (3, 4) and a.chunk_blocks(0, 3) == (12, 16)
+    assert Registration.from_dict(b.to_dict()).fingerprint == b.fingerprint
+
+
+@pytest.mark.parametrize("specs,match", [
+    (lambda: (TensorSpec("a", torch.uint8, (8,), 64, tail_tokens=100),), "whole number of 64-token blocks"),
+    (lambda: (TensorSpec("a", torch.uint8, (8,), 64, tail_tokens=512),), "inside a chunk of 256"),
+    (lambda: (TensorSpec("a", torch.uint8, (8,), 64, tail_tokens=128), TensorSpec("b", torch.uint8, (8,), 64)),
+     "disagree on tail_tokens"),
+])
+def test_bad_tails(specs, match):
+    with pytest.raises(ValueError, match=match):
+        Registration(specs())
