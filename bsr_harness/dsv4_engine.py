@@ -9,6 +9,9 @@ What vLLM CPU 0.32 needs here, and why (`setup()`, before vLLM is imported; `pat
   object is not subscriptable"). A stand-in "cpu" backend lets vllm.triton_utils accept Triton at import
   and is removed again afterwards (torch inductor, used by the sampler, trips over it).
 - The V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0), which vLLM picks on such a machine anyway.
+- Speed: the sliding-window slot-index kernel of the metadata builder, interpreted, costs one Python
+  program per token and layer; it is replaced by the same integer computation in torch
+  (`_SwaIndicesTorch`, checked against the interpreted kernel by `check()`, which the engine test runs).
 - vLLM 0.32 bug, `KeyError: 'c1a'`: the CPU sparse-SWA metadata builder's build_tile_scheduler
   (models/deepseek_v4/cpu/cpu_mla.py) returns only the swaonly/c4a/c128a keys, while
   DeepseekSparseSWAMetadataBuilder.build (v1/attention/backends/mla/sparse_swa.py) also reads c1a and
@@ -80,6 +83,80 @@ def patch_vllm() -> None:
     cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler = build_tile_scheduler
     if tb.backends.get("cpu") is not None and tb.backends["cpu"].driver is _FakeCpuDriver:
         del tb.backends["cpu"]
+    if not isinstance(s._COMPUTE_SWA_INDICES_AND_LENS_KERNEL, _SwaIndicesTorch):
+        s._COMPUTE_SWA_INDICES_AND_LENS_KERNEL = _SwaIndicesTorch(s._COMPUTE_SWA_INDICES_AND_LENS_KERNEL)
+
+
+class _SwaIndicesTorch:
+    """vLLM's `_compute_swa_indices_and_lens_kernel` (v1/attention/backends/mla/sparse_swa.py) in torch: the
+    sliding-window slot indices and lengths of each token, the same integers. Under Triton's interpreter
+    the kernel runs one Python program per token and layer (about 17 ms each here: 36 of a 41 s prefill of
+    513 tokens, hours for the 43-layer benchmark's prompts). `check()` compares it with the interpreted
+    kernel (`triton`, kept here) on random batches."""
+
+    def __init__(self, triton_kernel) -> None:
+        self.triton = triton_kernel
+
+    def register_warmup(self, *args, **kwargs) -> None:
+        return None
+
+    def __call__(self, swa_indices, swa_lens, window_size, index_width, left_visible, right_visible,
+                 query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table, block_size,
+                 replay_start, *, num_tokens, token_offset, has_image=False):
+        import torch
+
+        n = int(num_tokens)
+        if n == 0:
+            return
+        tok = torch.arange(token_offset, token_offset + n, dtype=torch.int64)
+        valid = is_valid_token[tok].bool()
+        req = token_to_req_indices[tok].long().clamp(0, query_start_loc.numel() - 2)
+        qs, qe = query_start_loc[req].long(), query_start_loc[req + 1].long()
+        pos = seq_lens[req].long() - (qe - qs) + tok - qs
+        left = left_visible[tok].long() if has_image else torch.zeros_like(pos)
+        right = right_visible[tok].long() if has_image else torch.zeros_like(pos)
+        left_add = (left - (window_size - 1)).clamp(min=0)
+        start = (pos - (window_size - 1) - left_add).clamp(min=0)
+        start = torch.maximum(start, replay_start[req].long())
+        end = pos + right + 1
+        lens = end - start
+        off = torch.arange(index_width, dtype=torch.int64)
+        p = start[:, None] + off
+        inside = off[None, :] < lens[:, None]
+        bi = torch.where(inside, p // block_size, 0).clamp(max=block_table.shape[1] - 1)
+        slots = block_table[req[:, None], bi].long() * block_size + p % block_size
+        rows = torch.where(inside & valid[:, None], slots, -1)
+        out = torch.as_strided(swa_indices, (n, index_width), (swa_indices.stride(0), 1), swa_indices.storage_offset())
+        out.copy_(rows.to(swa_indices.dtype))
+        swa_lens[:n] = torch.where(valid, lens, 0).to(swa_lens.dtype)
+
+    def check(self, trials: int = 4, seed: int = 0) -> bool:
+        """The torch version against the interpreted Triton kernel, on random mixed batches."""
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        for t in range(trials):
+            reqs = 1 + t % 3
+            qlen = torch.randint(1, 20, (reqs,), generator=g)
+            prefix = torch.randint(0, 300, (reqs,), generator=g)
+            qsl = torch.cat([torch.zeros(1, dtype=torch.int64), qlen.cumsum(0)]).to(torch.int32)
+            n = int(qlen.sum())
+            seq = (prefix + qlen).to(torch.int32)
+            t2r = torch.repeat_interleave(torch.arange(reqs), qlen).to(torch.int32)
+            valid = torch.rand(n, generator=g) > 0.1
+            table = torch.randint(0, 1000, (reqs, 16), generator=g, dtype=torch.int32)
+            replay = torch.randint(0, 50, (reqs,), generator=g, dtype=torch.int32) * (t % 2)
+            window, width, bs = 128, 136, 64
+            outs = []
+            for fn in (self.triton, self):
+                idx = torch.full((n + 3, width + 8), 7, dtype=torch.int32)
+                lens = torch.full((n + 3,), 7, dtype=torch.int32)
+                fn(idx, lens, window, width, lens, lens, qsl, seq, t2r, valid, table, bs, replay,
+                   num_tokens=n, token_offset=0)
+                outs.append((idx, lens))
+            if not (torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])):
+                return False
+        return True
 
 
 def missing_ops() -> list[str]:
@@ -244,8 +321,12 @@ def _main(argv: list[str]) -> int:
             print(json.dumps({"skipped": f"vLLM CPU's DeepSeek-V4 path needs AVX-512: torch.ops._C lacks "
                                          f"{', '.join(missing)}"}))
             return 0
+        from vllm.v1.attention.backends.mla import sparse_swa
+
         t0 = time.time()
+        swa_ok = sparse_swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL.check()
         rec = dsv4_scenarios.SCENARIOS[argv[1]](**json.loads(argv[2]))
+        rec["swa_indices_torch_matches_triton"] = swa_ok
         rec["scenario_seconds"] = round(time.time() - t0, 2)
         print(json.dumps(rec, default=str))
         return 0

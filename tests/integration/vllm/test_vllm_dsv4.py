@@ -32,12 +32,13 @@ BLOCKS = 4 * 2 + CHUNKS + 2 + 16
 def test_tiny_dsv4_restores_bit_identical_and_fails_closed(tmp_path):
     model = build_tiny_dsv4(tmp_path / "model")
     rec = dsv4_engine.run_scenario("restore", {"model": model, "root": str(tmp_path / "fs"),
-                                               "prompt_tokens": CHUNKS * 256 + 45, "window_chunks": W,
-                                               "max_tokens": 3})
+                                               "prompt_tokens": CHUNKS * 256 + 1, "window_chunks": W,
+                                               "max_tokens": 2})
     if rec.get("skipped"):
         pytest.skip(rec["skipped"])
     reg = rec["registration"]
     assert (reg["num_tensors"], reg["num_groups"]) == (10, 7)
+    assert rec["swa_indices_torch_matches_triton"]  # the test support's stand-in for an interpreted vLLM kernel
     assert reg["scheduler_fingerprint"] == reg["fingerprint"] and reg["scheduler_chunk_bytes"] == reg["chunk_bytes"]
     c = reg["chunk_bytes"]
     assert c == 952_208 and reg["every_entry_bytes"] == 4_315_024  # window tails, not every entry
