@@ -28,8 +28,8 @@ weights or a forward pass: the model built on the meta device (its layers regist
 static forward context), each layer's `get_kv_cache_spec`, the KV-cache layout resolved as the engine
 core resolves it, `get_kv_cache_configs` (the workers' KVCacheConfig) and
 `generate_scheduler_kv_cache_config` (the scheduler's). Runs on any x86 machine (no AVX-512 op is
-called); in a subprocess too (`python -m bsr_harness.dsv4_engine objects MODEL OUT.pkl`), since it
-initialises torch.distributed.
+called); in a subprocess too (`python -m bsr_harness.dsv4_engine objects OUT.pkl '[[MODEL, {kwargs}]]'`),
+since it initialises torch.distributed.
 """
 
 from __future__ import annotations
@@ -208,6 +208,7 @@ def build_kv_cache_objects(model: str, memory_bytes: int = 256 << 20, **engine_k
     import tempfile
 
     import torch
+    import torch.distributed as dist
     import vllm.v1.worker.cpu.shm  # noqa: F401 - vLLM CPU's torch.cuda.Event stand-in, as its worker imports it
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
@@ -223,7 +224,8 @@ def build_kv_cache_objects(model: str, memory_bytes: int = 256 << 20, **engine_k
     args = {**ENGINE_ARGS, **engine_kw}
     vc = EngineArgs(model=model, **args).create_engine_config()
     with set_current_vllm_config(vc):
-        init_distributed_environment(1, 0, "file://" + tempfile.mktemp(prefix="bsr-dsv4-"), 0, "gloo")
+        if not dist.is_initialized():
+            init_distributed_environment(1, 0, "file://" + tempfile.mktemp(prefix="bsr-dsv4-"), 0, "gloo")
         ensure_model_parallel_initialized(1, 1)
     _set_torch_accelerator_to_noop()
     with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype), torch.device("meta"), \
@@ -247,11 +249,16 @@ def build_kv_cache_objects(model: str, memory_bytes: int = 256 << 20, **engine_k
 
 def kv_cache_objects(model: str, **engine_kw: Any) -> KVCacheObjects:
     """build_kv_cache_objects in a fresh process (torch.distributed and vLLM's config state stay there)."""
+    return kv_cache_objects_of([(model, engine_kw)])[0]
+
+
+def kv_cache_objects_of(models: Sequence[tuple[str, dict]]) -> list[KVCacheObjects]:
+    """build_kv_cache_objects of several (model, engine kwargs) in one fresh process."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bsr-dsv4-objects-") as d:
         out = os.path.join(d, "objects.pkl")
-        _run_module(["objects", model, out, json.dumps(engine_kw)], timeout=600)
+        _run_module(["objects", out, json.dumps([list(m) for m in models])], timeout=600)
         with open(out, "rb") as f:
             return pickle.load(f)
 
@@ -297,10 +304,10 @@ def _main(argv: list[str]) -> int:
         patch_vllm()
         from bsr_harness import dsv4_engine  # the package's module, not __main__: the pickle names its class
 
-        objs = dsv4_engine.build_kv_cache_objects(argv[1], **json.loads(argv[3] if len(argv) > 3 else "{}"))
-        with open(argv[2], "wb") as f:
+        objs = [dsv4_engine.build_kv_cache_objects(model, **kw) for model, kw in json.loads(argv[2])]
+        with open(argv[1], "wb") as f:
             pickle.dump(objs, f)
-        print(json.dumps({"ok": True, "groups": len(objs.worker_config.kv_cache_groups)}))
+        print(json.dumps({"ok": True, "groups": [len(o.worker_config.kv_cache_groups) for o in objs]}))
         return 0
     if cmd == "missing-ops":
         missing = missing_ops()

@@ -75,10 +75,13 @@ def config(layers_ratios=(0, 0, 4, 128), hidden=256, heads=8, experts=64, topk=6
     }
 
 
-def _build(path: str | Path, seed: int = 0, **kw) -> str:
+def _build(path: str | Path, seed: int = 0, weights: bool = True, **kw) -> str:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = config(**kw)
+    if not weights:  # the geometry alone (vLLM's KV-cache objects need no weights)
+        (path / "config.json").write_text(json.dumps(cfg, indent=1))
+        return str(path)
     g = torch.Generator().manual_seed(seed)
     bf, f32 = torch.bfloat16, torch.float32
     H, hd = cfg["hidden_size"], cfg["head_dim"]
@@ -156,9 +159,9 @@ def _build(path: str | Path, seed: int = 0, **kw) -> str:
 FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
 
 
-def build_tiny_dsv4(path: str | Path, seed: int = 0, *, flash_layers: bool = False) -> str:
+def build_tiny_dsv4(path: str | Path, seed: int = 0, *, flash_layers: bool = False, weights: bool = True) -> str:
     """The tiny DeepSeek-V4 in `path` (4 layers, or Flash's 43 with `flash_layers`); returns the path.
-    Same seed, same weights."""
+    Same seed, same weights. `weights=False` writes config.json alone (enough for vLLM's KV-cache objects)."""
     if flash_layers:
-        return _build(path, seed, layers_ratios=FLASH_RATIOS, hash_layers=3)
-    return _build(path, seed)
+        return _build(path, seed, weights, layers_ratios=FLASH_RATIOS, hash_layers=3)
+    return _build(path, seed, weights)

@@ -38,9 +38,17 @@ SWA, C4, C128 = 128, 8, 128  # sliding windows (tokens): SWA KV, C4 compressor s
 
 
 @pytest.fixture(scope="module")
-def objs(tmp_path_factory):
-    model = build_tiny_dsv4(tmp_path_factory.mktemp("tiny-dsv4"))
-    return dsv4_engine.kv_cache_objects(model, max_model_len=2048, memory_bytes=48 << 20)
+def both(tmp_path_factory):
+    """vLLM's objects for the tiny model and for Flash's 43-layer pattern (its config alone), one process."""
+    tiny = build_tiny_dsv4(tmp_path_factory.mktemp("tiny-dsv4"))
+    flash = build_tiny_dsv4(tmp_path_factory.mktemp("flash-dsv4"), flash_layers=True, weights=False)
+    return dsv4_engine.kv_cache_objects_of([(tiny, dict(max_model_len=2048, memory_bytes=48 << 20)),
+                                            (flash, dict(max_model_len=1024, memory_bytes=1 << 30))])
+
+
+@pytest.fixture(scope="module")
+def objs(both):
+    return both[0]
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +280,18 @@ def test_chunks_with_their_tails_resident_are_saved(objs, reg):
     tables = [t.tolist() for t in vllm_tables(objs, reg, 3 * CHUNK, 400, seed=2)]
     assert resident_chunks_end(reg, tables, 2, 3) == 3
     assert resident_chunks_end(reg, tables, 0, 3) == 0  # chunk 0's SWA tail was freed
+
+
+def test_the_dsv4_flash_preset_is_what_vllm_registers(both):
+    """The sweeps' and the demo's registration (bsr_kernels.presets.dsv4_flash) is vLLM's for the Flash
+    layout: 167 tensors in 5 groups, tensor for tensor (the same fingerprint), c = 16,406,080 B."""
+    from bsr_kernels import presets
+
+    engine = registration_from_kv_cache_config(both[1].worker_config)
+    preset = presets.dsv4_flash()
+    assert (engine.num_tensors, engine.num_groups) == (preset.num_tensors, preset.num_groups) == (167, 5)
+    assert engine.specs == preset.specs and engine.fingerprint == preset.fingerprint
+    assert engine.chunk_bytes == preset.chunk_bytes == presets.DSV4_CHUNK_BYTES
+    assert abs(engine.chunk_bytes / presets.PAPER_DSV4_CHUNK_BYTES - 1) < 0.01
+    every = sum(CHUNK // s.token_ratio * s.entry_bytes for s in engine.specs)
+    assert every == presets.DSV4_EVERY_ENTRY_BYTES
