@@ -159,6 +159,38 @@ class _SwaIndicesTorch:
         return True
 
 
+def force_chunked_prefill() -> None:
+    """After vLLM is imported: keep the user's chunked prefill, prefix caching and max_num_batched_tokens for
+    DeepSeek-V4. vLLM CPU 0.32's CpuPlatform.check_and_update_config turns them off for every MLA model on a
+    machine without AMX (platforms/cpu.py, `amx_mla_or_dsv4_enabled`; its own comment says the DeepSeek-V4
+    CPU kernels support both), making a prefill one step of the whole prompt: the compressor-state blocks
+    of every prompt token at once (about 19 GB for 64K tokens of the 43-layer model). The benchmark's
+    long prompts need the steps bounded."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    orig = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        sc, cc = vllm_config.scheduler_config, vllm_config.cache_config
+        keep = (sc.enable_chunked_prefill, cc.enable_prefix_caching, sc.max_num_batched_tokens)
+        orig(cls, vllm_config)
+        mc = vllm_config.model_config
+        if mc is not None and getattr(mc.hf_config, "model_type", None) == "deepseek_v4":
+            sc.enable_chunked_prefill, cc.enable_prefix_caching, sc.max_num_batched_tokens = keep
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def cpu_isa() -> dict:
+    """The CPU features vLLM CPU chooses its kernels by, and the kernel library it loaded."""
+    import torch
+
+    return {"avx512": torch.cpu._is_avx512_supported(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+            "amx": torch.cpu._is_amx_tile_supported(),
+            "vllm_kernel_library": "_C_AVX512" if torch.cpu._is_avx512_supported() else "_C_AVX2",
+            "deepseek_v4_ops_missing": missing_ops()}
+
+
 def missing_ops() -> list[str]:
     """The AVX512_OPS vLLM CPU's kernel library (loaded here) lacks: empty where DeepSeek-V4 can run."""
     import torch

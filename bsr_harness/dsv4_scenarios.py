@@ -164,34 +164,36 @@ def restore(model: str, root: str, prompt_tokens: int = 1069, window_chunks: int
     return out
 
 
-def bench(model: str, root: str, prompt_lengths: list[int], window_chunks: int = 32, repeat: int = 1,
-          max_model_len: int = 65536 + 512) -> dict:
-    """Per prompt length: cold TTFT (no stored prefix), then restored TTFT (vLLM's local copy dropped,
-    the prefix restored window by window from the filesystem tier), the restore's time and staging."""
+def bench(model: str, root: str, prompt_lengths: list[int], window_chunks: int = 32, batched_tokens: int = 2048,
+          max_model_len: int = 65536 + 512, kv_cache_bytes: int = 8 << 30) -> dict:
+    """Per prompt length (whole chunks): cold TTFT (nothing stored: a full prefill, which saves its chunks),
+    then restored TTFT (vLLM's local copy dropped, the prefix restored window by window from the filesystem
+    tier, one token computed), the restore's own time, windows and peak staging; bytes per chunk. Chunked
+    prefill of `batched_tokens` per step (dsv4_engine.force_chunked_prefill)."""
+    dsv4_engine.force_chunked_prefill()
     kv = vllm_engines.kv_transfer_config([{"type": "filesystem", "root": root}], window_chunks=window_chunks)
     t0 = time.perf_counter()
-    llm = dsv4_engine.make_llm(model, kv, max_model_len=max_model_len, kv_cache_memory_bytes=6 << 30,
-                               max_num_batched_tokens=max_model_len)
+    llm = dsv4_engine.make_llm(model, kv, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_bytes,
+                               max_num_batched_tokens=batched_tokens, enable_chunked_prefill=True)
     out: dict[str, Any] = {"engine_start_s": round(time.perf_counter() - t0, 2), "window_chunks": window_chunks,
-                           "runs": []}
+                           "batched_tokens": batched_tokens, "cpu_isa": dsv4_engine.cpu_isa(), "runs": []}
     try:
         sched = vllm_engines.scheduler_side(llm)
         worker = vllm_engines.worker_side()
         out["registration"] = registration_record(sched.reg, worker.reg)
+        vllm_engines.generate(llm, _prompt(16, seed=0), max_tokens=1)  # warm-up: no whole chunk
         for n_tok in prompt_lengths:
-            tokens = _prompt(n_tok + 1, seed=n_tok)  # one token past the last whole chunk: N = n_tok / 256
+            tokens = _prompt(n_tok + 1, seed=n_tok)  # one token past the last whole chunk
             run: dict[str, Any] = {"prompt_tokens": n_tok}
-            cold = min(_ttft(llm, tokens, salt=f"cold-{r}") for r in range(repeat))
-            _ttft(llm, tokens)  # the saving prefill
-            worker.wait_saves(600)
-            _settle(llm)
-            restored = []
-            for _ in range(repeat):
-                assert llm.reset_prefix_cache()
-                restored.append(_ttft(llm, tokens))
-                run.setdefault("loads", []).append(_load_record(worker.loads[-1]))
-            run.update(cold_ttft_s=round(cold, 3), restored_ttft_s=round(min(restored), 3))
+            run["cold_ttft_s"] = round(_ttft(llm, tokens), 3)
+            run["saved"] = worker.wait_saves(900)
+            _settle(llm, 5)
+            assert llm.reset_prefix_cache()
+            run["restored_ttft_s"] = round(_ttft(llm, tokens), 3)
+            run["load"] = _load_record(worker.loads[-1])
+            run["speedup"] = round(run["cold_ttft_s"] / run["restored_ttft_s"], 2)
             out["runs"].append(run)
+            print(f"BENCH {n_tok} tokens: {run}", flush=True)
     finally:
         vllm_engines.shutdown(llm)
     return out
