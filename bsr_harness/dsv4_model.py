@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 VOCAB = 2048
 
 
-def config(layers_ratios=(0, 0, 4, 128), hidden=256, heads=8, experts=64, topk=6, hash_layers=2):
+def config(layers_ratios=(0, 0, 4, 128), hidden=256, heads=8, experts=64, topk=6, hash_layers=2, max_positions=16384):
     # experts/topk: the CPU routing kernels (hash_topk_cpu/biased_topk_cpu, sgl topk.cpp) accept only
     # num_experts in {64,128,256,384} with topk in {6,8} ("unsupported num_experts 8")
     return {
@@ -42,7 +42,7 @@ def config(layers_ratios=(0, 0, 4, 128), hidden=256, heads=8, experts=64, topk=6
         "index_n_heads": 64,
         "index_topk": 512,
         "initializer_range": 0.02,
-        "max_position_embeddings": 16384,
+        "max_position_embeddings": max_positions,
         "moe_intermediate_size": 128,
         "n_routed_experts": experts,
         "n_shared_experts": 1,
@@ -162,6 +162,6 @@ FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
 def build_tiny_dsv4(path: str | Path, seed: int = 0, *, flash_layers: bool = False, weights: bool = True) -> str:
     """The tiny DeepSeek-V4 in `path` (4 layers, or Flash's 43 with `flash_layers`); returns the path.
     Same seed, same weights. `weights=False` writes config.json alone (enough for vLLM's KV-cache objects)."""
-    if flash_layers:
-        return _build(path, seed, weights, layers_ratios=FLASH_RATIOS, hash_layers=3)
+    if flash_layers:  # positions for the benchmark's long prompts (Flash's real context is longer still)
+        return _build(path, seed, weights, layers_ratios=FLASH_RATIOS, hash_layers=3, max_positions=131072)
     return _build(path, seed, weights)
