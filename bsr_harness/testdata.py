@@ -44,22 +44,16 @@ def _generator(gen: torch.Generator | int) -> torch.Generator:
 def _heads(reg: Registration, group: int, table: torch.Tensor) -> None:
     """In a group whose objects hold only each chunk's tail, the blocks of every chunk before its tail
     are -1 (in place), as the engine's sliding window leaves them (`table` starts at a chunk boundary)."""
-    tail = reg.group_tail_tokens(group)
-    if tail is None:
-        return
-    tpb = reg.group_tokens_per_block(group)
-    per_chunk, keep = reg.chunk_tokens // tpb, tail // tpb
-    whole = table.numel() // per_chunk * per_chunk
-    table[:whole].view(-1, per_chunk)[:, : per_chunk - keep] = -1
+    if reg.group_tail_tokens(group) is not None:
+        tables = [torch.empty(0, dtype=torch.int64)] * reg.num_groups
+        tables[group] = table
+        table.copy_(reg.without_heads(tables)[group])
 
 
 def without_heads(reg: Registration, tables: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Whole-request tables (from chunk 0) as an engine holds them after a restore: in a group whose
     objects hold only each chunk's tail, the blocks before every chunk's tail -1 (copies)."""
-    out = [t.clone() for t in tables]
-    for g, t in enumerate(out):
-        _heads(reg, g, t)
-    return out
+    return reg.without_heads(list(tables))
 
 
 def _holes(reg: Registration, group: int, table: torch.Tensor, mode: str) -> None:

@@ -283,6 +283,21 @@ class Registration:
         """Groups whose objects hold only each chunk's tail."""
         return frozenset(g for g in range(self.num_groups) if self.group_tail_tokens(g) is not None)
 
+    def without_heads(self, tables: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """Whole-request block tables (from chunk 0) as an engine's sliding windows leave them at a prefix
+        end: in a tail group, every chunk's blocks before its tail -1 (copies; other groups as given)."""
+        out = []
+        for g, table in enumerate(tables):
+            table = table.clone()
+            tail = self.group_tail_tokens(g)
+            if tail is not None:
+                tpb = self.group_tokens_per_block(g)
+                per_chunk, keep = self.chunk_tokens // tpb, tail // tpb
+                whole = table.numel() // per_chunk * per_chunk
+                table[:whole].view(-1, per_chunk)[:, : per_chunk - keep] = -1
+            out.append(table)
+        return out
+
     def chunk_blocks(self, g: int, k: int) -> tuple[int, int]:
         """Block-table entries lo..hi-1 of group g whose entries chunk k's object holds (its tail
         blocks in a tail group, else every block the chunk touches)."""
