@@ -327,7 +327,19 @@ def make_llm(model: str, kv: dict | None = None, **kw: Any):
     return _make(model, kv, **args)
 
 
+def _as_avx2_machine() -> None:
+    """BSR_DSV4_AS_AVX2=1: this process plays an AVX2-only machine (vLLM CPU then loads its _C_AVX2 library,
+    which lacks AVX512_OPS), to check the skip and the no-forward-pass path on an AVX-512 machine."""
+    if os.environ.get("BSR_DSV4_AS_AVX2") == "1":
+        import torch
+
+        torch.cpu._is_avx512_supported = lambda: False
+        torch.cpu._is_avx512_bf16_supported = lambda: False
+        torch.cpu._is_amx_tile_supported = lambda: False
+
+
 def _main(argv: list[str]) -> int:
+    _as_avx2_machine()
     cmd = argv[0]
     if cmd == "objects":
         setup()

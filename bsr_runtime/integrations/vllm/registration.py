@@ -217,7 +217,8 @@ def kv_layout_tag(kv_cache_config, vllm_config=None) -> str:
     if not current_platform.is_cpu():
         return current_platform.device_name if hasattr(current_platform, "device_name") else "device"
     isas = []
-    for layers in resolve_layer_specs(kv_cache_config, vllm_config):
+    groups = kv_cache_config.kv_cache_groups
+    for g, layers in enumerate(resolve_layer_specs(kv_cache_config, vllm_config)):
         spec = layers[0][1]
         if type(spec).__name__ in STATE_SPECS:
             kinds = sorted({f"{getattr(s, 'cache_dtype_str', None) or s.dtype}/{getattr(s, 'model_version', None)}"
@@ -226,7 +227,7 @@ def kv_layout_tag(kv_cache_config, vllm_config=None) -> str:
             continue
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        isas.append(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size))
+        isas.append(_get_attn_isa(spec.dtype, groups[g].kv_cache_spec.block_size, spec.head_size))
     return "cpu-attn:" + ",".join(isas)
 
 
