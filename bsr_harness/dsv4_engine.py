@@ -39,7 +39,6 @@ import os
 import pickle
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -298,23 +297,25 @@ def kv_cache_objects_of(models: Sequence[tuple[str, dict]]) -> list[KVCacheObjec
 # -- engines in a process of their own -----------------------------------------------------------
 
 
-def _run_module(argv: Sequence[str], timeout: float, env: dict | None = None) -> dict:
-    """`python -m bsr_harness.dsv4_engine argv...` in a fresh process; its last stdout line as JSON."""
+def _run_module(argv: Sequence[str], timeout: float, env: dict | None = None,
+                module: str = "bsr_harness.dsv4_engine") -> dict:
+    """`python -m <module> argv...` in a fresh process; its last stdout line as JSON."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "bsr_harness.dsv4_engine", *argv], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
                           timeout=timeout, env=environ, cwd=root)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout)[-4000:]
-        raise RuntimeError(f"bsr_harness.dsv4_engine {argv[0]} exited {proc.returncode}:\n{tail}")
+        raise RuntimeError(f"{module} {argv[0]} exited {proc.returncode}:\n{tail}")
     return json.loads(lines[-1])
 
 
 def run_scenario(name: str, args: dict, timeout: float = 600, env: dict | None = None) -> dict:
-    """One engine scenario (SCENARIOS) in a fresh process; its result record."""
-    return _run_module(["scenario", name, json.dumps(args)], timeout=timeout, env=env)
+    """One engine scenario (bsr_harness.dsv4_scenarios.SCENARIOS) in a fresh process; its result record, or
+    {"skipped": one line} where vLLM CPU's kernels lack the DeepSeek-V4 ops."""
+    return _run_module([name, json.dumps(args)], timeout=timeout, env=env, module="bsr_harness.dsv4_scenarios")
 
 
 def make_llm(model: str, kv: dict | None = None, **kw: Any):
@@ -338,6 +339,24 @@ def _as_avx2_machine() -> None:
         torch.cpu._is_amx_tile_supported = lambda: False
 
 
+def prepare_process() -> list[str]:
+    """A fresh process ready for a DeepSeek-V4 engine: setup(), vLLM imported, patch_vllm(); returns
+    missing_ops() (empty: the engine can run)."""
+    _as_avx2_machine()
+    setup()
+    import vllm  # noqa: F401 - after setup(): vLLM decides on Triton at import
+
+    patch_vllm()
+    return missing_ops()
+
+
+def check_swa_indices() -> bool:
+    """The torch stand-in of vLLM's SWA slot-index kernel against the interpreted kernel (patch_vllm first)."""
+    from vllm.v1.attention.backends.mla import sparse_swa
+
+    return sparse_swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL.check()
+
+
 def _main(argv: list[str]) -> int:
     _as_avx2_machine()
     cmd = argv[0]
@@ -359,27 +378,6 @@ def _main(argv: list[str]) -> int:
 
         lib = "_C_AVX512" if torch.cpu._is_avx512_supported() else "_C_AVX2"
         print(json.dumps({"missing": missing, "library": lib}))
-        return 0
-    if cmd == "scenario":
-        from . import dsv4_scenarios
-
-        setup()
-        import vllm  # noqa: F401
-
-        patch_vllm()
-        missing = missing_ops()
-        if missing:  # one line naming the missing ISA: the caller skips
-            print(json.dumps({"skipped": f"vLLM CPU's DeepSeek-V4 path needs AVX-512: torch.ops._C lacks "
-                                         f"{', '.join(missing)}"}))
-            return 0
-        from vllm.v1.attention.backends.mla import sparse_swa
-
-        t0 = time.time()
-        swa_ok = sparse_swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL.check()
-        rec = dsv4_scenarios.SCENARIOS[argv[1]](**json.loads(argv[2]))
-        rec["swa_indices_torch_matches_triton"] = swa_ok
-        rec["scenario_seconds"] = round(time.time() - t0, 2)
-        print(json.dumps(rec, default=str))
         return 0
     raise SystemExit(f"unknown command {cmd!r}")
 

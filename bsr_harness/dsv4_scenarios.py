@@ -1,6 +1,7 @@
-"""DeepSeek-V4 engine scenarios, each run in a process of its own by bsr_harness.dsv4_engine (whose
-setup() and patch_vllm() ran first): one engine with the BSR connector configured as the README says
-(filesystem tier), one JSON record back.
+"""DeepSeek-V4 engine scenarios, each run in a process of its own (`python -m bsr_harness.dsv4_scenarios
+NAME ARGS_JSON`, started by bsr_harness.dsv4_engine.run_scenario; dsv4_engine's setup() and patch_vllm()
+run first): one engine with the BSR connector configured as the README says (filesystem tier), one JSON
+record back, or {"skipped": one line} where vLLM CPU's kernels lack the DeepSeek-V4 ops.
 
 `restore`: the paper's acceptance check on the tiny model, in one engine: a cold prefill (nothing
 stored yet) that saves, vLLM's prefix cache reset and every KV byte poisoned, a restore whose output
@@ -207,3 +208,27 @@ def _ttft(llm, tokens, salt: str | None = None) -> float:
 
 
 SCENARIOS = {"restore": restore, "bench": bench}
+
+
+def _main(argv: list[str]) -> int:
+    import json
+    import sys
+
+    missing = dsv4_engine.prepare_process()
+    if missing:  # one line naming the missing ISA: the caller skips
+        print(json.dumps({"skipped": f"vLLM CPU's DeepSeek-V4 path needs AVX-512: torch.ops._C lacks "
+                                     f"{', '.join(missing)}"}))
+        return 0
+    t0 = time.time()
+    swa_ok = dsv4_engine.check_swa_indices()
+    rec = SCENARIOS[argv[0]](**json.loads(argv[1]))
+    rec["swa_indices_torch_matches_triton"] = swa_ok
+    rec["scenario_seconds"] = round(time.time() - t0, 2)
+    sys.stdout.write(json.dumps(rec, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main(sys.argv[1:]))
