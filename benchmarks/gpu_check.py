@@ -172,7 +172,8 @@ def bench(fn, stream: torch.cuda.Stream, min_s: float = 0.15, max_iters: int = 5
 
 
 def block_copies(reg: Registration, kv, tables_cpu, staging: torch.Tensor, num: int):
-    """(dst, src) byte views: one copy per tensor per destination block of the window."""
+    """(dst, src) byte views: one copy per tensor per destination block of the window (`tables_cpu` as the
+    kernels read them: validate.check_block_tables' result, tail groups narrowed to each chunk's tail)."""
     pairs = []
     cb = reg.chunk_bytes
     for i, (spec, t) in enumerate(zip(reg.specs, kv, strict=True)):
@@ -210,6 +211,7 @@ def throughput(dev: torch.device, rep: Report, deadline: float) -> None:
         need = reg.blocks_needed(g, wmax * reg.chunk_tokens)
         tables_cpu.append(torch.randperm(need, generator=gen).to(torch.int64))
         nblocks.append(need)
+    tables_cpu = reg.without_heads(tables_cpu)  # sliding windows: each chunk's tail resident, as in an engine
     tables = [t.to(dev) for t in tables_cpu]
     kv = reg.allocate(nblocks, dev)
     stream = torch.cuda.Stream(dev)
@@ -256,7 +258,7 @@ def window_row(w, cols, *, reg, host, devs, bulk_dst, kv, tables, tables_cpu, st
         run("triton-host", lambda: triton_backend.install(reg, a_host, stream))
         run("triton-dev", lambda: triton_backend.install(reg, a_dev, stream))
     run("bulk-H2D", lambda: bulk_dst[:nbytes].copy_(host[:nbytes], non_blocking=True))
-    pairs = block_copies(reg, kv, tables_cpu, host, w)
+    pairs = block_copies(reg, kv, [t.cpu() for t in a_host.block_tables], host, w)  # as the kernels read them
 
     def loop():
         for d, s in pairs:

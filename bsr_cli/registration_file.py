@@ -2,7 +2,7 @@
 
     {"chunk_tokens": 256,
      "tensors": [{"name": "k0", "dtype": "bfloat16", "entry_shape": [8, 128], "block_size": 64,
-                  "token_ratio": 1, "group": 0, "sliding_window": null}, ...]}
+                  "token_ratio": 1, "group": 0, "sliding_window": null, "tail_tokens": null}, ...]}
 
 Every field of every tensor is checked at once (strict types, ranges, unknown keys refused: one
 error naming each bad key, e.g. `tensors.3.block_size`), then the registration's own rules
@@ -50,6 +50,7 @@ class TensorEntry(Schema):
     token_ratio: Annotated[int, Field(ge=1, le=MAX_CHUNK_TOKENS)] = 1
     group: Annotated[int, Field(ge=0, lt=MAX_GROUPS)] = 0
     sliding_window: Count | None = None
+    tail_tokens: Count | None = None  # objects hold only each chunk's last tail_tokens tokens
 
 
 class RegistrationFile(Schema):

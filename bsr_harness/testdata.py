@@ -41,10 +41,26 @@ def _generator(gen: torch.Generator | int) -> torch.Generator:
     return torch.Generator().manual_seed(gen) if isinstance(gen, int) else gen
 
 
+def _heads(reg: Registration, group: int, table: torch.Tensor) -> None:
+    """In a group whose objects hold only each chunk's tail, the blocks of every chunk before its tail
+    are -1 (in place), as the engine's sliding window leaves them (`table` starts at a chunk boundary)."""
+    if reg.group_tail_tokens(group) is not None:
+        tables = [torch.empty(0, dtype=torch.int64)] * reg.num_groups
+        tables[group] = table
+        table.copy_(reg.without_heads(tables)[group])
+
+
+def without_heads(reg: Registration, tables: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Whole-request tables (from chunk 0) as an engine holds them after a restore: in a group whose
+    objects hold only each chunk's tail, the blocks before every chunk's tail -1 (copies)."""
+    return reg.without_heads(list(tables))
+
+
 def _holes(reg: Registration, group: int, table: torch.Tensor, mode: str) -> None:
     """Mark blocks a sliding window no longer holds as -1 (in place)."""
     window = max((s.sliding_window or 0) for s in reg.specs if s.group == group)
     need = len(table)
+    _heads(reg, group, table)
     if not window or mode == "none":
         return
     if mode == "third" and need > 4:
@@ -57,7 +73,8 @@ def _holes(reg: Registration, group: int, table: torch.Tensor, mode: str) -> Non
 def block_tables(reg: Registration, num_chunks_per_request: Sequence[int], gen: torch.Generator | int,
                  spare: int = 1, holes: str = "third") -> tuple[list[int], list[list[torch.Tensor]]]:
     """Disjoint shuffled block tables for requests sharing one set of destination tensors:
-    (blocks per group, per request the per-group tables). `spare` unused blocks per group.
+    (blocks per group, per request the per-group tables). `spare` unused blocks per group. In a group
+    whose objects hold only each chunk's tail, the blocks before every chunk's tail are -1.
     `holes` for sliding-window groups: "third" (the first third of a table longer than 4 blocks
     is -1), "window" (every block before the ones the window keeps is -1) or "none"."""
     if holes not in HOLES:
@@ -90,7 +107,8 @@ def window_tables(reg: Registration, first: int, num: int, gen: torch.Generator 
                   spare: int | Callable[[], int] = 2, before: int = -1, tail: int | Callable[[], int] = 0,
                   tail_id: int = -9) -> tuple[list[torch.Tensor], list[int]]:
     """Per group, a table for the window of chunks first..first+num-1: a shuffled subset of the
-    destination's blocks with a `hole_frac` share of -1, after one `before` id per block before the
+    destination's blocks with a `hole_frac` share of -1 (and, in a group whose objects hold only each
+    chunk's tail, -1 before every tail), after one `before` id per block before the
     window and `tail` `tail_id`s after it (ids no kernel may read). Holes only in groups with a
     sliding window (elsewhere -1 is refused). Returns (tables, blocks per
     group). `spare` and `tail` may be callables, drawn per group (before and after the shuffle)."""
@@ -105,6 +123,7 @@ def window_tables(reg: Registration, first: int, num: int, gen: torch.Generator 
         holes = torch.rand(need - lo, generator=gen) < hole_frac
         if any(s.sliding_window for s in reg.specs if s.group == g):  # -1 is legal only there
             ids[holes] = -1
+        _heads(reg, g, ids)  # the window starts at chunk `first`: whole chunks
         n_tail = tail() if callable(tail) else tail
         tables.append(torch.cat([torch.full((lo,), before), ids, torch.full((n_tail,), tail_id)]).to(torch.int64))
         nblocks.append(nb)
@@ -128,4 +147,4 @@ def prefix_block_ids(reg: Registration, tables: Sequence[Sequence[int] | torch.T
 
 
 __all__ = ["HOLES", "POISON", "block_tables", "poison", "poisoned", "prefix_block_ids", "request_tables",
-           "window_tables"]
+           "window_tables", "without_heads"]

@@ -31,6 +31,7 @@ def make_window(reg: Registration, w: int, device: str, seed: int = 0):
         need = reg.blocks_needed(g, w * reg.chunk_tokens)
         tables.append(torch.randperm(need, generator=gen).to(device))
         blocks.append(need)
+    tables = reg.without_heads(tables)  # sliding windows hold each chunk's tail only, as an engine's do
     kv = reg.allocate(blocks, device)
     staging = torch.randint(0, 256, (w * reg.chunk_bytes,), dtype=torch.uint8, generator=gen)
     staging = staging.pin_memory() if device != "cpu" else staging

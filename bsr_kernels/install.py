@@ -31,7 +31,8 @@ def _one_shot(kind: str, staging: torch.Tensor, reg: Registration, kv: Sequence[
     stride = check_staging(staging, reg, num_chunks, name)
     kv = tuple(kv)
     dest = prepare(reg, kv, backend, resolve_backend)
-    tables = check_block_tables(reg, block_tables, first_chunk, num_chunks, dest.layout, end_tokens=end_tokens)
+    tables = check_block_tables(reg, block_tables, first_chunk, num_chunks, dest.layout, end_tokens=end_tokens,
+                                gather=kind == "gather")
     a = WindowArgs(staging, kv, tables, first_chunk, num_chunks, stride)
     dest.run(kind, a, stream=stream, zero_copy=zero_copy, cpu_threads=_threads(cpu_threads))
     return dest.backend

@@ -10,6 +10,10 @@ tensor and draws every group's block ids from one pool. Destinations of differen
 therefore address the same bytes block for block: the same base address, block count and
 per-block geometry (block stride, slots, slot stride, row, entry dims), i.e. block b of one is
 block b of the other, byte for byte (blocks of one view are disjoint: it may not overlap itself).
+Or packed block by block in one allocation (vLLM's layout for DeepSeek-V4: every layer of every
+group at its own offset inside each block, groups of other entry widths and block sizes sharing
+a block's bytes): the same block count and block stride S, each destination's block b inside
+[O + b*S, O + (b+1)*S), so block b of one meets only block b of another; block 0 is checked.
 Such pairs come back in `Verdict.aliases`; whether they are safe depends on the block tables
 (no block id resident in both groups), which `validate.check_destinations` checks per request.
 Any other sharing across groups (a partial or shifted overlap) is refused like one inside a group.
@@ -135,11 +139,63 @@ def _find(names: list[str], groups: list[int], kv: tuple[torch.Tensor, ...]) -> 
             cluster.append(s)
             continue
         if len(cluster) > 1:
-            found = _cluster_overlap(names, groups, cluster)
+            packed = _packed_blocks([kv[c[3]] for c in cluster])
+            if packed is not None:
+                found = _packed_overlap(names, groups, cluster, kv, packed, aliases)
+            else:
+                found = _cluster_overlap(names, groups, cluster)
             if found:
                 return Verdict(found)
         cluster = [s] if s is not None else []
     return Verdict(None, tuple(aliases[k] for k in sorted(aliases)))
+
+
+def _block_extent(t: torch.Tensor) -> tuple[list[tuple[int, int]], int]:
+    """(count, byte stride) of every dim of one block with count > 1, and the row bytes."""
+    g = geometry(t)
+    dims = [(t.shape[1], g.slot_stride), *g.dims]
+    return [(n, s) for n, s in dims if n > 1], g.row_bytes
+
+
+def _packed_blocks(members: list[torch.Tensor]) -> int | None:
+    """The block stride S when the destinations are laid out block by block in one allocation: the
+    same block count and stride, and every destination's block b inside [O + b*S, O + (b+1)*S) for
+    one origin O (vLLM's packed hybrid layout: each layer at its own offset inside a block). Then
+    block b of one destination meets block b' of another only if b == b', and block 0 shows how
+    every block is shared. None otherwise."""
+    strides = {geometry(t).block_stride for t in members}
+    counts = {t.shape[0] for t in members}
+    if len(strides) != 1 or len(counts) != 1:
+        return None
+    stride = strides.pop()
+    lo = min(t.data_ptr() for t in members)
+    hi = max(t.data_ptr() + _span(*_block_extent(t)) for t in members)
+    return stride if stride > 0 and hi - lo <= stride else None
+
+
+def _packed_overlap(names: list[str], groups: list[int], cluster: list[tuple], kv: tuple[torch.Tensor, ...],
+                    stride: int, aliases: dict[tuple[int, int], tuple[int, int]]) -> str | None:
+    """Block 0 of destinations packed block by block (`_packed_blocks`): destinations of one group must
+    not share a byte; destinations of different groups that do are aliases (their groups' block tables
+    must name disjoint resident ids, as for identical views)."""
+    members = [c[3] for c in cluster]
+    lo = min(kv[i].data_ptr() for i in members)
+    extents = {i: _block_extent(kv[i]) for i in members}
+    g = math.gcd(stride, *(row for _, row in extents.values()), *(s for d, _ in extents.values() for _, s in d),
+                 *(kv[i].data_ptr() - lo for i in members))
+    owner = torch.full((stride // g,), -1, dtype=torch.int32)
+    for i in members:
+        dims, row = extents[i]
+        view = _units_view(owner, kv[i].data_ptr() - lo, dims, row, g)
+        taken = view[view >= 0]
+        for j in torch.unique(taken).tolist() if taken.numel() else ():
+            if groups[i] == groups[j]:
+                return f"destinations {names[j]!r} and {names[i]!r} overlap in memory: " \
+                       f"each destination byte must belong to one tensor"
+            pair = (i, j) if groups[i] < groups[j] else (j, i)
+            aliases.setdefault((groups[pair[0]], groups[pair[1]]), pair)
+        view.fill_(i)
+    return None
 
 
 def _cluster_overlap(names: list[str], groups: list[int], cluster: list[tuple]) -> str | None:

@@ -1,31 +1,39 @@
 """Preset registrations.
 
-`dsv4_flash` mirrors the cache kinds vLLM registers for DeepSeek-V4-Flash; `llama_like` is a
-plain K/V-per-layer model. Both are geometry only: no weights, no model code.
+`dsv4_flash` is the registration vLLM 0.32 makes for DeepSeek-V4-Flash's 43-layer pattern (MTP off),
+tensor for tensor: the same names, order, groups, dtypes, entry widths, token ratios, block sizes,
+sliding windows and window tails as the vLLM connector's registration of the engine
+(bsr_runtime.integrations.vllm.registration), so the same fingerprint and c: the synthetic sweeps, the
+demo and the engine agree. `tests/unit/test_dsv4_registration.py` checks it against vLLM's own
+KV-cache objects for that layer pattern (no forward pass). `llama_like` is a plain K/V-per-layer model.
+Both are geometry only: no weights, no model code.
 
-DeepSeek-V4-Flash (43 layers; MTP off: 167 tensors, MTP on: 170):
+DeepSeek-V4-Flash in vLLM 0.32 (MTP off: 167 tensors in 5 KV-cache groups, one allocation laid out
+block by block):
 
-| tensor (per layer)          | layers            | dtype   | entry           | ratio | block | group | source  |
-| --------------------------- | ----------------- | ------- | --------------- | ----- | ----- | ----- | ------- |
-| swa_kv (sliding-window MLA) | all 43            | uint8   | 584 B           | 1     | 64    | 0     | known   |
-| compressed_kv (MLA)         | 2,4,..,42 (21)    | uint8   | 584 B           | 4     | 64    | 1     | known   |
-| compressor_state            | 2,4,..,42 (21)    | float32 | 1024 (4096 B)   | 4     | 64    | 1     | chosen  |
-| indexer_k                   | 2,4,..,42 (21)    | uint8   | 132 B           | 4     | 64    | 1     | known   |
-| indexer_compressor_state    | 2,4,..,42 (21)    | float32 | 512 (2048 B)    | 4     | 64    | 1     | chosen  |
-| compressed_kv (MLA)         | 3,5,..,41 (20)    | uint8   | 584 B           | 128   | 2     | 2     | known*  |
-| compressor_state            | 3,5,..,41 (20)    | float32 | 4096 (16384 B)  | 128   | 2     | 2     | chosen  |
-| MTP layer (mtp=True): swa_kv, compressed_kv, compressor_state at ratio 4              | chosen  |
+| grp | tensor (per layer)             | layers         | dtype   | entry | ratio | block e/t | window, tail |
+| --- | ------------------------------ | -------------- | ------- | ----- | ----- | --------- | ------------ |
+| 0   | swa_cache (sliding-window KV)  | 0,2,..,42 (22) | uint8   | 584 B | 1     | 64 / 64   | 128, 128     |
+| 1   | swa_cache                      | 1,3,..,41 (21) | uint8   | 584 B | 1     | 64 / 64   | 128, 128     |
+| 2   | indexer.k_cache (indexer keys) | 2,4,..,42 (21) | uint8   | 132 B | 4     | 64 / 256  |              |
+| 2   | (C4 compressed KV)             | 2,4,..,42 (21) | uint8   | 584 B | 4     | 64 / 256  |              |
+| 2   | (C128 compressed KV)           | 3,5,..,41 (20) | uint8   | 584 B | 128   | 2 / 256   |              |
+| 3   | indexer.compressor.state_cache | 2,4,..,42 (21) | float32 | 512   | 1     | 4 / 4     | 8, 8         |
+| 3   | compressor.state_cache (C4)    | 2,4,..,42 (21) | float32 | 2048  | 1     | 4 / 4     | 8, 8         |
+| 4   | compressor.state_cache (C128)  | 3,5,..,41 (20) | float32 | 1024  | 1     | 8 / 8     | 128, 128     |
 
-known: the row width, ratio and the 64-token SWA blocks are what vLLM registers for this model
-(584-byte fp8_ds_mla rows, 132-byte indexer rows). chosen: the fp32 compressor-state widths
-and the ratio-128 block size (2 entries = 256 tokens, so one block per chunk) are our choice;
-the paper gives only the total. Layers 0-1 are window-only. With these widths
-c = 16,327,232 B per chunk against the paper's 16,408,576 B (-0.50%); `PAPER_DSV4_CHUNK_BYTES`
-holds the paper's figure so tools can print both.
+(names: `model.layers.N.attn` + the tensor; 584 B rows are fp8_ds_mla; block e/t: entries / tokens per block.)
+
+A chunk's object holds every compressed-KV and indexer entry and, of the sliding-window and
+compressor-state caches, only the tail a prefix ending at the chunk needs (the blocks vLLM keeps
+resident): c = 16,406,080 B per 256-token chunk against the paper's 16,408,576 B (-0.015%); every
+entry of every tensor would be 83,436,096 B. MTP on (`mtp=True`, 170 tensors) adds one layer's
+sliding-window KV (group 1), C4 compressed KV (group 2) and C4 compressor state (group 3): our choice,
+not checked against an engine (vLLM CPU 0.32's DeepSeekV4MTP raises NotImplementedError).
 
 `scale` shrinks every entry width (bytes * scale, rounded to a multiple of 8 bytes, at least 8)
-and keeps the tensor count, dtype mix, ratios, block sizes and groups. A width that was not a
-multiple of 16 stays an odd multiple of 8, so scaled runs still exercise the narrow-access path
+and keeps the tensor count, dtype mix, ratios, block sizes, windows and groups. A width that was not
+a multiple of 16 stays an odd multiple of 8, so scaled runs still exercise the narrow-access path
 of the kernels.
 """
 
@@ -37,8 +45,11 @@ from .registration import Registration, TensorSpec
 
 PAPER_DSV4_CHUNK_BYTES = 16_408_576
 PAPER_DSV4_TENSORS = {False: 167, True: 170}
+DSV4_CHUNK_BYTES = 16_406_080  # vLLM 0.32's registration of the Flash layout (what a chunk ending a prefix needs)
+DSV4_EVERY_ENTRY_BYTES = 83_436_096  # every entry of every tensor, per chunk
 DSV4_LAYERS = 43
 DSV4_SWA_WINDOW = 128
+DSV4_RATIOS = (0, 0) + (4, 128) * 20 + (4,)  # compress ratio per layer (0: sliding window only)
 
 
 def scaled_width(width_bytes: int, scale: float) -> int:
@@ -54,44 +65,43 @@ def scaled_width(width_bytes: int, scale: float) -> int:
 
 
 def _spec(name: str, dtype: torch.dtype, width_bytes: int, block: int, ratio: int, group: int,
-          scale: float, window: int | None = None) -> TensorSpec:
+          scale: float, window: int | None = None, tail: int | None = None) -> TensorSpec:
     w = scaled_width(width_bytes, scale)
     itemsize = dtype.itemsize
     if w % itemsize:
         w += itemsize - w % itemsize
-    return TensorSpec(name, dtype, (w // itemsize,), block, ratio, group, window)
+    return TensorSpec(name, dtype, (w // itemsize,), block, ratio, group, window, tail)
 
 
 def dsv4_flash(mtp: bool = False, scale: float = 1.0) -> Registration:
-    """DeepSeek-V4-Flash-like registration: 167 tensors (mtp=False) or 170 (mtp=True)."""
+    """DeepSeek-V4-Flash as vLLM 0.32 registers it: 167 tensors (mtp=False) or 170 (mtp=True, ours)."""
     u8, f32 = torch.uint8, torch.float32
-    specs: list[TensorSpec] = []
-
-    def ratio4_layer(prefix: str, with_indexer: bool) -> None:
-        specs.append(_spec(f"{prefix}.compressed_kv", u8, 584, 64, 4, 1, scale))
-        specs.append(_spec(f"{prefix}.compressor_state", f32, 4096, 64, 4, 1, scale))
-        if with_indexer:
-            specs.append(_spec(f"{prefix}.indexer_k", u8, 132, 64, 4, 1, scale))
-            specs.append(_spec(f"{prefix}.indexer_compressor_state", f32, 2048, 64, 4, 1, scale))
-
-    for layer in range(DSV4_LAYERS):
-        prefix = f"layers.{layer}.attn"
-        specs.append(_spec(f"{prefix}.swa_kv", u8, 584, 64, 1, 0, scale, DSV4_SWA_WINDOW))
-        if layer < 2:
-            continue
-        if layer % 2 == 0:
-            ratio4_layer(prefix, with_indexer=True)
-        else:
-            specs.append(_spec(f"{prefix}.compressed_kv", u8, 584, 2, 128, 2, scale))
-            specs.append(_spec(f"{prefix}.compressor_state", f32, 16384, 2, 128, 2, scale))
+    groups: list[list[TensorSpec]] = [[] for _ in range(5)]
+    layers = [(f"model.layers.{i}.attn", r) for i, r in enumerate(DSV4_RATIOS)]
     if mtp:
-        prefix = "mtp.0.attn"
-        specs.append(_spec(f"{prefix}.swa_kv", u8, 584, 64, 1, 0, scale, DSV4_SWA_WINDOW))
-        ratio4_layer(prefix, with_indexer=False)
+        layers.append(("model.mtp.0.attn", -4))  # sliding window, C4 compressed KV and state, no indexer
+
+    def swa(prefix: str, group: int) -> TensorSpec:
+        return _spec(f"{prefix}.swa_cache", u8, 584, 64, 1, group, scale, DSV4_SWA_WINDOW, DSV4_SWA_WINDOW)
+
+    for i, (prefix, _) in enumerate(layers):
+        g = 0 if i % 2 == 0 and i < DSV4_LAYERS else 1  # vLLM's two sliding-window groups: even, odd layers
+        groups[g].append(swa(prefix, g))
+    for prefix, ratio in layers:
+        if abs(ratio) == 4:
+            if ratio > 0:
+                groups[2].append(_spec(f"{prefix}.indexer.k_cache", u8, 132, 64, 4, 2, scale))
+            groups[2].append(_spec(prefix, u8, 584, 64, 4, 2, scale))
+            if ratio > 0:
+                groups[3].append(_spec(f"{prefix}.indexer.compressor.state_cache", f32, 512 * 4, 4, 1, 3, scale, 8, 8))
+            groups[3].append(_spec(f"{prefix}.compressor.state_cache", f32, 2048 * 4, 4, 1, 3, scale, 8, 8))
+        elif ratio == 128:
+            groups[2].append(_spec(prefix, u8, 584, 2, 128, 2, scale))
+            groups[4].append(_spec(f"{prefix}.compressor.state_cache", f32, 1024 * 4, 8, 1, 4, scale, 128, 128))
     name = "dsv4-flash-mtp" if mtp else "dsv4-flash"
     if scale != 1:
         name += f"@{scale:g}"
-    reg = Registration(tuple(specs), name=name)
+    reg = Registration(tuple(s for g in groups for s in g), name=name)
     assert reg.num_tensors == PAPER_DSV4_TENSORS[mtp], reg.num_tensors
     return reg
 

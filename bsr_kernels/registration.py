@@ -68,6 +68,12 @@ class TensorSpec:
     One entry covers `token_ratio` tokens (compressed caches: 4, 128). Tensors of one group
     share a block table, so they must agree on tokens per block (block_size * token_ratio).
     `sliding_window` (tokens) is descriptive: the engine marks blocks outside it as -1.
+
+    `tail_tokens` (None: the whole chunk): a chunk's object holds only this tensor's entries of the
+    chunk's last `tail_tokens` tokens, what a prefix ending at that chunk needs of a sliding window
+    (the engine keeps no block before them resident). Whole blocks (a multiple of tokens per block),
+    one value per group; the kernels see per-chunk segments of the tail only and the group's block
+    tables narrowed to the tail blocks of each chunk (validate.check_block_tables).
     """
 
     name: str
@@ -77,6 +83,7 @@ class TensorSpec:
     token_ratio: int = 1
     group: int = 0
     sliding_window: int | None = None
+    tail_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -96,6 +103,11 @@ class TensorSpec:
         _int(f"tensor {self.name!r}: group", self.group, 0, MAX_GROUPS - 1)
         if self.sliding_window is not None:
             _int(f"tensor {self.name!r}: sliding_window", self.sliding_window, 1, None)
+        if self.tail_tokens is not None:
+            _int(f"tensor {self.name!r}: tail_tokens", self.tail_tokens, 1, MAX_CHUNK_TOKENS)
+            if self.tail_tokens % self.tokens_per_block:
+                raise ValueError(f"tensor {self.name!r}: tail_tokens {self.tail_tokens} is not a whole number of "
+                                 f"{self.tokens_per_block}-token blocks")
         if self.entry_bytes > MAX_ENTRY_BYTES:
             raise ValueError(f"tensor {self.name!r}: an entry of {self.entry_bytes:,} B exceeds "
                              f"{MAX_ENTRY_BYTES:,} B (entry_shape {self.entry_shape})")
@@ -122,6 +134,8 @@ class TensorSpec:
         }
         if self.sliding_window is not None:
             d["sliding_window"] = self.sliding_window
+        if self.tail_tokens is not None:
+            d["tail_tokens"] = self.tail_tokens
         return d
 
     @classmethod
@@ -130,7 +144,7 @@ class TensorSpec:
         bad one raises ValueError naming the tensor and the field."""
         if not isinstance(d, dict):
             raise ValueError(f"each tensor must be a mapping of fields, got {type(d).__name__}")
-        known = {"name", "dtype", "entry_shape", "block_size", "token_ratio", "group", "sliding_window"}
+        known = {"name", "dtype", "entry_shape", "block_size", "token_ratio", "group", "sliding_window", "tail_tokens"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"tensor spec {d.get('name', '?')!r}: unknown fields {sorted(map(str, unknown))}")
@@ -153,6 +167,7 @@ class TensorSpec:
             token_ratio=d.get("token_ratio", 1),
             group=d.get("group", 0),
             sliding_window=d.get("sliding_window"),
+            tail_tokens=d.get("tail_tokens"),
         )
 
 
@@ -192,6 +207,14 @@ class Registration:
                 raise ValueError(
                     f"group {g}: tensors disagree on tokens per block (block_size*token_ratio): {sorted(tpb)}"
                 )
+            tails = {s.tail_tokens for s in self.specs if s.group == g}
+            if len(tails) != 1:
+                raise ValueError(f"group {g}: tensors disagree on tail_tokens: {sorted(tails, key=str)} (one "
+                                 "block table: the objects hold the same blocks of every tensor of a group)")
+            tail = tails.pop()
+            if tail is not None and (tail > self.chunk_tokens or self.chunk_tokens % next(iter(tpb))):
+                raise ValueError(f"group {g}: tail_tokens {tail} needs whole blocks of {next(iter(tpb))} tokens "
+                                 f"inside a chunk of {self.chunk_tokens}")
         if self.chunk_bytes > MAX_CHUNK_BYTES:
             raise ValueError(f"a chunk of {self.chunk_bytes:,} B exceeds {MAX_CHUNK_BYTES:,} B")
 
@@ -204,8 +227,14 @@ class Registration:
     def num_groups(self) -> int:  # cached: read on every window launch (167 specs at DeepSeek-V4-Flash)
         return max(s.group for s in self.specs) + 1
 
+    def stored_tokens(self, i: int) -> int:
+        """Tokens of each chunk whose entries of tensor i an object holds (the tail, or the chunk)."""
+        tail = self.specs[i].tail_tokens
+        return self.chunk_tokens if tail is None else tail
+
     def entries_per_chunk(self, i: int) -> int:
-        return self.chunk_tokens // self.specs[i].token_ratio
+        """Entries of tensor i staged per chunk (its segment): those of `stored_tokens(i)`."""
+        return self.stored_tokens(i) // self.specs[i].token_ratio
 
     def segment_bytes(self, i: int) -> int:
         return self.entries_per_chunk(i) * self.specs[i].entry_bytes
@@ -240,6 +269,43 @@ class Registration:
         """Block-table length group g needs to hold `num_tokens` tokens."""
         return -(-num_tokens // self.group_tokens_per_block(g))
 
+    @cached_property
+    def _group_tails(self) -> tuple[int | None, ...]:
+        return tuple(next(s.tail_tokens for s in self.specs if s.group == g) for g in range(self.num_groups))
+
+    def group_tail_tokens(self, g: int) -> int | None:
+        """The tail (tokens) group g's objects hold of each chunk; None when they hold the whole chunk."""
+        tail = self._group_tails[g]
+        return None if tail is None or tail >= self.chunk_tokens else tail
+
+    @cached_property
+    def tail_groups(self) -> frozenset[int]:
+        """Groups whose objects hold only each chunk's tail."""
+        return frozenset(g for g in range(self.num_groups) if self.group_tail_tokens(g) is not None)
+
+    def without_heads(self, tables: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """Whole-request block tables (from chunk 0) as an engine's sliding windows leave them at a prefix
+        end: in a tail group, every chunk's blocks before its tail -1 (copies; other groups as given)."""
+        out = []
+        for g, table in enumerate(tables):
+            table = table.clone()
+            tail = self.group_tail_tokens(g)
+            if tail is not None:
+                tpb = self.group_tokens_per_block(g)
+                per_chunk, keep = self.chunk_tokens // tpb, tail // tpb
+                whole = table.numel() // per_chunk * per_chunk
+                table[:whole].view(-1, per_chunk)[:, : per_chunk - keep] = -1
+            out.append(table)
+        return out
+
+    def chunk_blocks(self, g: int, k: int) -> tuple[int, int]:
+        """Block-table entries lo..hi-1 of group g whose entries chunk k's object holds (its tail
+        blocks in a tail group, else every block the chunk touches)."""
+        tpb, ct = self.group_tokens_per_block(g), self.chunk_tokens
+        tail = self.group_tail_tokens(g)
+        lo = (k * ct + (0 if tail is None else ct - tail)) // tpb
+        return lo, -(-(k + 1) * ct // tpb)
+
     # -- identity --------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"chunk_tokens": self.chunk_tokens, "tensors": [s.to_dict() for s in self.specs]}
@@ -264,7 +330,7 @@ class Registration:
     @cached_property
     def fingerprint(self) -> str:
         """Stable hex digest of the geometry (names, dtypes, shapes, ratios, blocks, groups, chunk)."""
-        blob = json.dumps({"layout_version": 1, **self.to_dict()}, sort_keys=True).encode()
+        blob = json.dumps({"layout_version": 1, **self.to_dict()}, sort_keys=True).encode()  # tail_tokens only when set
         return hashlib.sha256(blob).hexdigest()[:32]
 
     # -- destinations ----------------------------------------------------------------------

@@ -34,11 +34,12 @@ def check_window(
     *,
     fingerprint: str | None = None,
     staging_name: str = "staging",
+    gather: bool = False,
 ) -> WindowArgs:
     check_fingerprint(reg, fingerprint)
     first_chunk, num_chunks = check_chunk_range(first_chunk, num_chunks)
     stride = check_staging(staging, reg, num_chunks, staging_name)
-    kv, tables = check_destinations(reg, kv, block_tables, first_chunk, num_chunks)
+    kv, tables = check_destinations(reg, kv, block_tables, first_chunk, num_chunks, gather=gather)
     return WindowArgs(staging, kv, tables, first_chunk, num_chunks, stride)
 
 
@@ -56,11 +57,13 @@ def check_destinations(
     block_tables: Sequence[torch.Tensor],
     first_chunk: int,
     num_chunks: int,
+    *,
+    gather: bool = False,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Destination tensors and block tables for chunks first_chunk.. of a request; returns
-    them normalised (block tables as contiguous int64)."""
+    them normalised (block tables as contiguous int64, narrowed as the kernels read them)."""
     kv, layout = check_destination_tensors(reg, kv)
-    return kv, check_block_tables(reg, block_tables, first_chunk, num_chunks, layout)
+    return kv, check_block_tables(reg, block_tables, first_chunk, num_chunks, layout, gather=gather)
 
 
 @dataclass(frozen=True)
@@ -113,13 +116,20 @@ def check_block_tables(
     layout: DestinationLayout,
     local_tokens: int = 0,
     end_tokens: int | None = None,
+    *,
+    gather: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """The block tables for chunks first_chunk.. against destinations `layout` describes; returns
-    them as contiguous int64 on their device. Only the entries of those chunks are read: ids in
-    range, -1 only in groups with a sliding window, in the blocks of the first `local_tokens`
-    tokens (the engine's own: not written) or in those from `end_tokens` on (past a prefix that
-    ends inside its last chunk: not written), no id twice in a group, and no id resident in two
-    groups whose destinations are the same memory."""
+    them as contiguous int64 on their device, as the kernels read them. Only the entries of those
+    chunks are read: ids in range, -1 only in groups with a sliding window, in the blocks of the
+    first `local_tokens` tokens (the engine's own: not written) or in those from `end_tokens` on
+    (past a prefix that ends inside its last chunk: not written), no id twice in a group, and no id
+    resident in two groups whose destinations are the same memory.
+
+    A group whose objects hold only each chunk's tail (Registration.tail_groups) is returned narrowed
+    to the tail blocks of every chunk from chunk 0 (the kernels' entry e of a chunk is entry e of its
+    tail). For an install (`gather` False) none of its blocks before a chunk's tail may be resident:
+    the objects do not hold them, so the engine would read blocks nothing wrote."""
     block_tables = tuple(block_tables)
     if len(block_tables) != reg.num_groups:
         raise ValueError(f"expected {reg.num_groups} block tables (one per group), got {len(block_tables)}")
@@ -147,11 +157,40 @@ def check_block_tables(
             tpb = reg.group_tokens_per_block(g)
             written = (max(0, min(need, local_tokens // tpb) - lo),
                        need - lo if end_tokens is None else max(0, min(need, -(-end_tokens // tpb)) - lo))
-            resident_ids[g] = _check_window_ids(reg, g, _window_ids(table, lo, need), layout, first_chunk, last,
-                                                written)
+            window = _window_ids(table, lo, need)
+            resident_ids[g] = _check_window_ids(reg, g, window, layout, first_chunk, last, written)
+            if g in reg.tail_groups and not gather:
+                _check_heads_empty(reg, g, window, first_chunk, last)
+        if g in reg.tail_groups:
+            table = _tail_table(reg, g, table, first_chunk + num_chunks)
         out.append(table)
     _check_aliased_groups(reg, layout.aliases, resident_ids, first_chunk, last)
     return tuple(out)
+
+
+def _tail_geometry(reg: Registration, g: int) -> tuple[int, int]:
+    """(blocks per chunk, tail blocks per chunk) of a tail group."""
+    tpb = reg.group_tokens_per_block(g)
+    return reg.chunk_tokens // tpb, reg.group_tail_tokens(g) // tpb
+
+
+def _check_heads_empty(reg: Registration, g: int, window: list[int], first_chunk: int, last: int) -> None:
+    """In a tail group, the blocks of each chunk before its tail are not resident (-1)."""
+    per_chunk, tail = _tail_geometry(reg, g)
+    for k in range(last - first_chunk + 1):
+        head = window[k * per_chunk: (k + 1) * per_chunk - tail]
+        bad = next((b for b in head if b >= 0), None)
+        if bad is not None:
+            raise ValueError(
+                f"block table of group {g}: block id {bad} is resident in chunk {first_chunk + k} before the "
+                f"last {reg.group_tail_tokens(g)} tokens, which are all its objects hold (a sliding window "
+                f"that reaches further back than the registration says)")
+
+
+def _tail_table(reg: Registration, g: int, table: torch.Tensor, end_chunk: int) -> torch.Tensor:
+    """Group g's table for chunks 0..end_chunk-1 narrowed to each chunk's tail blocks (contiguous)."""
+    per_chunk, tail = _tail_geometry(reg, g)
+    return table[: end_chunk * per_chunk].view(end_chunk, per_chunk)[:, per_chunk - tail:].reshape(-1).contiguous()
 
 
 def _window_ids(table: torch.Tensor, lo: int, hi: int) -> list[int]:

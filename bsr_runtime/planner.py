@@ -188,7 +188,9 @@ class Planner:
                  key_inputs: Callable[[str, object], KeyInputs] = salt_only) -> None:
         self.reg = reg
         self.key_inputs = key_inputs
-        self.restore_partial_chunk = restore_partial_chunk
+        # not with groups whose objects hold each chunk's last window only (Registration.tail_groups): a
+        # prefix ending inside a chunk does not end where that window does
+        self.restore_partial_chunk = restore_partial_chunk and not reg.tail_groups
         self.block_align = block_align(reg)
         self.probe_timeout_s = check_timeout("probe_timeout_s", probe_timeout_s)
         self.tier_set = tiers if isinstance(tiers, TierSet) else TierSet(reg, tiers, unavailable_cooldown_s)

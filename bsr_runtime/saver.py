@@ -46,14 +46,15 @@ log = logging.getLogger(__name__)
 
 def resident_chunks_end(reg: Registration, block_ids: Sequence[Sequence[int]], first_chunk: int,
                         num_chunks: int, end_tokens: int | None = None) -> int:
-    """The end of the run of chunks from `first_chunk` whose blocks are resident in every group (a
-    sliding-window group's blocks that left the window are -1: such a chunk cannot be saved whole);
-    the last chunk's blocks only up to `end_tokens` (a partial chunk)."""
+    """The end of the run of chunks from `first_chunk` whose blocks an object holds are resident in
+    every group (a sliding-window group's blocks that left the window are -1: such a chunk cannot be
+    saved whole; of a group whose objects hold each chunk's tail only, the tail blocks count); the
+    last chunk's blocks only up to `end_tokens` (a partial chunk)."""
     for k in range(first_chunk, num_chunks):
         stop = (k + 1) * reg.chunk_tokens if end_tokens is None else min((k + 1) * reg.chunk_tokens, end_tokens)
         for g, ids in enumerate(block_ids):
-            tpb = reg.group_tokens_per_block(g)
-            lo, hi = k * reg.chunk_tokens // tpb, -(-stop // tpb)
+            lo, hi = reg.chunk_blocks(g, k)
+            hi = min(hi, -(-stop // reg.group_tokens_per_block(g)))
             if len(ids) < hi or any(b < 0 for b in ids[lo:hi]):
                 return k
     return num_chunks

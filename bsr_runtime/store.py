@@ -88,7 +88,8 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
         raise ValueError(f"store window must be a positive integer, got {window_chunks!r}")
     keys = PrefixKeys(keyspace, tokens, reg.chunk_tokens)
     n_total = keys.num_chunks if num_chunks is None else check_int("num_chunks", num_chunks, lo=0, hi=keys.num_chunks)
-    kv, tables = check_destinations(reg, kv, block_tables, 0, n_total)
+    kv, _ = check_destinations(reg, kv, block_tables, 0, n_total, gather=True)  # each window's gather re-reads them
+    tables = tuple(block_tables)
     if not 0 <= first_chunk <= n_total:
         raise ValueError(f"first_chunk {first_chunk} outside 0..{n_total}")
     # header room before each chunk: a tier that stores a header with each object writes it there

@@ -28,6 +28,9 @@ def registrations(draw, max_tensors: int = 6, max_groups: int = 3) -> Registrati
     group_tpb = [draw(st.sampled_from(_TPB_CHOICES)) for _ in range(num_groups)]
     # -1 blocks are legal only in groups with a sliding window: give some groups one
     group_window = [draw(st.sampled_from([None, 128])) for _ in range(num_groups)]
+    # a windowed group whose blocks are smaller than a chunk may keep only each chunk's tail in the objects
+    group_tail = [draw(st.sampled_from([None] + [tpb * k for k in range(1, 256 // tpb)]))
+                  if w and tpb < 256 else None for w, tpb in zip(group_window, group_tpb)]
     n = draw(st.integers(num_groups, max(num_groups, max_tensors)))
     specs = []
     for i in range(n):
@@ -40,7 +43,7 @@ def registrations(draw, max_tensors: int = 6, max_groups: int = 3) -> Registrati
         entry_shape = (width // dtype.itemsize,)
         if draw(st.booleans()) and entry_shape[0] % 2 == 0:
             entry_shape = (2, entry_shape[0] // 2)
-        specs.append(TensorSpec(f"t{i}", dtype, entry_shape, tpb // ratio, ratio, g, group_window[g]))
+        specs.append(TensorSpec(f"t{i}", dtype, entry_shape, tpb // ratio, ratio, g, group_window[g], group_tail[g]))
     return Registration(tuple(specs), name="random")
 
 
@@ -90,15 +93,18 @@ def _staged_entries(case: Case):
     reg = case.reg
     for i, spec in enumerate(reg.specs):
         per_chunk = reg.chunk_tokens // spec.token_ratio
+        # an object holds only the entries of the chunk's last tail_tokens tokens, when the spec says so
+        skip = per_chunk - (spec.tail_tokens or reg.chunk_tokens) // spec.token_ratio
         eb = spec.entry_bytes
         table = case.tables[spec.group].tolist()
         for c in range(case.num_chunks):
             base = c * reg.chunk_bytes + reg.segment_offsets[i]
-            for j in range(per_chunk):
+            for j in range(skip, per_chunk):
                 e = (case.first_chunk + c) * per_chunk + j
                 blk = table[e // spec.block_size]
                 if blk >= 0:
-                    yield i, spec, slice(base + j * eb, base + (j + 1) * eb), blk, e % spec.block_size
+                    k = j - skip
+                    yield i, spec, slice(base + k * eb, base + (k + 1) * eb), blk, e % spec.block_size
 
 
 def naive_install(case: Case, kv: list[torch.Tensor]) -> None:

@@ -67,7 +67,7 @@ def _mutate_alias(req):
 
 
 def _mutate_duplicate(req):
-    req.block_tables[1][1] = req.block_tables[1][0]
+    req.block_tables[2][1] = req.block_tables[2][0]
 
 
 def _mutate_range(req):

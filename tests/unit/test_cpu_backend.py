@@ -109,7 +109,7 @@ def test_bad_block_in_the_last_chunk_is_reported(threads):
     reg = presets.dsv4_flash(scale=1 / 64)
     case = make_case(reg, 0, 16, seed=7, hole_frac=0.0)
     tables = [t.clone() for t in case.tables]
-    tables[0][-1] = 10_000_000  # bypasses validation on purpose
+    tables[2][-1] = 10_000_000  # bypasses validation on purpose (group 2: every block of a chunk staged)
     kv = tuple(poisoned(reg, case.num_blocks))
     args = WindowArgs(case.staging, kv, tuple(tables), 0, 16, reg.chunk_bytes)
     with pytest.raises(RuntimeError, match="block id 10000000 outside"):

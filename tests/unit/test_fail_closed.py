@@ -42,7 +42,7 @@ from bsr_runtime.retrieve import LOCAL, LocalResult, Retriever, request_block_id
 from bsr_runtime.state_hash import state_hash
 from bsr_runtime.tiers import FilesystemTier
 
-REG = presets.dsv4_flash(scale=1 / 64)  # 3 HMA groups, one with a sliding window
+REG = presets.dsv4_flash(scale=1 / 64)  # 5 HMA groups, four with a sliding window
 FAILING = [s for s in SCENARIOS if EXPECTED[s] == "failed_closed" and s not in DAMAGE_SCENARIOS]
 # the error of the first (remote) attempt names the fault that fired
 FIRST_ERROR = {
@@ -342,14 +342,16 @@ def test_commit_rule_without_a_process_group():
 
 
 def test_hma_collapse_one_invalid_group_invalidates_every_group():
-    reg = presets.dsv4_flash(scale=1 / 64)
-    tables = [torch.tensor([3, -1, 5, 7]), torch.tensor([0]), torch.tensor([2])]
+    reg = presets.dsv4_flash(scale=1 / 64)  # 5 groups: 64, 64, 256, 4 and 8 tokens per block
+    tables = [torch.tensor([-1, -1, 3, 5]), torch.tensor([-1, -1, 7, 9]), torch.tensor([0]),
+              torch.tensor([-1] * 62 + [11, 12]), torch.tensor([-1] * 16 + list(range(20, 36)))]
     blocks = request_block_ids(reg, tables, 1)
-    assert blocks == (frozenset({3, 5, 7}), frozenset({0}), frozenset({2}))  # -1: not resident
-    local = LocalResult("r", 1, 256, [True, False, True], "mooncake", blocks)
+    assert blocks == (frozenset({3, 5}), frozenset({7, 9}), frozenset({0}), frozenset({11, 12}),
+                      frozenset(range(20, 36)))  # -1: not resident
+    local = LocalResult("r", 1, 256, [True, False, True, True, True], "mooncake", blocks)
     out = Retriever.finalize(local, agreed=True)  # even if every other rank agreed
     assert not out.committed and out.exposed_tokens == 0 and out.invalid_block_ids == blocks
-    ok = Retriever.finalize(LocalResult("r", 1, 256, [True] * 3, "mooncake", blocks), agreed=False)
+    ok = Retriever.finalize(LocalResult("r", 1, 256, [True] * 5, "mooncake", blocks), agreed=False)
     assert not ok.committed and ok.invalid_block_ids == blocks  # another rank failed
 
 

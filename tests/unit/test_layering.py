@@ -9,7 +9,7 @@
 - The runtime (all of bsr_runtime, integrations included) never imports the harness or the CLI.
 - The harness never imports the CLI.
 - Only bsr_runtime.integrations.lmcache imports `lmcache`; only bsr_runtime.integrations.vllm and
-  the harness's engine driver (bsr_harness.vllm_engines) import `vllm`.
+  the harness's engine drivers (bsr_harness.vllm_engines, bsr_harness.dsv4_engine) import `vllm`.
 - No import cycle among the modules of the four packages.
 """
 
@@ -24,6 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("bsr_kernels", "bsr_runtime", "bsr_harness", "bsr_cli")
 VLLM_ENGINE_DRIVER = "bsr_harness.vllm_engines"
+DSV4_ENGINE_DRIVER = "bsr_harness.dsv4_engine"  # vLLM CPU's DeepSeek-V4 test support (its shim, its KV-cache objects)
 
 
 def _module_name(root: Path, path: Path) -> str:
@@ -81,8 +82,9 @@ RULES: list[Rule] = [
      lambda m: _under(m, "bsr_harness"), lambda i: _under(i, "bsr_cli")),
     ("only bsr_runtime.integrations.lmcache imports lmcache",
      lambda m: not _under(m, "bsr_runtime.integrations.lmcache"), lambda i: _under(i, "lmcache")),
-    ("only bsr_runtime.integrations.vllm and the harness's engine driver import vllm",
-     lambda m: not _under_any(m, ("bsr_runtime.integrations.vllm", VLLM_ENGINE_DRIVER)), lambda i: _under(i, "vllm")),
+    ("only bsr_runtime.integrations.vllm and the harness's engine drivers import vllm",
+     lambda m: not _under_any(m, ("bsr_runtime.integrations.vllm", VLLM_ENGINE_DRIVER, DSV4_ENGINE_DRIVER)),
+     lambda i: _under(i, "vllm")),
 ]
 
 

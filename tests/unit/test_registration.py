@@ -15,16 +15,22 @@ from bsr_kernels.registration import SEGMENT_ALIGN
 def test_dsv4_tensor_counts_and_chunk_bytes():
     off, on = presets.dsv4_flash(), presets.dsv4_flash(mtp=True)
     assert off.num_tensors == 167 and on.num_tensors == 170
-    # c is close to the paper's 16,408,576 B (the preset documents which widths are chosen)
-    assert abs(off.chunk_bytes / presets.PAPER_DSV4_CHUNK_BYTES - 1) < 0.01
-    assert off.chunk_bytes == 16_327_232
-    kinds = {s.name.split(".")[-1] for s in off.specs}
-    assert kinds == {"swa_kv", "compressed_kv", "compressor_state", "indexer_k", "indexer_compressor_state"}
+    assert off.num_groups == on.num_groups == 5
+    # c: what a chunk ending a prefix needs (vLLM's registration of the Flash layout; checked against vLLM's
+    # own objects in test_dsv4_registration.py), within 0.02% of the paper's 16,408,576 B
+    assert off.chunk_bytes == presets.DSV4_CHUNK_BYTES == 16_406_080
+    assert abs(off.chunk_bytes / presets.PAPER_DSV4_CHUNK_BYTES - 1) < 2e-4
+    every = sum(off.chunk_tokens // s.token_ratio * s.entry_bytes for s in off.specs)
+    assert every == presets.DSV4_EVERY_ENTRY_BYTES == 83_436_096
+    kinds = {s.name.split(".attn")[-1] for s in off.specs}
+    assert kinds == {".swa_cache", "", ".indexer.k_cache", ".compressor.state_cache",
+                     ".indexer.compressor.state_cache"}
     assert {s.token_ratio for s in off.specs} == {1, 4, 128}
-    assert sum(s.name.endswith("swa_kv") for s in off.specs) == 43
-    assert all(s.entry_bytes == 584 for s in off.specs if s.name.endswith("_kv"))
-    assert all(s.entry_bytes == 132 for s in off.specs if s.name.endswith("indexer_k"))
+    assert sum(s.name.endswith("swa_cache") for s in off.specs) == 43
+    assert all(s.entry_bytes == 584 for s in off.specs if s.dtype == torch.uint8 and "indexer" not in s.name)
+    assert all(s.entry_bytes == 132 for s in off.specs if s.name.endswith("indexer.k_cache"))
     assert {s.dtype for s in off.specs} == {torch.uint8, torch.float32}
+    assert {g: off.group_tail_tokens(g) for g in range(5)} == {0: 128, 1: 128, 2: None, 3: 8, 4: 128}
 
 
 def test_segments_are_aligned_and_disjoint():
@@ -85,7 +91,7 @@ def test_round_trip_through_dict():
 
 def test_allocate_shapes():
     reg = presets.dsv4_flash(scale=1 / 64)
-    kv = reg.allocate([10, 20, 30])
+    kv = reg.allocate([10, 20, 30, 40, 50])
     for spec, t in zip(reg.specs, kv):
         assert t.shape == (10 + 10 * spec.group, spec.block_size, *spec.entry_shape)
         assert t.dtype == spec.dtype
@@ -114,3 +120,30 @@ def test_bad_specs(kw, match):
     args = dict(name="x", dtype=torch.uint8, entry_shape=(8,), block_size=16) | kw
     with pytest.raises(ValueError, match=match):
         TensorSpec(**args)
+
+
+def test_tail_tokens_shrink_the_segment_and_keep_other_fingerprints():
+    """A group whose objects hold only each chunk's tail: its segments are the tail's entries, the rest
+    unchanged; a registration without tails keeps its fingerprint (tail_tokens appears only when set)."""
+    plain = (TensorSpec("swa", torch.uint8, (584,), 64, sliding_window=128),
+             TensorSpec("kv", torch.uint8, (584,), 64, 4, 1))
+    tailed = (dataclasses.replace(plain[0], tail_tokens=128), plain[1])
+    a, b = Registration(plain), Registration(tailed)
+    assert "tail_tokens" not in json.dumps(a.to_dict())
+    assert a.fingerprint != b.fingerprint
+    assert b.segment_bytes(0) == 128 * 584 and a.segment_bytes(0) == 256 * 584
+    assert b.segment_bytes(1) == a.segment_bytes(1) == 64 * 584
+    assert b.tail_groups == {0} and a.tail_groups == frozenset()
+    assert b.chunk_blocks(0, 3) == (14, 16) and b.chunk_blocks(1, 3) == (3, 4) and a.chunk_blocks(0, 3) == (12, 16)
+    assert Registration.from_dict(b.to_dict()).fingerprint == b.fingerprint
+
+
+@pytest.mark.parametrize("specs,match", [
+    (lambda: (TensorSpec("a", torch.uint8, (8,), 64, tail_tokens=100),), "whole number of 64-token blocks"),
+    (lambda: (TensorSpec("a", torch.uint8, (8,), 64, tail_tokens=512),), "inside a chunk of 256"),
+    (lambda: (TensorSpec("a", torch.uint8, (8,), 64, tail_tokens=128), TensorSpec("b", torch.uint8, (8,), 64)),
+     "disagree on tail_tokens"),
+])
+def test_bad_tails(specs, match):
+    with pytest.raises(ValueError, match=match):
+        Registration(specs())

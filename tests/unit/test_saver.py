@@ -11,7 +11,7 @@ import torch
 
 from bsr_harness.experiments import make_source
 from bsr_harness.faulty_tier import FaultyTier
-from bsr_harness.testdata import block_tables, poison
+from bsr_harness.testdata import block_tables, poison, without_heads
 from bsr_kernels import presets
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig, RestoreRequest
@@ -54,7 +54,7 @@ def _tables(src) -> list[list[int]]:
 
 def _restored_hash(reg, tier, src, n: int) -> str:
     kv = poison(reg.allocate([t.numel() + 1 for t in src.block_tables]))
-    tables = [torch.arange(t.numel(), dtype=torch.int64) for t in src.block_tables]
+    tables = without_heads(reg, [torch.arange(t.numel(), dtype=torch.int64) for t in src.block_tables])
     with BoundedRestorer(reg, RestoreConfig(window_chunks=2, backend="torch")) as r:
         rep = r.restore(RequestOf(src, kv, tables), tier, n)
     assert rep.ok, rep.error

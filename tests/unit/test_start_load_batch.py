@@ -19,7 +19,7 @@ from bsr_runtime.restore import RestoreConfig
 from bsr_runtime.state_hash import state_hash
 from bsr_runtime.tiers import MemoryTier
 
-REG = presets.dsv4_flash(scale=1 / 64)  # 3 HMA groups
+REG = presets.dsv4_flash(scale=1 / 64)  # 5 HMA groups
 N = 3
 
 

@@ -43,7 +43,8 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is None:
             raise ValueError("the BSR connector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         self.config = cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
-        self.registration = reg = registration_from_kv_cache_config(kv_cache_config, cfg.chunk_tokens)
+        self.registration = reg = registration_from_kv_cache_config(kv_cache_config, cfg.chunk_tokens,
+                                                                         vllm_config=vllm_config)
         if not cfg.load_async and reg.num_groups > 1:
             raise ValueError(f'BSR connector: load_mode "sync" reports failures by block id, which vLLM supports '
                              f'only with one KV-cache group; this model has {reg.num_groups}: use "async"')

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 def model_identity(vllm_config, kv_cache_config, override: str | None = None) -> str:
     """`override` (kv_connector_extra_config model_id) or the weights digest of the served checkpoint,
     plus the engine's in-block KV layout."""
-    layout = kv_layout_tag(kv_cache_config)
+    layout = kv_layout_tag(kv_cache_config, vllm_config)
     if override:
         return f"{override}#{layout}"
     mc = vllm_config.model_config

@@ -114,7 +114,7 @@ class SchedulerSide:
             ct = self.reg.chunk_tokens
             n = len(tokens) // ct
             align = self.planner.block_align
-            partial = (len(tokens) - n * ct) // align * align if self.cfg.restore_partial_chunk and n else 0
+            partial = (len(tokens) - n * ct) // align * align if self.planner.restore_partial_chunk and n else 0
             if n > 0:
                 inputs = self.planner.inputs(request)
                 self._tracked[rid] = _Tracked(list(tokens[: n * ct + partial]), n, inputs.salt, inputs.features,

@@ -86,12 +86,12 @@ def test_hybrid_two_groups_restore_and_collapse(model, tokens, tmp_path):
     assert got[0] == cold[0] and got[1] == cold[1]  # recomputed locally
 
 
-def test_chunks_whose_sliding_window_blocks_were_freed_are_not_saved(tmp_path_factory, tmp_path):
+def test_chunks_whose_window_heads_were_freed_are_saved_by_their_tails(tmp_path_factory, tmp_path):
     """Prefill steps of 384 tokens (not a multiple of the 256-token chunk) and a 64-token sliding
     window: by the step a chunk completes in, vLLM has freed the sliding-window blocks of its first
-    tokens, so that chunk cannot be saved whole. The saver stops at it (it never writes that
-    group's part as zeros), and a request sharing the saved prefix restores output equal to its
-    cold prefill."""
+    tokens. The objects hold only what a prefix ending at each chunk needs of that group, its last 64
+    tokens (tail_tokens), which are still resident: every chunk is saved (never that group's part as
+    zeros), and a request sharing the saved prefix restores output equal to its cold prefill."""
     model = U.build_tiny_llama(tmp_path_factory.mktemp("hybrid-w64"), seed=19, sliding_window=64,
                                layer_types=["sliding_attention", "full_attention"])
     steps = {"max_num_batched_tokens": 384}
@@ -99,11 +99,13 @@ def test_chunks_whose_sliding_window_blocks_were_freed_are_not_saved(tmp_path_fa
     kv = U.kv_transfer([{"type": "filesystem", "root": str(tmp_path)}], window_chunks=W)
     llm = U.make_llm(model, kv, **steps)
     try:
+        reg = U.scheduler_connector(llm).scheduler.reg
+        assert {s.tail_tokens for s in reg.specs if s.sliding_window} == {64}
         U.generate(llm, p)
         worker = U.worker_connector().worker
         assert worker.wait_saves(60)
         saved = sum(s["stored"] for s in worker.saves if s["ok"])
-        assert 0 < saved < N, f"{saved} of {N} chunks saved: no chunk met freed sliding-window blocks"
+        assert saved == N, f"{saved} of {N} chunks saved"
         q = p[: saved * U.CHUNK] + U.prompt(100, seed=42)  # shares exactly the saved prefix
         cold = U.generate(llm, q, cache_salt="cold")  # another tenant: neither the local copy nor the tier's
         assert cold[2] == 0
