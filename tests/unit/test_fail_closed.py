@@ -363,10 +363,10 @@ def test_the_outcome_carries_the_ranks_own_cause_else_the_commit_rules():
     from bsr_runtime.tiers import MemoryTier
 
     reg = presets.dsv4_flash(scale=1 / 64)
-    blocks = request_block_ids(reg, [torch.tensor([3]), torch.tensor([0]), torch.tensor([2])], 1)
+    blocks = request_block_ids(reg, [torch.tensor([g + 2]) for g in range(reg.num_groups)], 1)
 
     def local(valid: bool = True) -> LocalResult:
-        return LocalResult("r", 1, 256, [valid] * 3, "mooncake", blocks)
+        return LocalResult("r", 1, 256, [valid] * reg.num_groups, "mooncake", blocks)
 
     own = local()
     own.fail("mooncake: CorruptObjectError: crc", FailureCause.CORRUPT)
