@@ -184,3 +184,21 @@ def mooncake_module_tier_factory(mooncake_master):
     yield _tier_maker(mooncake_master, made)
     for tier in made:
         tier.close()
+
+
+# -- real-engine modules (tests/integration/vllm): one in-process engine at a time per module, and the
+# tiny random-weight Llama (seed 0; a module needing other weights defines its own `model`)
+@pytest.fixture(scope="module")
+def engines():
+    import vllm_util
+
+    e = vllm_util.Engines()
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from bsr_harness.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)

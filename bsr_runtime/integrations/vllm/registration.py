@@ -67,7 +67,7 @@ def resolve_layer_specs(kv_cache_config, vllm_config=None) -> list[list[tuple[st
     out = []
     layers = {}
     if vllm_config is not None:
-        layers = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+        layers = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if getattr(spec, "kv_cache_specs", None) or len(group.layer_names) == 1:
