@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from .mooncake_launcher import fill_free_ports, port_answers
-from .process_spawner import Spawner
+from .process_spawner import Spawner, stop_process
 
 SERVER_MODULE = "bsr_runtime.integrations.lmcache.server_module"
 
@@ -151,15 +150,8 @@ class LMCacheServer:
     def stop(self) -> None:
         """SIGTERM (the server's KeyboardInterrupt path closes it), SIGKILL after stop_timeout_s."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(OSError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(OSError):
-                    proc.kill()
-                proc.wait(timeout=self.stop_timeout_s)
+        if proc is not None:
+            stop_process(proc, self.stop_timeout_s)
         if self._log is not None:
             with contextlib.suppress(Exception):
                 self._log.close()

@@ -27,7 +27,6 @@ import contextlib
 import math
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -39,7 +38,7 @@ import urllib.request
 import weakref
 from pathlib import Path
 
-from bsr_harness.process_spawner import Spawner, kill_quietly
+from bsr_harness.process_spawner import Spawner, kill_quietly, stop_process
 
 HOST = "127.0.0.1"
 
@@ -315,17 +314,7 @@ class MooncakeMaster:
     def _terminate(self) -> None:
         proc = self._proc
         if proc is not None:
-            if proc.poll() is None:
-                with contextlib.suppress(OSError):
-                    proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=self.stop_timeout_s)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(OSError):
-                        proc.kill()
-                    proc.wait(timeout=self.stop_timeout_s)
-            else:
-                proc.wait()
+            stop_process(proc, self.stop_timeout_s)
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None

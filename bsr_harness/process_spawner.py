@@ -69,3 +69,18 @@ def kill_quietly(proc: subprocess.Popen | None) -> None:
             proc.kill()
         with contextlib.suppress(Exception):
             proc.wait(timeout=5)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM (a server's clean shutdown path), SIGKILL if it is still there after `timeout_s`; reaped."""
+    if proc.poll() is None:
+        with contextlib.suppress(OSError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            proc.wait(timeout=timeout_s)
+    else:
+        proc.wait()

@@ -3,6 +3,7 @@ server module): save a prompt, make the engine forget it, restore it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -65,3 +66,16 @@ def save(llm, l2_dir: Path, tokens, num_chunks: int, timeout_s: float = 30.0):
         time.sleep(0.05)
     forget(llm)
     return cold, sorted(new)
+
+
+@contextlib.contextmanager
+def engine_on(server, model: str):
+    """The started `server` and an in-process engine using it (LMCacheMPConnector); both stopped after."""
+    try:
+        llm = U.make_llm(model, server.kv_transfer_config())
+        try:
+            yield llm
+        finally:
+            U.shutdown(llm)
+    finally:
+        server.stop()

@@ -26,14 +26,8 @@ def hybrid(tmp_path_factory):
     l2_dir = tmp / "l2"
     server = LMCacheServer(l2_dir, l1_size_gb=0.01, window_chunks=S.W, checked_fs=True,
                            extra_args=[*S.STORE_THROUGH, "--separate-object-groups"], env=S.server_env()).start()
-    try:
-        llm = U.make_llm(model, server.kv_transfer_config())
-        try:
-            yield server, llm, l2_dir
-        finally:
-            U.shutdown(llm)
-    finally:
-        server.stop()
+    with S.engine_on(server, model) as llm:
+        yield server, llm, l2_dir
 
 
 def test_hybrid_restore_and_one_damaged_group_collapses_the_prefix(hybrid):

@@ -45,14 +45,8 @@ def bsr(tmp_path_factory):
     server = LMCacheServer(l2_dir, l1_size_gb=L1_GB, window_chunks=W, l2_adapter=l2_adapter_arg(l2_dir),
                            module_config={"fetch_timeout_s": FETCH_TIMEOUT_S}, extra_args=STORE_THROUGH,
                            env=S.server_env(**{ENV: str(faults)})).start()
-    try:
-        llm = U.make_llm(model, server.kv_transfer_config())
-        try:
-            yield Setup(server, llm, l2_dir, faults)
-        finally:
-            U.shutdown(llm)
-    finally:
-        server.stop()
+    with S.engine_on(server, model) as llm:
+        yield Setup(server, llm, l2_dir, faults)
 
 
 def _restore(setup: Setup, seed: int, damage=None):

@@ -22,14 +22,8 @@ def stock(tmp_path_factory):
     l2_dir = tmp / "l2"
     server = LMCacheServer(l2_dir, l1_size_gb=S.L1_GB, window_chunks=0, extra_args=S.STORE_THROUGH,
                            env=S.server_env()).start()
-    try:
-        llm = U.make_llm(model, server.kv_transfer_config())
-        try:
-            yield server, llm, l2_dir
-        finally:
-            U.shutdown(llm)
-    finally:
-        server.stop()
+    with S.engine_on(server, model) as llm:
+        yield server, llm, l2_dir
 
 
 def test_w0_is_the_stock_path_which_needs_the_whole_prefix_in_l1(stock):
