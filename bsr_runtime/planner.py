@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 import uuid
@@ -52,6 +51,7 @@ from bsr_kernels import Registration
 
 from . import commit
 from .keys import KeySpace, PrefixKeys
+from .load_blocks import block_align, only_blocks_of
 from .markers import ForceLocalMarkers
 from .retrieve import ProbeDecision, TierSet
 from .tiers.base import Tier, TierError
@@ -145,36 +145,8 @@ def block_lists(blocks) -> list[list[int]]:
     return [t.tolist() if isinstance(t, torch.Tensor) else [int(b) for b in t] for t in blocks]
 
 
-def block_align(reg: Registration) -> int:
-    """Tokens a prefix ending inside a chunk is a multiple of: whole blocks of every group."""
-    return math.lcm(*(reg.group_tokens_per_block(g) for g in range(reg.num_groups)))
-
-
 def exposed_tokens(plan: ProbeDecision, chunk_tokens: int) -> int:
     return plan.num_chunks * chunk_tokens if plan.num_tokens is None else plan.num_tokens
-
-
-def without_local_blocks(reg: Registration, blocks: list[list[int]], local_tokens: int) -> list[list[int]]:
-    """Per group, the block ids with those wholly inside the engine's local hit (tokens
-    0..local_tokens-1) set to -1: install skips them and a failure never reports them."""
-    out = []
-    for g, ids in enumerate(blocks):
-        n = min(len(ids), local_tokens // reg.group_tokens_per_block(g))
-        out.append([-1] * n + list(ids[n:]))
-    return out
-
-
-def only_blocks_of(reg: Registration, blocks: list[list[int]], start: int, end: int, num_chunks: int
-                   ) -> list[list[int]]:
-    """Per group, the block ids of tokens start..end-1 (a load's), -1 elsewhere, for `num_chunks` whole
-    chunks: the local hit before and the blocks past a prefix ending inside its last chunk are
-    neither written nor reported."""
-    out = []
-    for g, ids in enumerate(without_local_blocks(reg, blocks, start)):
-        tpb = reg.group_tokens_per_block(g)
-        stop, need = -(-end // tpb), reg.blocks_needed(g, num_chunks * reg.chunk_tokens)
-        out.append(list(ids[:stop]) + [-1] * max(0, need - min(stop, len(ids))))
-    return out
 
 
 class Planner:

@@ -38,7 +38,7 @@ from bsr_kernels import Registration, gather_window
 from bsr_kernels.staging_arena import ArenaLease, StagingArena
 
 from .keys import KeySpace, PrefixKeys
-from .planner import block_align, only_blocks_of
+from .load_blocks import block_align, only_blocks_of
 from .tiers.base import FETCH_HEADROOM, Tier, TierError, put_replacing
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,8 @@ import torch
 
 from bsr_kernels import Registration, TensorSpec
 from bsr_runtime.keys import KeySpace, PrefixKeys
-from bsr_runtime.planner import Planner, block_align, only_blocks_of
+from bsr_runtime.load_blocks import block_align, only_blocks_of
+from bsr_runtime.planner import Planner
 from bsr_runtime.tiers import MemoryTier
 
 CT = 256

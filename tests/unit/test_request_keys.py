@@ -23,7 +23,8 @@ from bsr_harness.tiny_model import build_tiny_lora  # noqa: E402
 from bsr_kernels import Registration, TensorSpec  # noqa: E402
 from bsr_runtime.integrations.vllm.request_keys import VllmKeyInputs  # noqa: E402
 from bsr_runtime.keys import KeySpace, PrefixKeys  # noqa: E402
-from bsr_runtime.planner import Planner, without_local_blocks  # noqa: E402
+from bsr_runtime.load_blocks import without_local_blocks  # noqa: E402
+from bsr_runtime.planner import Planner  # noqa: E402
 from bsr_runtime.tiers import MemoryTier  # noqa: E402
 
 CT = 256
