@@ -38,9 +38,10 @@ import torch
 from bsr_kernels import Registration
 
 from . import commit
+from .keys import request_salt
 from .loader import failed_local
 from .markers import ForceLocalMarkers
-from .planner import LoadSpec, Planner, block_lists, request_id_of, request_salt, tokens_of
+from .planner import LoadSpec, Planner, block_lists, request_id_of, tokens_of
 from .restore import RestoreConfig, RestoreRequest
 from .retrieve import AgreeFn, RetrieveOutcome, Retriever
 from .tiers.base import Tier

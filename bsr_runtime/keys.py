@@ -61,6 +61,29 @@ class KeySpace:
         return f"{self._prefix}-{chain_hash.hex()}"
 
 
+@dataclass(frozen=True)
+class KeyInputs:
+    """What a request's keys bind beyond its token ids: its salt (tenant, `cache_salt`, adapter,
+    cache epoch) and its placed features (KeySpace.features). `refused`: why BSR cannot key the
+    request (it is then neither probed nor saved)."""
+
+    salt: str
+    features: tuple[tuple[int, int, str], ...] = ()
+    refused: str | None = None
+
+
+def request_salt(base: str, request) -> str:
+    """The tenant salt of a request: the connector's salt, plus the request's own `cache_salt`
+    (vLLM's per-request prefix-cache isolation) when it has one."""
+    cache_salt = getattr(request, "cache_salt", None)
+    return f"{base}\0{cache_salt}" if cache_salt else base
+
+
+def salt_only(base_salt: str, request) -> KeyInputs:
+    """The default key inputs: the connector's salt and the request's `cache_salt`."""
+    return KeyInputs(request_salt(base_salt, request))
+
+
 def _check_space(space: KeySpace) -> None:
     """Types of the TP geometry and the salt (a lone surrogate cannot be hashed into a key)."""
     check_int("tp_world", space.tp_world, lo=1)

@@ -50,7 +50,7 @@ import torch
 from bsr_kernels import Registration
 
 from . import commit
-from .keys import KeySpace, PrefixKeys
+from .keys import KeyInputs, KeySpace, PrefixKeys, salt_only
 from .load_blocks import block_align, only_blocks_of
 from .markers import ForceLocalMarkers
 from .retrieve import ProbeDecision, TierSet
@@ -83,17 +83,6 @@ class LoadSpec:
     features: tuple[tuple[int, int, str], ...] = ()  # KeySpace.features of the request
 
 
-@dataclass(frozen=True)
-class KeyInputs:
-    """What a request's keys bind beyond its token ids: its salt (tenant, `cache_salt`, adapter,
-    cache epoch) and its placed features (KeySpace.features). `refused`: why BSR cannot key the
-    request (it is then neither probed nor saved)."""
-
-    salt: str
-    features: tuple[tuple[int, int, str], ...] = ()
-    refused: str | None = None
-
-
 @dataclass
 class PlannerStats:
     probes: int = 0  # lookups against the tiers
@@ -123,18 +112,6 @@ def tokens_of(request) -> list[int]:
         if toks is not None:
             return list(toks)
     raise ValueError(f"request {request_id_of(request)!r} has no prompt_token_ids")
-
-
-def request_salt(base: str, request) -> str:
-    """The tenant salt of a request: the connector's salt, plus the request's own `cache_salt`
-    (vLLM's per-request prefix-cache isolation) when it has one."""
-    cache_salt = getattr(request, "cache_salt", None)
-    return f"{base}\0{cache_salt}" if cache_salt else base
-
-
-def salt_only(base_salt: str, request) -> KeyInputs:
-    """The default key inputs: the connector's salt and the request's `cache_salt`."""
-    return KeyInputs(request_salt(base_salt, request))
 
 
 def block_lists(blocks) -> list[list[int]]:

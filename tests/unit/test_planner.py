@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from bsr_harness.experiments import make_source, store_source
 from bsr_kernels import presets
-from bsr_runtime.keys import PrefixKeys
-from bsr_runtime.planner import Planner, request_salt
+from bsr_runtime.keys import PrefixKeys, request_salt
+from bsr_runtime.planner import Planner
 from bsr_runtime.tiers import FilesystemTier
 
 CT = 256

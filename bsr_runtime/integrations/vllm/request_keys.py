@@ -2,7 +2,7 @@
 block on (vLLM 0.32, `v1/core/kv_cache_utils.generate_block_hash_extra_keys`), so a hit is the
 same state or nothing.
 
-    cache_salt       the request's tenant: added to the connector's salt (planner.request_salt)
+    cache_salt       the request's tenant: added to the connector's salt (keys.request_salt)
     LoRA adapter     vLLM keys on its name and path; BSR also on a digest of the adapter's files
                      (adapter_config.json whole, its weights as the model's are digested), since
                      objects outlive the engine: an adapter rewritten in place must miss
@@ -22,7 +22,7 @@ import os
 import threading
 from pathlib import Path
 
-from ...planner import KeyInputs, request_salt
+from ...keys import KeyInputs, request_salt
 from ...weights_digest import checkpoint_digest
 
 ADAPTER_CONFIG = "adapter_config.json"
