@@ -11,11 +11,12 @@ Per prefix length (tokens, + 33 so the last chunk is whole and the request still
    engine's own connector, no prefill: a failing rung would recompute the prompt); at the first passing
    rung a fresh server and engine restore the prompt for real (TTFT, output, the server's
    "Retrieved ... in ... seconds": its copy alone, the lookup having loaded L1 before);
-3. BSR: the stock server with the module (W = --window-chunks, probe_only) and an L1 of 2W objects,
-   the same for every length; the prompt restored for real (TTFT, output, the module's retrieve time:
-   loads and copies, and its L1 peak from the server's Prometheus output).
+3. BSR: the stock server with the module (W = --window-chunks, probe_only) and an L1 of twice what a
+   restore holds (2W objects at depth 1, 4W at depth 2), the same for every length; the prompt
+   restored for real (TTFT, output, the module's retrieve time: loads and copies, per phase, and its
+   L1 peak from the server's Prometheus output).
 
-Times, best of --repeat: TTFT (the request, 8 tokens generated: noisy on a shared machine) and the
+Times, best and median of --repeat: TTFT (the request, 8 tokens generated: noisy on a shared machine) and the
 server's own time per restore from its log (stock: the lookup's whole-hit prefetch + the retrieve's
 copy; BSR: the probe + the windowed retrieve's loads and copies); both include the L2 loads.
 
@@ -154,6 +155,26 @@ def _bsr_server_seconds(log: str) -> list[float]:
     return [a + b for a, b in zip(probe, retrieve)]
 
 
+PHASES = ("submit", "fetch", "transfer", "synchronize+release")
+
+
+def _bsr_phases(log: str) -> dict:
+    """The windowed retrieve's seconds per phase (the loop's timers), median over the restores."""
+    pattern = r"seconds in submit ([0-9.]+), fetch ([0-9.]+), transfer ([0-9.]+), synchronize\+release ([0-9.]+)"
+    rows = [[float(x) for x in m] for m in re.findall(pattern, log)]
+    return {p: _median([r[i] for r in rows]) for i, p in enumerate(PHASES)} if rows else {}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return round(xs[len(xs) // 2], 3) if xs else 0.0
+
+
+def _server_times(prefix: str, seconds: list[float]) -> dict:
+    return {f"{prefix}_server_s": round(min(seconds, default=0.0), 3),
+            f"{prefix}_server_median_s": _median(seconds)}
+
+
 def _one_length(args, model: str, n_tokens: int, tmp: Path) -> dict:
     import random
 
@@ -201,11 +222,11 @@ def _one_length(args, model: str, n_tokens: int, tmp: Path) -> dict:
             log = server.log_path.read_text(errors="replace")
         row.update(stock_l1_gib=round(l1_gb, 4), stock_l1_over_prefix=factor,
                    **{f"stock_{k}": v for k, v in restored.items()},
-                   stock_server_s=round(min(_stock_server_seconds(log), default=0.0), 3))
+                   **_server_times("stock", _stock_server_seconds(log)))
         break
 
     w = args.window
-    bsr_l1_gb = 2 * w * CHUNK_BYTES / 2**30
+    bsr_l1_gb = 2 * args.depth * w * CHUNK_BYTES / 2**30
     module = {"pipeline_depth": args.depth}
     with _server(l2, args, l1_size_gb=bsr_l1_gb, window_chunks=w, module_config=module) as server:
         llm = _engine(model, server, n_tokens)
@@ -216,11 +237,13 @@ def _one_length(args, model: str, n_tokens: int, tmp: Path) -> dict:
         peak = server.metric("bsr_l1_objects_held_peak")
         log = server.log_path.read_text(errors="replace")
     row.update(bsr_l1_gib=round(bsr_l1_gb, 4), **{f"bsr_{k}": v for k, v in restored.items()},
-               bsr_l1_objects_peak=peak, bsr_server_s=round(min(_bsr_server_seconds(log), default=0.0), 3))
+               bsr_l1_objects_peak=peak, **_server_times("bsr", _bsr_server_seconds(log)),
+               bsr_phases_median_s=_bsr_phases(log))
     if row.get("stock_ttft_s"):
         row["ttft_ratio_bsr_over_stock"] = round(row["bsr_ttft_s"] / row["stock_ttft_s"], 3)
     if row.get("stock_server_s") and row.get("bsr_server_s"):
         row["server_ratio_bsr_over_stock"] = round(row["bsr_server_s"] / row["stock_server_s"], 3)
+        row["server_median_ratio_bsr_over_stock"] = round(row["bsr_server_median_s"] / row["stock_server_median_s"], 3)
     return row
 
 

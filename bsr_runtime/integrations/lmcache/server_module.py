@@ -13,7 +13,8 @@ Configured by the paper's names (the `config` object of --server-module):
                             handlers untouched (the factory returns nothing)
     probe_only              true: LOOKUP only probes (nothing reserved); required when W > 0
     pipeline_depth          1 (default) or 2: window j+1 prefetched while window j is copied
-                            (two windows of ceil(W/2) chunks: the L1 held stays at most W chunks)
+                            (both of W chunks: a retrieve holds at most 2W chunks' objects, the
+                            paper's RWS at depth 2)
     fetch_timeout_s         a window's prefetch deadline (default 30 s): a late object fails closed
     marker_ttl_s            how long a force-local marker outlives a request that never ends its
                             session (default 600 s)

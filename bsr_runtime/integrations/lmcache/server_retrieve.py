@@ -11,8 +11,9 @@ lookup locked nothing (server_lookup.py), and RETRIEVE runs BSR's one window loo
       -> synchronize (the stream the copies ran on) -> release (read locks returned, the objects the
          prefetch loaded from L2 deleted from L1) -> advance
 
-so the L1 a restore holds is at most W chunks' objects (depth 2: two windows of ceil(W/2)), whatever
-the prefix length. Fail closed: a missing, late or damaged object or a transfer error fails the
+so the L1 a restore holds is at most W chunks' objects whatever the prefix length (depth 2: window
+j+1 prefetched while window j is copied, both of W chunks: at most 2W, the paper's RWS at depth 2).
+Fail closed: a missing, late or damaged object or a transfer error fails the
 whole retrieve (every window held is abandoned, nothing stays locked); vLLM's connector then
 reports every block of the request invalid and recomputes (kv_load_failure_policy "recompute"),
 and the request's force-local marker makes its next lookup answer 0. With several object groups
@@ -335,7 +336,7 @@ class WindowedRetrieveModule:
                           admission_timeout_s=self.fetch_timeout_s)
         try:
             with self._admission.admitted(self.admission_timeout_s):
-                loop.restore(plan_windows(num_chunks, self.window_chunks, self.depth), source,
+                loop.restore(plan_windows(num_chunks, self.window_chunks * self.depth, self.depth), source,
                              lambda staged, first, n: transfer_window(plan, staged, first, n))
         except Exception as e:  # noqa: BLE001 - every failure fails the retrieve closed
             cause = failure_cause(e)
@@ -345,9 +346,11 @@ class WindowedRetrieveModule:
         finally:
             self._stats.windows_done(loop.stats.windows_done, loop.stats.chunks_done)
         self._stats.restore_done(source.peak_objects, None)
-        logger.info("BSR retrieved %d tokens in %.3f seconds (%d windows of at most %d chunks, peak %d L1 objects)",
-                    num_chunks * self._ctx.chunk_size, time.perf_counter() - t0, loop.stats.windows_done,
-                    self.window_chunks, source.peak_objects)
+        st = loop.stats
+        logger.info("BSR retrieved %d tokens in %.3f seconds (%d windows of at most %d chunks, peak %d L1 objects; "
+                    "seconds in submit %.3f, fetch %.3f, transfer %.3f, synchronize+release %.3f)",
+                    num_chunks * self._ctx.chunk_size, time.perf_counter() - t0, st.windows_done,
+                    self.window_chunks, source.peak_objects, st.submit_s, st.fetch_s, st.install_s, st.sync_s)
         return True
 
     def _plan(self, key: IPCCacheServerKey, cc, gpu_block_ids: list[list[int]],
