@@ -124,7 +124,6 @@ class ServerWindow:
             raise FetchTimeoutError(f"LMCache prefetch of {n} objects of group {part.plan.group} missed its deadline")
         part.result, part.state = result, _LOCKED
         hit = result.hit_cells[0].get_indices_list() if result.hit_cells else []
-        self._hold(len(hit))
         if len(hit) != n:
             raise MissingObjectError(f"LMCache holds {len(hit)}/{n} objects of group {part.plan.group} from chunk "
                                      f"{part.first} (missing in L1 and L2, damaged, or L1 had no room)")
@@ -180,7 +179,7 @@ class ServerWindow:
             finally:
                 evict_l2_loaded(self.sm, part.result, part.keys)
 
-    def _hold(self, objects: int) -> None:
+    def hold(self, objects: int) -> None:
         self._held += objects
         self.source.hold(objects)
 
@@ -200,8 +199,7 @@ class ServerL1Source:
         self.peak_objects = 0
 
     def fetch(self, window: Window, reservation=None) -> ServerWindow:
-        deadline = time.monotonic() + self.timeout_s
-        parts: list[_Part] = []
+        staged = ServerWindow(self, window, [], time.monotonic() + self.timeout_s)
         end = window.first_chunk + window.num_chunks
         try:
             for group in self.plan.groups:
@@ -211,11 +209,12 @@ class ServerL1Source:
                 keys = group.keys[first:end]
                 spec = PrefetchTaskSpec([GroupedObjectKeys(keys, group.group, group.layout)], num_kv_readers=1)
                 handle = self.sm.submit_prefetch_task(spec, external_request_id=f"bsr-w{window.index}")
-                parts.append(_Part(group, first, keys, handle))
+                staged.parts.append(_Part(group, first, keys, handle))
+                staged.hold(len(keys))  # the prefetch fills L1 with them from now until release
         except BaseException:
-            ServerWindow(self, window, parts, deadline).abandon(None)
+            staged.abandon(None)
             raise
-        return ServerWindow(self, window, parts, deadline)
+        return staged
 
     def hold(self, objects: int) -> None:
         self.live_objects += objects

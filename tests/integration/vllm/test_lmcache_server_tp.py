@@ -1,7 +1,7 @@
 """BSR's server module under tensor parallelism: a real vLLM CPU engine at TP = 2 (two worker
 processes) with LMCacheMPConnector and a real LMCache MP server loading the module. Each rank stores
 and retrieves its own objects (its KV heads: LMCache's kv_rank), window by window, through an L1
-smaller than the prefix; a damaged object of rank 1 alone fails rank 1's retrieve, and vLLM then
+smaller than the prefix, at pipeline depth 2; a damaged object of rank 1 alone fails rank 1's retrieve, and vLLM then
 recomputes the request on both ranks (the ranks agree: no rank keeps a prefix the other could not
 restore). Every KV block of both workers is poisoned before each restore, so a block a retrieve did
 not write, or a failure vLLM did not act on, shows in the output."""
@@ -63,7 +63,8 @@ def test_tp2_ranks_retrieve_their_own_objects_and_one_failed_rank_recomputes_bot
     l2_dir.mkdir()
     faults.write_text("{}")
     server = LMCacheServer(l2_dir, l1_size_gb=L1_GB, window_chunks=W, l2_adapter=l2_adapter_arg(l2_dir),
-                           extra_args=S.STORE_THROUGH, env=S.server_env(**{ENV: str(faults)})).start()
+                           module_config={"pipeline_depth": 2}, extra_args=S.STORE_THROUGH,
+                           env=S.server_env(**{ENV: str(faults)})).start()
     try:
         llm = U.make_llm(model, server.kv_transfer_config(), multiprocess=True, tensor_parallel_size=2,
                          distributed_executor_backend="mp")
@@ -84,7 +85,8 @@ def test_tp2_ranks_retrieve_their_own_objects_and_one_failed_rank_recomputes_bot
             assert restored[:2] == cold[:2]
             assert _metric(server, "bsr_restores", outcome="ok") - ok == 2  # one retrieve per rank
             assert _metric(server, "bsr_restore_windows") - windows == 2 * N // W
-            assert _metric(server, "bsr_l1_objects_held_peak") <= W
+            # depth 2: window j+1 prefetched into L1 while window j is copied, so two windows' objects
+            assert _metric(server, "bsr_l1_objects_held_peak") == 2 * W
             assert _metric(server, "bsr_l1_objects_held") == 0
 
             _forget(llm)
