@@ -308,28 +308,30 @@ class Planner:
         keyspace = dataclasses.replace(self.keyspace, salt=inputs.salt, features=inputs.features)
         self.stats.probes += 1
         max_chunks = min(n // ct, -(-end // ct))  # whole chunks only: a partial chunk has its own object
+        partial = (n - n // ct * ct) // self.block_align * self.block_align if self.restore_partial_chunk else 0
+        # one walk of the key chain: the probe's, which the partial chunk's key then continues
+        keys = PrefixKeys(keyspace, tokens, ct, partial)
         if self.probe_all_ranks and self.tp_world > 1:
-            plan = self._plan_all_ranks(tokens, max_chunks, keyspace)
+            plan = self._plan_all_ranks(tokens, max_chunks, keyspace, keys)
         else:
-            plan = self.tier_set.plan(tokens, keyspace, max_chunks)
-        return self._with_partial_chunk(plan, tokens, keyspace, end)
+            plan = self.tier_set.plan(tokens, keyspace, max_chunks, keys)
+        return self._with_partial_chunk(plan, keys, end)
 
-    def _with_partial_chunk(self, plan: ProbeDecision, tokens: list[int], keyspace: KeySpace,
-                            end: int) -> ProbeDecision:
+    def _with_partial_chunk(self, plan: ProbeDecision, keys: PrefixKeys, end: int) -> ProbeDecision:
         """The prefix in tokens: up to `end` (the last whole block before the prompt's last token), past
         the last whole chunk only through the prompt's partial chunk on the plan tier (every rank's)."""
         ct = self.reg.chunk_tokens
         plan.num_tokens = min(plan.num_chunks * ct, end)
-        full = len(tokens) // ct
-        partial = (len(tokens) - full * ct) // self.block_align * self.block_align
+        full, partial = keys.full_chunks, keys.partial_tokens
         if plan.num_tokens >= end or plan.num_chunks != full or not partial or plan.tier_index is None:
             return plan
         tier = self.tiers[plan.tier_index]
-        ranks = range(self.tp_world) if self.probe_all_ranks else (keyspace.tp_rank,)
-        keys = [PrefixKeys(dataclasses.replace(keyspace, tp_rank=r), tokens, ct, partial).window(full, 1)[0]
-                for r in ranks]
+        ranks = range(self.tp_world) if self.probe_all_ranks else (keys.space.tp_rank,)
+        partial_keys = [(keys if r == keys.space.tp_rank else
+                         PrefixKeys(dataclasses.replace(keys.space, tp_rank=r), keys.tokens, ct, partial)
+                         ).window(full, 1)[0] for r in ranks]
         try:
-            held = all(tier.probe(keys))
+            held = all(tier.probe(partial_keys))
         except TierError:
             held = False
         if held:
@@ -355,10 +357,12 @@ class Planner:
             self._plans[rid] = (plan, num_computed_tokens, probe_s)
         return exposed_tokens(plan, ct) - num_computed_tokens
 
-    def _plan_all_ranks(self, tokens: list[int], max_chunks: int, keyspace: KeySpace) -> ProbeDecision:
+    def _plan_all_ranks(self, tokens: list[int], max_chunks: int, keyspace: KeySpace,
+                        keys: PrefixKeys) -> ProbeDecision:
         best: ProbeDecision | None = None
         for r in range(self.tp_world):
-            p = self.tier_set.plan(tokens, dataclasses.replace(keyspace, tp_rank=r), max_chunks)
+            p = self.tier_set.plan(tokens, dataclasses.replace(keyspace, tp_rank=r), max_chunks,
+                                   keys if r == keyspace.tp_rank else None)
             if best is None or p.num_chunks < best.num_chunks:
                 best = p
             max_chunks = min(max_chunks, p.num_chunks)

@@ -243,11 +243,15 @@ class TierSet:
     def reset_health(self) -> None:
         self._down_until.clear()
 
-    def plan(self, tokens: Sequence[int], keyspace: KeySpace, max_chunks: int | None = None) -> ProbeDecision:
+    def plan(self, tokens: Sequence[int], keyspace: KeySpace, max_chunks: int | None = None,
+             keys: PrefixKeys | None = None) -> ProbeDecision:
         """Probe the tiers in order; the plan is the longest complete prefix, on the first tier
         holding it. Stops at the first tier with every candidate chunk. Never raises on a tier
-        failure: a tier that fails its probe counts as a miss."""
-        keys = PrefixKeys(keyspace, tokens, self.reg.chunk_tokens)
+        failure: a tier that fails its probe counts as a miss. `keys`: the prefix's keys in
+        `keyspace` when the caller has them (the first tier's probe walks their chain, so the
+        caller's next key after the probed chunks costs one hash)."""
+        if keys is None:
+            keys = PrefixKeys(keyspace, tokens, self.reg.chunk_tokens)
         if max_chunks is not None:
             check_int("max_chunks", max_chunks)
         cand = keys.num_chunks if max_chunks is None else max(0, min(max_chunks, keys.num_chunks))
@@ -259,7 +263,7 @@ class TierSet:
                 best.probes.append((tier.name, "skipped: unavailable"))
                 continue
             try:
-                n = probe_prefix(tier, PrefixKeys(keyspace, tokens, self.reg.chunk_tokens), cand).prefix_chunks
+                n = probe_prefix(tier, keys, cand).prefix_chunks  # a later tier restarts the chain walk
             except TierError as e:
                 self.note_failure(tier, cause_of(e))
                 best.probes.append((tier.name, f"{type(e).__name__}: {e}"))
