@@ -250,6 +250,14 @@ def _table(rows: list[dict], conc: list[dict]) -> list[str]:
                    f"{'met' if r['gap_ratio_async'] <= 1.2 else 'NOT met':>13} {r['async']['b_ttft_s']:>9.3f}s "
                    f"{r['ttft_goal_s']:>26.3f}s {r['ttft_ratio_async']:>17.2f} {str(r['async_alone_identical']):>13} "
                    f"{r['standalone_beside_decode_s']:>23.3f}s {r['ttft_ratio_beside_decode']:>13.2f}")
+    out += ["", "async B's TTFT by part: the probe (on a probe thread), queued for the load thread, the restore, "
+                "and the rest (steps until the finished load is seen, B's prefill step)"]
+    for r in rows:
+        a, t = r["async"], r["async"].get("timings", {})
+        parts = [t.get("probe_s", 0.0), t.get("queued_s", 0.0), t.get("restore_s", 0.0)]
+        out.append(f"{r['model']:8} {r['tokens']:>7} TTFT {a['b_ttft_s']:.3f}s = probe {parts[0]:.3f}s + queued "
+                   f"{parts[1]:.3f}s + restore {parts[2]:.3f}s + rest {a['b_ttft_s'] - sum(parts):.3f}s "
+                   f"(resident TTFT {r['resident']['b_ttft_s']:.3f}s)")
     if conc:
         out += ["", "8 restores at once under B = 4 windows (W = 32), then a 4K restore behind the long one:"]
         for c in conc:

@@ -34,6 +34,7 @@ process at exit, and `close()` does not wait for it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -55,7 +56,7 @@ from .load_blocks import block_align, only_blocks_of
 from .markers import ForceLocalMarkers
 from .retrieve import ProbeDecision, TierSet
 from .tiers.base import Tier, TierError
-from .validation import check_int, check_timeout
+from .validation import check_duration, check_int, check_timeout
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class _Lookup:
     request: object
     started: float
     future: Future = field(default_factory=Future)
+    waited_in_step: bool = False  # the step thread waited for it once (probe_wait_s)
 
 
 def request_id_of(request) -> str:
@@ -133,7 +135,8 @@ class Planner:
                  salt: str = "", model: str = "", markers: ForceLocalMarkers | None = None,
                  probe_all_ranks: bool = True, agree_plan: bool = False,
                  agree_timeout_s: float = commit.DEFAULT_TIMEOUT_S, unavailable_cooldown_s: float = 30.0,
-                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S, restore_partial_chunk: bool = False,
+                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S, probe_wait_s: float = 0.0,
+                 restore_partial_chunk: bool = False,
                  key_inputs: Callable[[str, object], KeyInputs] = salt_only) -> None:
         self.reg = reg
         self.key_inputs = key_inputs
@@ -142,6 +145,7 @@ class Planner:
         self.restore_partial_chunk = restore_partial_chunk and not reg.tail_groups
         self.block_align = block_align(reg)
         self.probe_timeout_s = check_timeout("probe_timeout_s", probe_timeout_s)
+        self.probe_wait_s = min(check_duration("probe_wait_s", probe_wait_s), self.probe_timeout_s)
         self.tier_set = tiers if isinstance(tiers, TierSet) else TierSet(reg, tiers, unavailable_cooldown_s)
         self.tp_world = tp_world
         self.keyspace = KeySpace(reg.fingerprint, tp_rank, tp_world, salt, model)
@@ -249,7 +253,16 @@ class Planner:
             return self._decide(request, plan, num_computed_tokens, 0.0)
         if running is None:
             self.start_lookup(request)
-            return None
+            with self._lock:
+                running = self._probing.get(rid)
+            if running is None:
+                return None
+        if not running.waited_in_step and self.probe_wait_s > 0:
+            # once per request, the step thread waits a little for the probe (its thread then has
+            # the interpreter to itself instead of sharing it with the step's) rather than a step
+            running.waited_in_step = True
+            with contextlib.suppress(Exception):  # not answered yet, or failed: read below
+                running.future.result(self.probe_wait_s)
         if not running.future.done() or running.future.cancelled():
             waited = time.monotonic() - running.started
             if waited < self.probe_timeout_s:

@@ -77,6 +77,44 @@ def test_the_lookup_never_blocks_the_caller(tmp_path):
         tier.close()
 
 
+def test_the_step_waits_once_for_a_lookup_up_to_probe_wait_s(tmp_path):
+    """probe_wait_s: the first ask waits that long for the probe and, answered, decides in the same step;
+    a probe slower than that costs the step the wait once, later asks return at once."""
+    reg, tier, src = _scene(tmp_path)
+    tier.gate.set()
+    planner = Planner(reg, [tier], probe_wait_s=5.0)
+    try:
+        assert planner.match_in_background(Req("fast", src.tokens + [7]), 0) == 6 * CT  # the first ask
+        tier.gate.clear()
+        planner.probe_wait_s = 0.2
+        slow = Req("slow", src.tokens + [8])
+        t0 = time.monotonic()
+        assert planner.match_in_background(slow, 0) is None
+        waited = time.monotonic() - t0
+        t1 = time.monotonic()
+        assert planner.match_in_background(slow, 0) is None  # no second wait
+        again = time.monotonic() - t1
+        assert 0.2 <= waited < 2.0 and again < 0.1, (waited, again)
+        tier.gate.set()
+        assert _wait_answer(planner, slow) == 6 * CT
+    finally:
+        planner.close()
+        tier.close()
+
+
+def test_without_probe_wait_the_first_ask_returns_at_once(tmp_path):
+    reg, tier, src = _scene(tmp_path)
+    planner = Planner(reg, [tier])  # probe_wait_s 0: the engine-neutral default
+    try:
+        t0 = time.monotonic()
+        assert planner.match_in_background(Req("r", src.tokens + [7]), 0) is None  # the probe waits for the gate
+        assert time.monotonic() - t0 < 0.1
+        tier.gate.set()
+    finally:
+        planner.close()
+        tier.close()
+
+
 def test_a_lookup_started_on_arrival_is_ready_when_asked(tmp_path):
     reg, tier, src = _scene(tmp_path)
     tier.gate.set()

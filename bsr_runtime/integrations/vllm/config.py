@@ -141,6 +141,10 @@ class ConnectorConfig(Schema):
     # a request's tier lookup that has not answered within this is a miss (the request prefills locally):
     # a probe hung in one tier never holds the request, nor (each lookup has its own thread) any other
     probe_timeout_s: Seconds = 5.0
+    # with background loads, how long the step that first asks for a request's lookup waits for it
+    # (once per request; 0: never): a probe thread that shares the interpreter with the engine's step
+    # takes several times longer, and the request then waits for a later step
+    probe_wait_s: Seconds = 0.05
     # B: staging shared by concurrent restores (default W*c); at most the machine's memory, since
     # the arena is allocated (and touched) when the engine starts
     restore_budget_bytes: Annotated[HostBytes, Field(ge=1)] | None = None

@@ -61,8 +61,8 @@ class SchedulerSide:
         self.block_ids_of = block_ids_of  # request id -> its current block ids per group (vLLM's)
         self.load_async = cfg.load_async
         self.planner = Planner(reg, tiers, tp_world=tp_world, salt=cfg.salt, model=model, probe_all_ranks=True,
-                               probe_timeout_s=cfg.probe_timeout_s, key_inputs=VllmKeyInputs(),
-                               restore_partial_chunk=cfg.restore_partial_chunk)
+                               probe_timeout_s=cfg.probe_timeout_s, probe_wait_s=cfg.probe_wait_s,
+                               key_inputs=VllmKeyInputs(), restore_partial_chunk=cfg.restore_partial_chunk)
         self._refused_taken: dict[str, int] = {}  # planner.stats.refused at the last take_stats()
         self.inflight: dict[str, tuple[int, set[int]]] = {}  # request -> (chunks, blocks) of its load
         self._tracked: dict[str, _Tracked] = {}
