@@ -9,6 +9,7 @@ token, BSR's own restore time (the load report) and a standalone restore of the 
 
     max gap (async) / max gap (resident)                      goal <= 1.2
     TTFT (async) / (TTFT (resident) + 1.2 x standalone)       goal <= 1.0
+    TTFT (async) / (TTFT (resident) + 1.2 x BSR's restore)    goal <= 1.0 (its load record, same run)
 
 and the same TTFT ratio against a standalone restore with the engine decoding A's prompt on another thread
 throughout (what the restore in the engine has beside it: on a 2-core machine the decode keeps a core).
@@ -166,6 +167,9 @@ def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concur
     # the same goal against a standalone restore that has the engine's decode beside it, as in the engine
     row["ttft_goal_beside_decode_s"] = res["b_ttft_s"] + 1.2 * row["standalone_beside_decode_s"]
     row["ttft_ratio_beside_decode"] = asy["b_ttft_s"] / row["ttft_goal_beside_decode_s"]
+    # the reading: resident + 1.2 x the restore's own seconds in that run (its load record)
+    row["ttft_goal_in_run_s"] = res["b_ttft_s"] + 1.2 * asy["restore_s"]
+    row["ttft_ratio_in_run"] = asy["b_ttft_s"] / row["ttft_goal_in_run_s"]
     return row, conc
 
 
@@ -250,6 +254,10 @@ def _table(rows: list[dict], conc: list[dict]) -> list[str]:
                    f"{'met' if r['gap_ratio_async'] <= 1.2 else 'NOT met':>13} {r['async']['b_ttft_s']:>9.3f}s "
                    f"{r['ttft_goal_s']:>26.3f}s {r['ttft_ratio_async']:>17.2f} {str(r['async_alone_identical']):>13} "
                    f"{r['standalone_beside_decode_s']:>23.3f}s {r['ttft_ratio_beside_decode']:>13.2f}")
+    out += ["", "B's TTFT (async) against resident + 1.2 x the restore's own seconds in the same run:"]
+    for r in rows:
+        out.append(f"{r['model']:8} {r['tokens']:>7} {r['async']['b_ttft_s']:.3f}s / {r['ttft_goal_in_run_s']:.3f}s = "
+                   f"{r['ttft_ratio_in_run']:.2f} ({'met' if r['ttft_ratio_in_run'] <= 1.0 else 'NOT met'}: goal <= 1)")
     out += ["", "async B's TTFT by part: the probe (on a probe thread), queued for the load thread, the restore, "
                 "and the rest (steps until the finished load is seen, B's prefill step)"]
     for r in rows:
