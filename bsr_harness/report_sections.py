@@ -81,6 +81,8 @@ def _vllm_stall(figures: dict) -> dict:
                      "async_ttft_vs_goal": r["ttft_ratio_async"],
                      "standalone_beside_decode_s": r.get("standalone_beside_decode_s"),
                      "async_ttft_vs_goal_beside_decode": r.get("ttft_ratio_beside_decode"),
+                     # B's TTFT / (resident TTFT + 1.2 x its own restore in the run): records of 2026-12-03 on
+                     "async_ttft_vs_own_restore": r.get("ttft_ratio_in_run"),
                      "restored_alone_identical": r["async_alone_identical"],
                      # tokens of B exposed (vLLM's num_cached_tokens): resident hit against restored (records of
                      # 2026-12-03 on; --restore-partial-chunk restores all but the last block, as the resident hit)
@@ -164,13 +166,16 @@ _SECTIONS = [
         "background (async, the default). A's largest inter-token gap while B is admitted against the resident "
         "case (goal: async at most 1.2x), B's TTFT against the resident TTFT + 1.2x BSR's standalone restore "
         "of the same objects (goal: ratio at most 1), and the same ratio against a standalone restore with the "
-        "engine decoding beside it (records from 2026-12-02 on), B restored alone bit-identical to its cold prefill. "
+        "engine decoding beside it (records from 2026-12-02 on), and against the resident TTFT + 1.2x the "
+        "restore's own seconds in that run (`async_ttft_vs_own_restore`, records from 2026-12-03 13:40 on), "
+        "B restored alone bit-identical to its cold prefill. "
         "Concurrency: 8 restores at once under B = 4 windows' staging, then a 4K restore behind the long one. "
         "Best of `--repeat` by A's largest gap."), "Inside vLLM",
         {"rows": ["model", "tokens", "a_median_gap_ms", "resident_max_gap_ms", "sync_max_gap_ms", "async_max_gap_ms",
                   "sync_vs_resident", "async_vs_resident", "resident_ttft_s", "async_ttft_s", "standalone_restore_s",
                   "async_restore_s", "ttft_goal_s", "async_ttft_vs_goal", "standalone_beside_decode_s",
-                  "async_ttft_vs_goal_beside_decode", "restored_alone_identical", "resident_cached_tokens",
+                  "async_ttft_vs_goal_beside_decode", "async_ttft_vs_own_restore", "restored_alone_identical",
+                  "resident_cached_tokens",
                   "async_cached_tokens"],
          "concurrency": ["model", "budget_bytes", "peak_staging_bytes", "within_budget", "outputs_equal_cold",
                          "restore_order_chunks", "short_first", "long_tokens_equal_cold",
