@@ -35,6 +35,8 @@ def cell(key: str, value: Any) -> str:
         return ", ".join(cell(key, v) for v in value)
     if isinstance(value, str):
         return value.replace("|", "\\|").replace("\n", " ")
+    if isinstance(value, dict):  # e.g. seconds per phase: "submit 0.001, fetch 0.034"
+        return ", ".join(f"{k} {cell(key, v)}" for k, v in value.items())
     name = key.rsplit(".", 1)[-1]
     if name == "bytes" or name.endswith("_bytes"):
         return human_bytes(value)
