@@ -24,9 +24,8 @@ MAX_WINDOW = 1 << 16  # = bsr_runtime.restore.MAX_WINDOW_CHUNKS (kept import-fre
 MAX_COUNT = 1 << 20  # --repeat, --rounds, --load-concurrency: anything above is a typo
 
 
-# = bsr_harness.tier_setup.TIER_NAMES and bsr_runtime.tiers.specs.TIER_TYPE_ALIASES (kept import-free for --help)
+# = bsr_harness.tier_setup.TIER_NAMES (kept import-free for --help)
 TIER_CHOICES = ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
-TIER_ALIASES = {"fs": "filesystem", "lmcache-fs": "lmcache-filesystem"}  # earlier names, still read
 
 
 class CliError(Exception):
@@ -49,17 +48,6 @@ class EarlierName(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         setattr(namespace, self.dest, values)
         add_notice(parser, namespace, f"{option_string} is deprecated, use {self.current}")
-
-
-class TierList(argparse.Action):
-    """--tier: a tier's earlier name (TIER_ALIASES) is read as its current one, with a one-line notice."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        names = values.split(",")
-        for old in dict.fromkeys(n for n in names if n in TIER_ALIASES):
-            add_notice(parser, namespace,
-                       f"{option_string} {old} is deprecated, use {option_string} {TIER_ALIASES[old]}")
-        setattr(namespace, self.dest, ",".join(TIER_ALIASES.get(n, n) for n in names))
 
 
 def parse_with_notices(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
@@ -183,11 +171,11 @@ def writable_dir(path: str) -> bool:
 
 
 def tier_list(text: str) -> str:
-    """--tier: auto, or a comma-separated list of tier names (current or earlier: TierList reads them)."""
+    """--tier: auto, or a comma-separated list of tier names."""
     names = text.split(",")
     if text != "auto":
         for n in names:
-            if n not in TIER_CHOICES and n not in TIER_ALIASES:
+            if n not in TIER_CHOICES:
                 raise argparse.ArgumentTypeError(f"unknown tier {n!r}; choose from {', '.join(TIER_CHOICES)} or auto")
     return text
 
@@ -243,10 +231,10 @@ def add_common(p: argparse.ArgumentParser, *, tier_default: str = "filesystem") 
     g.add_argument("--scale", type=scale_type, default=DEFAULT_SCALE,
                    help="shrink preset entry widths so long prefixes fit in memory here (default 1/64; "
                         "1 = the real widths); ignored for registration files")
-    g.add_argument("--tier", type=tier_list, action=TierList, default=tier_default,
+    g.add_argument("--tier", type=tier_list, default=tier_default,
                    metavar="filesystem|mooncake|lmcache-filesystem|lmcache-mooncake",
                    help=f"where the state is stored and restored from, a comma-separated list (default "
-                        f"{tier_default}; the earlier names fs, lmcache-fs are still read)")
+                        f"{tier_default})")
     g.add_argument("--root", help="filesystem tiers: keep the objects in this existing directory (default: a "
                                   "temporary directory, removed afterwards)")
     g.add_argument("--load-concurrency", type=count_int, default=None,

@@ -8,15 +8,12 @@
   the filesystem or Mooncake L2 adapter) as a tier: bsr_runtime.integrations.lmcache's LMCacheTier,
   opened from its tier spec as the vLLM connector opens it (open_lmcache_tier).
 
-The earlier names fs and lmcache-fs are read as filesystem and lmcache-filesystem
-(TIER_TYPE_ALIASES, with a one-line notice); result records keep the name they were written with.
+Result records keep the tier name they were written with (fs and lmcache-fs before 2026-12-03).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
 import shutil
 import socket
 import tempfile
@@ -27,12 +24,10 @@ from pathlib import Path
 from bsr_kernels import Registration
 from bsr_runtime.tiers.base import Tier, TierUnavailableError
 from bsr_runtime.tiers.factory import make_tier
-from bsr_runtime.tiers.specs import TIER_TYPE_ALIASES
 
 from .native_log import redirected
 
 TIER_NAMES = ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,7 +57,6 @@ def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0,
               l1_bytes: int | None = None) -> Iterator[Tier]:
     """Yield a ready tier; everything started or written here is stopped/removed on exit. `l1_bytes`:
     LMCache's L1 (lmcache-*; default the tier spec's)."""
-    opts = current_name(opts)
     if opts.name.startswith("lmcache-"):
         with _lmcache_tier(opts, reg, l1_bytes, capacity_bytes) as tier:
             yield tier
@@ -93,15 +87,6 @@ def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0,
                     tier.close()
     else:
         raise ValueError(f"unknown tier {opts.name!r}; choose one of {', '.join(TIER_NAMES)}")
-
-
-def current_name(opts: TierOptions) -> TierOptions:
-    """`opts` under the tier's current name: an earlier spelling (fs, lmcache-fs) is read as it, with a
-    one-line deprecation notice."""
-    if opts.name not in TIER_TYPE_ALIASES:
-        return opts
-    log.warning("tier %r is deprecated, read as %r", opts.name, TIER_TYPE_ALIASES[opts.name])
-    return dataclasses.replace(opts, name=TIER_TYPE_ALIASES[opts.name])
 
 
 @contextlib.contextmanager

@@ -46,7 +46,7 @@ def with_fs_root(argv: list[str], root: str | Path) -> list[str]:
     """`argv` with the filesystem tier's root of its --kv-transfer-config JSON replaced by `root`."""
     i = argv.index("--kv-transfer-config") + 1
     kv = json.loads(argv[i])
-    (fs,) = [t for t in kv["kv_connector_extra_config"]["tiers"] if t["type"] in ("filesystem", "fs")]
+    (fs,) = [t for t in kv["kv_connector_extra_config"]["tiers"] if t["type"] == "filesystem"]
     fs["root"] = str(root)
     return [*argv[:i], json.dumps(kv), *argv[i + 1:]]
 

@@ -34,10 +34,6 @@ class MooncakeTierSpec(MooncakeTierOptions):
 TIER_SPECS: dict[str, type[Schema]] = {"filesystem": FilesystemTierSpec, "mooncake": MooncakeTierSpec}
 TIER_TYPES = tuple(TIER_SPECS)
 
-# Earlier spellings of tier types, still read with a one-line deprecation notice (the connector's
-# tier specs, open_lmcache_tier, `bsr --tier`: bsr_cli.args keeps a copy, checked equal by a test).
-TIER_TYPE_ALIASES = {"fs": "filesystem", "lmcache-fs": "lmcache-filesystem"}
-
 
 def spec_schema(spec: object) -> type[Schema]:
     """The schema of `spec`'s type; a one-line ConfigError for a spec that is no mapping or of no known type."""

@@ -57,22 +57,15 @@ def test_the_earlier_window_flag_parses_as_window_chunks_with_a_notice(command, 
         assert old.notices == ["bsr: --engine-window is deprecated, use --engine-window-chunks"]
 
 
-@pytest.mark.parametrize(("given", "read", "notices"), [
-    ("filesystem", "filesystem", []),
-    ("fs", "filesystem", ["bsr: --tier fs is deprecated, use --tier filesystem"]),
-    ("lmcache-fs,mooncake,fs,fs", "lmcache-filesystem,mooncake,filesystem,filesystem",
-     ["bsr: --tier lmcache-fs is deprecated, use --tier lmcache-filesystem",
-      "bsr: --tier fs is deprecated, use --tier filesystem"]),
-])
-def test_the_earlier_tier_names_parse_as_the_current_ones_with_a_notice(given, read, notices):
+def test_tier_names_parse_as_given():
     from bsr_cli import build_parser
 
-    args = build_parser().parse_args(["sweep", "--tier", given])
-    assert args.tier == read and (getattr(args, "notices", None) or []) == notices
+    args = build_parser().parse_args(["sweep", "--tier", "lmcache-filesystem,mooncake,filesystem"])
+    assert args.tier == "lmcache-filesystem,mooncake,filesystem" and not getattr(args, "notices", None)
     assert build_parser().parse_args(["sweep"]).tier == "filesystem"
 
 
-@pytest.mark.parametrize("typo", ["filesytem", "lmcache-filesytem", "fs,lmcache"])
+@pytest.mark.parametrize("typo", ["filesytem", "lmcache-filesytem", "fs,lmcache", "fs", "lmcache-fs"])
 def test_a_tier_name_typo_is_refused_in_one_line(typo, capsys):
     with pytest.raises(SystemExit) as refused:
         main(["sweep", "--tier", typo, "--quiet"])

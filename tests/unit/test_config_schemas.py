@@ -189,7 +189,7 @@ def test_registration_file_that_is_a_fifo_or_a_link_to_one_never_blocks(tmp_path
     (["demo", "--engine-window-chunks", "0"], "must be >= 1"),
     (["demo", "--engine-log", "/nonexistent-dir/e.log"], "does not exist"),
     (["bench", "--device", "gpu"], "invalid choice"),
-    (["sweep", "--tier", "fs,tape"], "unknown tier 'tape'"),
+    (["sweep", "--tier", "filesystem,tape"], "unknown tier 'tape'"),
     (["sweep", "--window-chunks", "-1"], "must be >= 0"),  # W = -1 where it enters the command
 ])
 def test_options_are_refused_where_they_enter(args, needle, capsys):
@@ -218,22 +218,22 @@ def test_json_output_that_is_a_fifo_is_refused_not_blocked_on(tmp_path, capsys):
 
 
 def test_cli_tier_names_are_the_harness_tiers():
-    from bsr_cli.args import TIER_ALIASES, TIER_CHOICES
+    from bsr_cli.args import TIER_CHOICES
     from bsr_harness.tier_setup import TIER_NAMES
-    from bsr_runtime.tiers.specs import TIER_TYPE_ALIASES
 
     assert TIER_CHOICES == TIER_NAMES == ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
-    assert TIER_ALIASES == TIER_TYPE_ALIASES == {"fs": "filesystem", "lmcache-fs": "lmcache-filesystem"}
 
 
-def test_the_harness_opens_the_earlier_tier_name_fs_as_filesystem_with_a_notice(caplog):
+def test_the_harness_opens_tiers_by_their_names_only():
     from bsr_harness.tier_setup import TierOptions, open_tier
     from bsr_kernels import presets
 
     reg = presets.llama_like()
-    with caplog.at_level("WARNING"), open_tier(TierOptions(name="fs"), reg) as tier:
+    with open_tier(TierOptions(name="filesystem"), reg) as tier:
         assert type(tier).__name__ == "FilesystemTier"
-    assert [r.getMessage() for r in caplog.records] == ["tier 'fs' is deprecated, read as 'filesystem'"]
+    with pytest.raises(ValueError, match="unknown tier 'fs'; choose one of filesystem, mooncake"):
+        with open_tier(TierOptions(name="fs"), reg):
+            pass
     with pytest.raises(ValueError, match="unknown tier 'filesytem'; choose one of filesystem, mooncake"):
         with open_tier(TierOptions(name="filesytem"), reg):
             pass

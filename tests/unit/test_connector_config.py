@@ -37,7 +37,8 @@ def refused(extra: dict) -> str:
     ("chunk_tokens", "256"), ("chunk_tokens", 256.0), ("chunk_tokens", 0), ("chunk_tokens", True),
     ("chunk_tokens", 1 << 21),
     ("backend", "bogus"), ("backend", 1),
-    ("save_window_chunks", -1), ("save_window_chunks", "8"), ("save_window_chunks", 0), ("save_window_chunks", 2.0),
+    ("save_staging_chunks", -1), ("save_staging_chunks", "8"), ("save_staging_chunks", 0),
+    ("save_staging_chunks", 2.0),
     ("window_chunks", -1), ("window_chunks", "8"), ("window_chunks", True), ("window_chunks", 1 << 17),
     ("pipeline_depth", 0), ("pipeline_depth", 3), ("pipeline_depth", True), ("pipeline_depth", "1"),
     ("fetch_timeout_s", 0), ("fetch_timeout_s", -1.0), ("fetch_timeout_s", math.inf), ("fetch_timeout_s", math.nan),
@@ -110,52 +111,42 @@ def test_lmcache_tier_specs_are_checked_by_their_schema(spec, needle):
 
 def test_one_error_names_every_bad_key():
     msg = refused({"tiers": [FS | {"fsync": "no"}, {"type": "s3"}], "chunk_tokens": "256", "backend": "bogus",
-                   "save_window_chunks": -1, "window": 4})
-    for key in ("tiers[0].fsync", "tiers[1].type", "chunk_tokens", "backend", "save_window_chunks", "window"):
+                   "save_staging_chunks": -1, "window": 4})
+    for key in ("tiers[0].fsync", "tiers[1].type", "chunk_tokens", "backend", "save_staging_chunks", "window"):
         assert key in msg, (key, msg)
     assert "6 bad keys" in msg
 
 
-def test_good_config_parses_with_names_and_aliases_kept(tmp_path):
+def test_good_config_parses_with_names_kept(tmp_path):
     report = str(tmp_path / "r.jsonl")
     c = ConnectorConfig.from_extra({
         "tiers": [{"type": "filesystem", "root": "/x", "load_concurrency": 2, "save": True},
                   {"type": "mooncake", "master_address": "h:50051", "metadata_server": "http://h:8080/metadata"}],
         "load_mode": "sync", "window_chunks": 0, "pipeline_depth": 1, "fetch_timeout_s": 5, "backend": "torch",
-        "salt": "t", "model_id": "m", "save": True, "save_window_chunks": 8, "report_path": report,
+        "salt": "t", "model_id": "m", "save": True, "save_staging_chunks": 8, "report_path": report,
         "chunk_tokens": 512, "agree_timeout_s": 2.5})
     assert [t.type for t in c.tiers] == ["filesystem", "mooncake"]
     assert c.tiers[0].options == {"root": "/x", "load_concurrency": 2}
     assert c.tiers[1].options["global_segment_size"] == 0  # engines mount no segment by default
-    assert (c.window_chunks, c.save_window_chunks, c.chunk_tokens, c.fetch_timeout_s) == (0, 8, 512, 5.0)
+    assert (c.window_chunks, c.save_staging_chunks, c.chunk_tokens, c.fetch_timeout_s) == (0, 8, 512, 5.0)
     assert c.report_path == report and c.save_tiers == [0] and not c.load_async
     assert ConnectorConfig.from_extra({"tiers": [FS]}).window_chunks == 32  # defaults
-    assert TierSpec.from_dict({"type": "fs", "root": "/y"}).type == "filesystem"
 
 
-def test_the_earlier_tier_type_fs_reads_as_filesystem_with_a_notice(caplog):
-    with caplog.at_level("WARNING"):
-        assert TierSpec.from_dict({"type": "fs", "root": "/y"}).type == "filesystem"
-    assert [r.getMessage() for r in caplog.records] == [
-        "BSR connector: tier type 'fs' is deprecated, read as 'filesystem'"]
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        assert TierSpec.from_dict({"type": "filesystem", "root": "/y"}).type == "filesystem"
-    assert not caplog.records
+@pytest.mark.parametrize("earlier", ["fs", "lmcache-fs"])
+def test_no_earlier_tier_type_names_before_a_first_release(earlier):
+    """The tier types' earlier spellings were read as aliases; nothing was released under them, so they
+    are refused like any unknown type, in one line naming it and the types there are."""
+    with pytest.raises(ValueError, match=f"tiers\\[0\\].type: unknown tier type '{earlier}'; choose one of "
+                                         "filesystem, mooncake, lmcache-filesystem, lmcache-mooncake"):
+        ConnectorConfig.from_extra({"tiers": [{"type": earlier, "root": "/y"}]})
 
 
 @pytest.mark.lmcache
-def test_the_earlier_tier_type_lmcache_fs_reads_as_lmcache_filesystem_with_a_notice(caplog):
+def test_an_lmcache_tier_type_typo_is_refused(caplog):
     pytest.importorskip("lmcache.v1.distributed.storage_manager", reason="lmcache 0.5.6 is not installed")
-    with caplog.at_level("WARNING"):
-        spec = TierSpec.from_dict({"type": "lmcache-fs", "root": "/y", "load_concurrency": 2})
+    spec = TierSpec.from_dict({"type": "lmcache-filesystem", "root": "/y", "load_concurrency": 2})
     assert (spec.type, spec.options) == ("lmcache-filesystem", {"root": "/y", "load_concurrency": 2})
-    assert [r.getMessage() for r in caplog.records] == [
-        "BSR connector: tier type 'lmcache-fs' is deprecated, read as 'lmcache-filesystem'"]
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        assert TierSpec.from_dict({"type": "lmcache-filesystem", "root": "/y"}).type == "lmcache-filesystem"
-    assert not caplog.records
     with pytest.raises(ValueError, match="unknown tier type 'lmcache-filesytem'; choose one of filesystem, mooncake, "
                                          "lmcache-filesystem, lmcache-mooncake"):
         TierSpec.from_dict({"type": "lmcache-filesytem", "root": "/y"})

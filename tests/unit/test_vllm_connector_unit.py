@@ -33,11 +33,8 @@ def test_config_parsing_and_errors():
     assert cfg.load_async and cfg.load_mode == "async"  # loads off the step thread by default
     sync = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "load_mode": "sync"})
     assert not sync.load_async
-    auto = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "load_mode": "auto"})
-    assert auto.load_mode == "async"  # the earlier default's spelling still reads, as async
-    old = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "save_window_chunks": 6})
-    assert old.save_staging_chunks == 6  # the earlier name still reads
-    for bad in ({"restore_budget_bytes": 0}, {"restore_budget_bytes": "1GiB"}, {"max_concurrent_restores": 0},
+    for bad in ({"load_mode": "auto"}, {"save_window_chunks": 6},  # earlier spellings: never released
+                {"restore_budget_bytes": 0}, {"restore_budget_bytes": "1GiB"}, {"max_concurrent_restores": 0},
                 {"save_staging_chunks": -1}, {"shutdown_timeout_s": -1}, {"load_mode": "lazy"},
                 {"window_chunks": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -30,7 +30,6 @@ plugins (fs_l2.py, mooncake_l2.py) add the BSR header and CRC.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -52,7 +51,6 @@ from ...tiers.base import (
     Tier,
     TierError,
 )
-from ...tiers.specs import TIER_TYPE_ALIASES
 from .config import align_up, build_storage_manager, fs_l2_config, load_adapter_config, mooncake_l2_config
 from .l1_source import L1Reads, L1Source
 from .l1_usage import L1UsageTracker
@@ -61,8 +59,6 @@ from .objects import _owners, chunk_layout, model_name, object_keys
 from .prefetch import WINDOW_TAG, LatePrefetches, evict_l2_loaded, fold_window_lines, release_result
 from .probe import L2Lookups, probe_l1
 from .specs import LMCACHE_TIER_SPECS, LMCacheFSTierSpec
-
-log = logging.getLogger(__name__)
 
 
 class LMCacheTier(Tier):
@@ -257,14 +253,11 @@ class LMCacheTier(Tier):
 
 @contextlib.contextmanager
 def open_lmcache_tier(reg: Registration, kind: str, options: Mapping) -> Iterator[LMCacheTier]:
-    """An LMCacheTier with LMCache's FS ("lmcache-filesystem", earlier "lmcache-fs": `root`,
+    """An LMCacheTier with LMCache's FS ("lmcache-filesystem": `root`,
     `load_concurrency`, ...) or Mooncake ("lmcache-mooncake": `master_address`, `metadata_server`,
     `protocol`, `global_segment_size`, ...) L2 adapter, an L1 of `l1_bytes`, and the adapter config
     loaded the LMCache way (`config_file`, then LMCACHE_* variables). The options are checked first
     (specs.py: one error naming every bad key)."""
-    if kind in TIER_TYPE_ALIASES:
-        log.warning("LMCache tier type %r is deprecated, read as %r", kind, TIER_TYPE_ALIASES[kind])
-        kind = TIER_TYPE_ALIASES[kind]
     if kind not in LMCACHE_TIER_SPECS:
         raise ValueError(f"{kind!r} is not an LMCache tier ({' | '.join(LMCACHE_TIER_SPECS)})")
     spec = parse(LMCACHE_TIER_SPECS[kind], {"type": kind, **options}, f"{kind} tier spec")

@@ -16,7 +16,6 @@ from .connector import BSRConnector
 from .metadata import BSRConnectorMetadata, SaveSpec
 
 CONNECTOR_NAME = "BSRConnector"
-BSRVllmConnector = BSRConnector  # the name of the earlier wrapper
 
 
 def register_with_vllm(name: str = CONNECTOR_NAME) -> None:
@@ -27,5 +26,4 @@ def register_with_vllm(name: str = CONNECTOR_NAME) -> None:
     KVConnectorFactory.register_connector(name, __name__, "BSRConnector")
 
 
-__all__ = ["CONNECTOR_NAME", "BSRConnector", "BSRConnectorMetadata", "BSRVllmConnector", "SaveSpec",
-           "register_with_vllm"]
+__all__ = ["CONNECTOR_NAME", "BSRConnector", "BSRConnectorMetadata", "SaveSpec", "register_with_vllm"]

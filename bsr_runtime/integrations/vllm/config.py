@@ -22,7 +22,6 @@ key, so a typo never silently falls back to a default or turns saves and loads o
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
@@ -49,11 +48,9 @@ from ...diagnostics import report_writer
 from ...restore import MAX_WINDOW_CHUNKS, RestoreConfig
 from ...tiers.base import Tier
 from ...tiers.factory import make_tier
-from ...tiers.specs import TIER_SPECS, TIER_TYPE_ALIASES
+from ...tiers.specs import TIER_SPECS
 
 TIER_TYPES = ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
-log = logging.getLogger(__name__)
-_ALIASES = TIER_TYPE_ALIASES  # earlier tier type names, still read (with a one-line notice)
 WHAT = "BSR connector: kv_connector_extra_config"
 
 Window = Annotated[int, Field(ge=0, le=MAX_WINDOW_CHUNKS)]  # W in chunks; 0 = the whole plan
@@ -84,12 +81,9 @@ class TierSpec(Schema):
         """(the spec, []) or (None, every problem of `d`, each prefixed with `where`)."""
         if not isinstance(d, Mapping):
             return None, [f"{where}: a tier spec is a mapping with a 'type', got {type(d).__name__}"]
-        raw = d.get("type")
-        kind = _ALIASES.get(raw, raw) if isinstance(raw, str) else raw
-        if kind != raw:
-            log.warning("BSR connector: tier type %r is deprecated, read as %r", raw, kind)
+        kind = d.get("type")
         if kind not in TIER_TYPES:
-            return None, [f"{where}.type: unknown tier type {short_repr(raw)}; choose one of {', '.join(TIER_TYPES)}"]
+            return None, [f"{where}.type: unknown tier type {short_repr(kind)}; choose one of {', '.join(TIER_TYPES)}"]
         options = {k: v for k, v in d.items() if k not in ("type", "save")}
         if kind == "mooncake":
             # an engine mounts no segment by default: objects live on the store hosts and outlive the engine
@@ -115,8 +109,8 @@ class ConnectorConfig(Schema):
     # "async": loads run on the connector's loader threads while the engine keeps stepping; the request
     # waits (WAITING_FOR_REMOTE_KVS), failures are reported per request (failed_recving). "sync": loads run
     # on the step thread before the forward (every other request waits), failures by block id (one
-    # KV-cache group only); kept for comparison. "auto", the earlier default, reads as "async".
-    load_mode: Literal["auto", "sync", "async"] = "async"
+    # KV-cache group only); kept for comparison.
+    load_mode: Literal["sync", "async"] = "async"
     window_chunks: Window = 32  # W
     pipeline_depth: Depth | None = None  # None: the first tier's preferred depth (Tier.preferred_pipeline_depth)
     fetch_timeout_s: Seconds = 30.0
@@ -134,7 +128,6 @@ class ConnectorConfig(Schema):
     # (prompts' partial chunks stored as objects of their own); False: whole chunks only (the restored prefix
     # then ends on a chunk boundary, where a cold prefill of 256-token steps also stops: bit-identical)
     restore_partial_chunk: bool = True
-    save_window_chunks: SaveWindow | None = None  # earlier name of save_staging_chunks (read as it)
     report_path: OutputFile | None = None  # append one JSON line per load and save (both roles, all ranks)
     chunk_tokens: ChunkTokens = 256
     agree_timeout_s: Seconds = 30.0
@@ -179,15 +172,9 @@ class ConnectorConfig(Schema):
         if bad:
             raise_problems(WHAT, bad)
         cfg = cls.model_validate({"tiers": tuple(specs), **rest})
-        if cfg.load_mode == "auto":
-            log.warning('BSR connector: load_mode "auto" is deprecated and reads as "async" (loads in the background)')
-            cfg = cfg.model_copy(update={"load_mode": "async"})
         if cfg.window_chunks == 0 and cfg.load_mode == "async":
             raise_problems(WHAT, ['window_chunks: 0 (the whole plan staged at once) is for load_mode "sync" only; '
                                   "background loads stage windows of W > 0 chunks"])
-        if cfg.save_window_chunks is not None and cfg.save_staging_chunks is None:
-            log.warning("BSR connector: save_window_chunks is deprecated and reads as save_staging_chunks")
-            cfg = cfg.model_copy(update={"save_staging_chunks": cfg.save_window_chunks})
         return cfg
 
     def restore_config(self, tiers: Sequence[Tier]) -> RestoreConfig:

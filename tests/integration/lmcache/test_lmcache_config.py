@@ -177,14 +177,15 @@ def test_lmcache_tier_spec_is_checked_before_anything_opens(tmp_path):
         assert t.sm.l2_adapters()[0][1].load_concurrency == 2
 
 
-def test_the_earlier_tier_type_lmcache_fs_opens_with_a_notice_and_a_typo_is_refused(tmp_path, caplog):
+def test_the_lmcache_filesystem_tier_opens_and_other_names_are_refused(tmp_path):
     from bsr_runtime.integrations.lmcache.tier import open_lmcache_tier
 
     options = {"root": str(tmp_path / "l2"), "l1_bytes": 8 << 20}
-    with caplog.at_level("WARNING"), open_lmcache_tier(REG, "lmcache-fs", options) as t:
+    with open_lmcache_tier(REG, "lmcache-filesystem", options) as t:
         assert type(t.sm.l2_adapters()[0][1]).__name__ == "ConcurrentFSL2Adapter"
-    notices = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
-    assert notices == ["LMCache tier type 'lmcache-fs' is deprecated, read as 'lmcache-filesystem'"]
+    with pytest.raises(ValueError, match="'lmcache-fs' is not an LMCache tier"):  # an earlier, unreleased name
+        with open_lmcache_tier(REG, "lmcache-fs", options):
+            pass
     with pytest.raises(ValueError, match="'lmcache-filesytem' is not an LMCache tier "
                                          r"\(lmcache-filesystem \| lmcache-mooncake\)"):
         with open_lmcache_tier(REG, "lmcache-filesytem", options):
