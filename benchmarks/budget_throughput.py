@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bsr_cli.args import add_window_chunks, parse_with_notices
+from bsr_cli.args import add_window_chunks
 from bsr_harness.experiments import Destinations, make_source, store_source
 from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import presets
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--out", default=None, help="also write the output (and the command) to this file")
     add_record_options(ap)
-    args = parse_with_notices(ap, argv)
+    args = ap.parse_args(argv)
 
     reg = presets.dsv4_flash(scale=1 / 64)
     c = reg.chunk_bytes

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bsr_cli.args import add_window_chunks, parse_with_notices
+from bsr_cli.args import add_window_chunks
 from bsr_harness.records import add_record_options, record_script
 from bsr_harness.testdata import block_tables, poison
 from bsr_kernels import presets
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--root", default=None)
     add_record_options(ap)
-    a = parse_with_notices(ap)
+    a = ap.parse_args()
     reg = presets.dsv4_flash(scale=a.scale)
     n, c = a.chunks, reg.chunk_bytes
     gen = torch.Generator().manual_seed(0)

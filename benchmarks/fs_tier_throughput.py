@@ -17,7 +17,7 @@ import zlib
 
 import torch
 
-from bsr_cli.args import add_window_chunks, parse_with_notices
+from bsr_cli.args import add_window_chunks
 from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import StagingPool
 from bsr_runtime.tiers import FilesystemTier
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--conc", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--checksum", nargs="+", default=["auto"])
     add_record_options(ap)
-    a = parse_with_notices(ap)
+    a = ap.parse_args()
     chunk = int(a.mib * (1 << 20)) // 16 * 16
     with tempfile.TemporaryDirectory(dir=a.root) as root:
         print(f"root {root}: {a.objects} objects x {chunk:,} B, window {a.window}")

@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 
-from bsr_cli.args import add_window_chunks, parse_with_notices
+from bsr_cli.args import add_window_chunks
 from bsr_harness.experiments import Destinations, make_source, store_source
 from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import presets
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=float, default=1 / 64)
     add_window_chunks(ap, default=32, help="W (chunks)")
     add_record_options(ap)
-    args = parse_with_notices(ap, argv)
+    args = ap.parse_args(argv)
     reg = presets.dsv4_flash(scale=args.scale)
     n = args.tokens // reg.chunk_tokens
     lines = [f"{reg.describe()}; {n} chunks, W = {args.window}; LMCache FS L2, page cache dropped before each run"]

@@ -27,7 +27,7 @@ import time
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # read by LMCache's loggers when they are created
 
-from bsr_cli.args import add_window_chunks, parse_with_notices  # noqa: E402
+from bsr_cli.args import add_window_chunks  # noqa: E402
 from bsr_harness.experiments import Destinations, make_source, store_source  # noqa: E402
 from bsr_harness.records import add_record_options, record_script  # noqa: E402
 from bsr_kernels import presets  # noqa: E402
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-rungs", type=int, default=16)
     ap.add_argument("--workdir", default=None, help="where the FS L2 objects go (default: a temp dir)")
     add_record_options(ap)
-    args = parse_with_notices(ap, argv)
+    args = ap.parse_args(argv)
 
     reg = presets.dsv4_flash(scale=args.scale)
     c = reg.chunk_bytes

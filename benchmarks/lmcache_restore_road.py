@@ -29,7 +29,7 @@ import time
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # read by LMCache's loggers when they are created
 
-from bsr_cli.args import add_window_chunks, parse_tokens, parse_with_notices  # noqa: E402
+from bsr_cli.args import add_window_chunks, parse_tokens  # noqa: E402
 from bsr_harness.experiments import Destinations, make_source, store_source  # noqa: E402
 from bsr_harness.records import add_record_options, record_script  # noqa: E402
 from bsr_kernels import presets  # noqa: E402
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     add_window_chunks(ap, default=32, help="BSR window W (chunks)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per (prefix, W, road); the median counts")
     add_record_options(ap)
-    args = parse_with_notices(ap, argv)
+    args = ap.parse_args(argv)
     reg = presets.dsv4_flash(scale=args.scale)
     w = args.window
     n_max = max(args.tokens) // reg.chunk_tokens

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bsr_cli.args import add_window_chunks, parse_with_notices
+from bsr_cli.args import add_window_chunks
 from bsr_harness.records import add_record_options, record_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="LMCache's FS L2 adapter, or BSR's checked FS plugin (header + CRC, pooled loads), for every "
                          "server (default fs)")
     add_record_options(ap)
-    args = parse_with_notices(ap, argv)
+    args = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     from bsr_harness.tiny_model import build_tiny_llama

@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from bsr_cli.args import add_window_chunks, parse_with_notices
+from bsr_cli.args import add_window_chunks
 from bsr_harness.records import add_record_options, record_script
 
 
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=2047, help="N: chunks of the retrieve the estimate is for")
     add_window_chunks(ap, default=32, help="W of that retrieve")
     add_record_options(ap)
-    args = parse_with_notices(ap)
+    args = ap.parse_args()
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     for _ in range(args.reps):
         for name, fn in KINDS.items():

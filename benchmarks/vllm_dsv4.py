@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bsr_cli.args import add_window_chunks, parse_with_notices
+from bsr_cli.args import add_window_chunks
 from bsr_harness.records import add_record_options, record_script
 
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="a DeepSeek-V4 checkpoint (default: the 43-layer random-weight model, built)")
     ap.add_argument("--timeout", type=float, default=7200, help="seconds for the whole engine run")
     add_record_options(ap)
-    args = parse_with_notices(ap, argv)
+    args = ap.parse_args(argv)
 
     from bsr_harness import dsv4_engine
     from bsr_harness.dsv4_model import build_tiny_dsv4

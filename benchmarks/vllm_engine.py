@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bsr_cli.args import add_window_chunks, parse_with_notices
+from bsr_cli.args import add_window_chunks
 from bsr_harness.records import add_record_options, record_script
 
 MODELS = {
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="best of N for every timing (default 3)")
     ap.add_argument("--out", help="write the table here (and JSON beside it)")
     add_record_options(ap)
-    args = parse_with_notices(ap, argv)
+    args = ap.parse_args(argv)
 
     import torch
 

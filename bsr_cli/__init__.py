@@ -20,7 +20,6 @@ from .args import (
     output_file,
     parse_tokens,
     parse_windows,
-    parse_with_notices,
     positive_int,
     positive_window,
 )
@@ -59,7 +58,7 @@ def _add_demo(sub) -> None:
     e.add_argument("--engine-tokens", type=positive_int, default=32 * 256 + 100,
                    help="prompt length (default %(default)s)")
     add_window_chunks(e, default=4, help="W of the engine restore (default %(default)s)", type=positive_window,
-                      flag="--engine-window-chunks", earlier="--engine-window", dest="engine_window")
+                      flag="--engine-window-chunks", dest="engine_window")
     e.add_argument("--engine-log", type=output_file, default="bsr_demo_engine.log",
                    help="vLLM's and Mooncake's native output of the engine part goes here (default %(default)s)")
     d.set_defaults(func=cmd_demo)
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")  # LMCache logs every prefetch at INFO
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_with_notices(parser, argv)
+    args = parser.parse_args(argv)
     args.argv, args.environ = argv, dict(os.environ)  # the command line of the provenance record (--record)
     from bsr_harness.mooncake_launcher import MooncakeMasterError
     from bsr_runtime.tiers.base import TierError

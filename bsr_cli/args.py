@@ -32,39 +32,10 @@ class CliError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
 
 
-def add_notice(parser: argparse.ArgumentParser, namespace: argparse.Namespace, text: str) -> None:
-    """Keep a one-line notice in `args.notices` (printed once the command line parsed, so a refusal
-    stays one line), prefixed with the program's name."""
-    namespace.notices = [*(getattr(namespace, "notices", None) or []), f"{parser.prog.split()[0]}: {text}"]
-
-
-class EarlierName(argparse.Action):
-    """An option's earlier spelling: parsed as the current one, with a one-line notice (add_notice)."""
-
-    def __init__(self, option_strings, dest, current: str, **kw) -> None:
-        super().__init__(option_strings, dest, **kw)
-        self.current = current
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, values)
-        add_notice(parser, namespace, f"{option_string} is deprecated, use {self.current}")
-
-
-def parse_with_notices(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """parse_args, then each deprecation notice (an earlier flag or tier name) as one line on stderr."""
-    args = parser.parse_args(argv)
-    for notice in getattr(args, "notices", None) or ():
-        print(notice, file=sys.stderr)
-    return args
-
-
 def add_window_chunks(p: argparse.ArgumentParser, *, default: int, help: str, type=None,
-                      flag: str = "--window-chunks", earlier: str = "--window", dest: str = "window") -> None:
-    """W in chunks as `flag`, still accepted under its `earlier` spelling."""
-    type = type or window_int
-    p.add_argument(flag, dest=dest, type=type, default=default, help=help, metavar="W")
-    p.add_argument(earlier, dest=dest, type=type, default=argparse.SUPPRESS, action=EarlierName, current=flag,
-                   help=argparse.SUPPRESS)
+                      flag: str = "--window-chunks", dest: str = "window") -> None:
+    """W in chunks as `flag` (the CLI's and every benchmark's spelling)."""
+    p.add_argument(flag, dest=dest, type=type or window_int, default=default, help=help, metavar="W")
 
 
 def parse_tokens(text: str) -> list[int]:

@@ -43,25 +43,23 @@ def test_sweep_json_rows_and_bound(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", ["sweep", "ladder", "faults", "demo"])
-def test_the_earlier_window_flag_parses_as_window_chunks_with_a_notice(command, capsys):
+def test_w_is_window_chunks(command, capsys):
     from bsr_cli import build_parser
 
     parser = build_parser()
     assert parser.parse_args([command, "--window-chunks", "3"]).window == 3
-    old = parser.parse_args([command, "--window", "3"])
-    assert old.window == 3 and old.notices == ["bsr: --window is deprecated, use --window-chunks"]
-    assert not getattr(parser.parse_args([command]), "notices", None)
     if command == "demo":
-        old = parser.parse_args([command, "--engine-window", "2"])
-        assert old.engine_window == 2
-        assert old.notices == ["bsr: --engine-window is deprecated, use --engine-window-chunks"]
+        assert parser.parse_args([command, "--engine-window-chunks", "2"]).engine_window == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--window-chunks", "-1"])
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def test_tier_names_parse_as_given():
     from bsr_cli import build_parser
 
     args = build_parser().parse_args(["sweep", "--tier", "lmcache-filesystem,mooncake,filesystem"])
-    assert args.tier == "lmcache-filesystem,mooncake,filesystem" and not getattr(args, "notices", None)
+    assert args.tier == "lmcache-filesystem,mooncake,filesystem"
     assert build_parser().parse_args(["sweep"]).tier == "filesystem"
 
 
@@ -72,13 +70,6 @@ def test_a_tier_name_typo_is_refused_in_one_line(typo, capsys):
     err = capsys.readouterr().err
     assert refused.value.code == 2 and len(err.strip().splitlines()) == 1
     assert "unknown tier" in err and "choose from filesystem, mooncake, lmcache-filesystem, lmcache-mooncake" in err
-
-
-def test_the_earlier_window_flag_runs_with_one_notice_line(tmp_path, capsys):
-    js = tmp_path / "rows.json"
-    rc, _, err = run(["sweep", "--tokens", "2048", "--window", "4", "--quiet", "--json", str(js)], capsys)
-    assert rc == 0 and json.loads(js.read_text())[0]["window_chunks"] == 4
-    assert err.splitlines().count("bsr: --window is deprecated, use --window-chunks") == 1
 
 
 def test_sweep_depth_given_overrides_the_tiers(tmp_path, capsys):
