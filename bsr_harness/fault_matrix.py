@@ -48,9 +48,9 @@ from bsr_harness.fault_scenarios import (
 )
 from bsr_harness.faulty_installer import InjectedInstallError
 from bsr_harness.faulty_tier import FaultyTier
+from bsr_harness.standalone_connector import ConnectorRequest, StandaloneConnector
 from bsr_harness.testdata import block_tables, poison, prefix_block_ids
 from bsr_kernels import Registration, presets
-from bsr_runtime.connector import ConnectorRequest, StandaloneConnector
 from bsr_runtime.restore import RestoreConfig
 from bsr_runtime.retrieve import LOCAL, RetrieveOutcome
 from bsr_runtime.state_hash import state_hash

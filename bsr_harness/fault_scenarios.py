@@ -23,9 +23,9 @@ import torch
 
 from bsr_harness.faulty_installer import InstallFault
 from bsr_harness.faulty_tier import FaultyTier
+from bsr_harness.standalone_connector import StandaloneConnector
 from bsr_harness.testdata import block_tables
 from bsr_kernels import Registration, WindowInstaller, presets
-from bsr_runtime.connector import StandaloneConnector
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.retrieve import Retriever
 from bsr_runtime.state_hash import state_hash

@@ -78,10 +78,10 @@ def _run(rank, world, mode, master_address, metadata_server, outdir, agree_timeo
         store,
     )
     from bsr_harness.faulty_tier import FaultyTier
+    from bsr_harness.standalone_connector import ConnectorRequest, StandaloneConnector
     from bsr_harness.testdata import block_tables
     from bsr_kernels import presets
     from bsr_runtime import commit
-    from bsr_runtime.connector import ConnectorRequest, StandaloneConnector
     from bsr_runtime.restore import RestoreConfig
     from bsr_runtime.tiers import FilesystemTier
     from bsr_runtime.tiers.mooncake import MooncakeTier

@@ -31,10 +31,10 @@ from bsr_harness.fault_matrix import (
 )
 from bsr_harness.faulty_installer import InstallFault
 from bsr_harness.faulty_tier import FaultyTier
+from bsr_harness.standalone_connector import ConnectorRequest, FinishedIds, StandaloneConnector
 from bsr_harness.testdata import block_tables, prefix_block_ids
 from bsr_kernels import WindowInstaller, presets
 from bsr_runtime import commit
-from bsr_runtime.connector import ConnectorRequest, FinishedIds, StandaloneConnector
 from bsr_runtime.markers import ForceLocalMarkers
 from bsr_runtime.plan import plan_windows
 from bsr_runtime.restore import RestoreConfig

@@ -21,10 +21,10 @@ import pytest
 import torch
 from restore_util import fresh_request, store_random_prefix
 
+from bsr_harness.standalone_connector import ConnectorRequest, StandaloneConnector
 from bsr_kernels import presets
 from bsr_runtime import commit
 from bsr_runtime.admission import ByteBudget, SerialAdmission
-from bsr_runtime.connector import ConnectorRequest, StandaloneConnector
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig
 from bsr_runtime.retrieve import Retriever

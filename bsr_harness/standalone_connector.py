@@ -1,4 +1,7 @@
-"""A scheduler-facing KV connector with vLLM's method names and semantics, without vLLM.
+"""A scheduler-facing KV connector with vLLM's method names and semantics, without vLLM: the harness's
+(fault matrix, fault scenarios, TP workers, tests) way to drive the runtime's planner and retriever
+through an engine's request lifecycle. Production engines use their integration (the vLLM connector,
+bsr_runtime.integrations.vllm: planner.Planner on the scheduler side, loader.Loader on the workers).
 
 One `StandaloneConnector` per TP rank (scheduler and worker roles in one object; the optional
 `bsr_runtime.integrations.vllm` package splits them for vLLM). The request lifecycle:
@@ -36,15 +39,14 @@ from dataclasses import dataclass, field
 import torch
 
 from bsr_kernels import Registration
-
-from . import commit
-from .keys import request_salt
-from .loader import failed_local
-from .markers import ForceLocalMarkers
-from .planner import LoadSpec, Planner, block_lists, request_id_of, tokens_of
-from .restore import RestoreConfig, RestoreRequest
-from .retrieve import AgreeFn, RetrieveOutcome, Retriever
-from .tiers.base import Tier
+from bsr_runtime import commit
+from bsr_runtime.keys import request_salt
+from bsr_runtime.loader import failed_local
+from bsr_runtime.markers import ForceLocalMarkers
+from bsr_runtime.planner import LoadSpec, Planner, block_lists, request_id_of, tokens_of
+from bsr_runtime.restore import RestoreConfig, RestoreRequest
+from bsr_runtime.retrieve import AgreeFn, RetrieveOutcome, Retriever
+from bsr_runtime.tiers.base import Tier
 
 __all__ = ["StandaloneConnector", "ConnectorRequest", "ConnectorStats", "FinishedIds", "LoadSpec", "request_salt"]
 
