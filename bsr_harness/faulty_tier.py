@@ -186,8 +186,8 @@ def _complete_like(outer: FetchHandle, inner: FetchHandle) -> None:
 def damage_stored(tier: Tier, key: str, damaged: torch.Tensor) -> None:
     """Replace the payload stored under `key` in `tier` by `damaged` (same length) without
     updating the checksum stored with it, so the tier's own integrity check rejects it."""
+    from bsr_harness.memory_tier import MemoryTier
     from bsr_runtime.tiers.filesystem import HEADER_SIZE, FilesystemTier
-    from bsr_runtime.tiers.memory import MemoryTier
     from bsr_runtime.tiers.mooncake import MooncakeTier
 
     data = damaged.numpy().tobytes()

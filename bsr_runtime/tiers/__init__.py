@@ -1,6 +1,6 @@
 """Storage tiers: where restored objects come from.
 
-`MemoryTier` (unit tests only), `FilesystemTier` (one file per object) and `MooncakeTier`
+`FilesystemTier` (one file per object) and `MooncakeTier`
 (Mooncake store; imported lazily, so importing this package never needs the Mooncake wheel).
 """
 
@@ -15,7 +15,6 @@ from .base import (
     TierUnavailableError,
 )
 from .filesystem import FilesystemTier
-from .memory import MemoryTier
 
 __all__ = [
     "FETCH_HEADROOM",
@@ -23,7 +22,6 @@ __all__ = [
     "FetchHandle",
     "FetchTimeoutError",
     "FilesystemTier",
-    "MemoryTier",
     "MissingObjectError",
     "MooncakeTier",
     "Tier",

@@ -92,7 +92,7 @@ def put_replacing(tier: Tier, keys: Sequence[str], views: Sequence[torch.Tensor]
 
 
 class Tier(ABC):
-    """One storage tier. Implementations: MemoryTier (tests), FilesystemTier, MooncakeTier."""
+    """One storage tier. Implementations: FilesystemTier, MooncakeTier, the LMCache tiers (the harness: MemoryTier)."""
 
     name: str = "tier"
 

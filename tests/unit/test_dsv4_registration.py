@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from bsr_harness import dsv4_engine  # noqa: E402
 from bsr_harness.dsv4_model import build_tiny_dsv4  # noqa: E402
+from bsr_harness.memory_tier import MemoryTier  # noqa: E402
 from bsr_harness.testdata import POISON  # noqa: E402
 from bsr_kernels import WindowInstaller, available_backends  # noqa: E402
 from bsr_kernels.validate import check_destination_tensors  # noqa: E402
@@ -31,7 +32,6 @@ from bsr_runtime.keys import KeySpace  # noqa: E402
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig, RestoreRequest  # noqa: E402
 from bsr_runtime.saver import resident_chunks_end  # noqa: E402
 from bsr_runtime.store import store_prefix  # noqa: E402
-from bsr_runtime.tiers.memory import MemoryTier  # noqa: E402
 
 CHUNK = 256
 SWA, C4, C128 = 128, 8, 128  # sliding windows (tokens): SWA KV, C4 compressor states, C128 compressor states

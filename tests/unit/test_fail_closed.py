@@ -359,8 +359,8 @@ def test_hma_collapse_one_invalid_group_invalidates_every_group():
 def test_the_outcome_carries_the_ranks_own_cause_else_the_commit_rules():
     """Not committed, the cause is this rank's own (corrupt here), else the commit rule (this rank valid,
     another rank or group not), else the agreement (it raised); committed, none."""
+    from bsr_harness.memory_tier import MemoryTier
     from bsr_runtime.causes import FailureCause
-    from bsr_runtime.tiers import MemoryTier
 
     reg = presets.dsv4_flash(scale=1 / 64)
     blocks = request_block_ids(reg, [torch.tensor([g + 2]) for g in range(reg.num_groups)], 1)

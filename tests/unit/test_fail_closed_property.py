@@ -17,13 +17,13 @@ from kernel_util import registrations
 
 from bsr_harness.fault_matrix import FETCH, INSTALL, FaultSpec, make_source, store
 from bsr_harness.faulty_tier import FaultyTier
+from bsr_harness.memory_tier import MemoryTier
 from bsr_harness.testdata import block_tables, poison, prefix_block_ids
 from bsr_runtime import commit
 from bsr_runtime.plan import count_windows
 from bsr_runtime.restore import RestoreConfig, RestoreRequest
 from bsr_runtime.retrieve import LOCAL, Retriever
 from bsr_runtime.state_hash import state_hash
-from bsr_runtime.tiers import MemoryTier
 
 
 @st.composite

@@ -8,7 +8,9 @@ import time
 import pytest
 import torch
 
-from bsr_runtime.tiers import CorruptObjectError, FetchHandle, MemoryTier, memory
+import bsr_runtime.tiers as runtime_tiers
+from bsr_harness.memory_tier import MemoryTier
+from bsr_runtime.tiers import CorruptObjectError, FetchHandle
 
 FP = "0123456789abcdef0123456789abcdef"
 C = 4096 + 16 * 5
@@ -23,9 +25,9 @@ def deadline(s: float = 10.0) -> float:
     return time.monotonic() + s
 
 
-def test_documented_as_test_only():
-    assert "unit tests only" in memory.__doc__.lower()
-    assert "unit tests only" in MemoryTier.__doc__.lower()
+def test_a_test_only_tier_the_runtime_does_not_ship():
+    assert "unit tests only" in MemoryTier.__doc__.lower() and MemoryTier.__module__ == "bsr_harness.memory_tier"
+    assert not hasattr(runtime_tiers, "MemoryTier") and "MemoryTier" not in runtime_tiers.__all__
 
 
 def test_fetch_is_synchronous():

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from bsr_harness.memory_tier import MemoryTier
 from bsr_kernels import Registration, TensorSpec
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.load_blocks import block_align, only_blocks_of
 from bsr_runtime.planner import Planner
-from bsr_runtime.tiers import MemoryTier
 
 CT = 256
 SPACE = KeySpace("f" * 16)

@@ -19,13 +19,13 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from bsr_harness.memory_tier import MemoryTier  # noqa: E402
 from bsr_harness.tiny_model import build_tiny_lora  # noqa: E402
 from bsr_kernels import Registration, TensorSpec  # noqa: E402
 from bsr_runtime.integrations.vllm.request_keys import VllmKeyInputs  # noqa: E402
 from bsr_runtime.keys import KeySpace, PrefixKeys  # noqa: E402
 from bsr_runtime.load_blocks import without_local_blocks  # noqa: E402
 from bsr_runtime.planner import Planner  # noqa: E402
-from bsr_runtime.tiers import MemoryTier  # noqa: E402
 
 CT = 256
 IMAGE = 100  # vLLM puts the same placeholder token at every image position

@@ -7,6 +7,7 @@ import torch
 from restore_util import fresh_request, store_random_prefix
 
 from bsr_harness.faulty_tier import FaultyTier
+from bsr_harness.memory_tier import MemoryTier
 from bsr_kernels import presets
 from bsr_runtime.admission import ByteBudget
 from bsr_runtime.keys import KeySpace, PrefixKeys
@@ -14,7 +15,6 @@ from bsr_runtime.plan import count_windows, plan_windows, slot_sizes
 from bsr_runtime.probe import probe_prefix
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig
 from bsr_runtime.state_hash import state_hash
-from bsr_runtime.tiers import MemoryTier
 
 REGS = {
     "dsv4": lambda: presets.dsv4_flash(scale=1 / 64),

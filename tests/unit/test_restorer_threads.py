@@ -12,11 +12,11 @@ import pytest
 from restore_util import fresh_request, store_random_prefix
 
 from bsr_harness.faulty_tier import FaultyTier
+from bsr_harness.memory_tier import MemoryTier
 from bsr_kernels import presets
 from bsr_runtime.admission import ByteBudget
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig
 from bsr_runtime.state_hash import state_hash
-from bsr_runtime.tiers import MemoryTier
 
 REG = presets.llama_like(layers=2, kv_heads=1, head_dim=16, block_size=16)
 N = 4

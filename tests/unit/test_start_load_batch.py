@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 
 from bsr_harness.experiments import Destinations, make_source, store_source
+from bsr_harness.memory_tier import MemoryTier
 from bsr_harness.standalone_connector import ConnectorRequest, LoadSpec, StandaloneConnector
 from bsr_harness.testdata import prefix_block_ids
 from bsr_kernels import presets
 from bsr_runtime.restore import RestoreConfig
 from bsr_runtime.state_hash import state_hash
-from bsr_runtime.tiers import MemoryTier
 
 REG = presets.dsv4_flash(scale=1 / 64)  # 5 HMA groups
 N = 3

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from bsr_harness.faulty_tier import FaultyTier
+from bsr_harness.memory_tier import MemoryTier
 from bsr_kernels import StagingPool
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.tiers import (
@@ -22,7 +23,6 @@ from bsr_runtime.tiers import (
     CorruptObjectError,
     FetchTimeoutError,
     FilesystemTier,
-    MemoryTier,
     MissingObjectError,
     Tier,
     TierError,

@@ -21,6 +21,7 @@ import pytest
 import torch
 from restore_util import fresh_request, store_random_prefix
 
+from bsr_harness.memory_tier import MemoryTier
 from bsr_harness.standalone_connector import ConnectorRequest, StandaloneConnector
 from bsr_kernels import presets
 from bsr_runtime import commit
@@ -28,7 +29,6 @@ from bsr_runtime.admission import ByteBudget, SerialAdmission
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig
 from bsr_runtime.retrieve import Retriever
-from bsr_runtime.tiers import MemoryTier
 
 REG = presets.llama_like(layers=2, kv_heads=1, head_dim=16, block_size=16)
 BAD_TIMEOUTS = [math.inf, 1e10, threading.TIMEOUT_MAX * 2, math.nan, -math.inf, 0, -1, True, "5", None]

@@ -52,7 +52,7 @@ def test_config_parsing_and_errors():
 def test_the_bounds_of_probes_and_staging_waits_are_checked_where_they_enter(tmp_path):
     """Issue 35: probe_timeout_s (a lookup past it is a miss) and staging_wait_timeout_s (a load's wait for
     staging), each with a default, each refused when it is no finite positive number of seconds."""
-    from bsr_runtime.tiers import MemoryTier
+    from bsr_harness.memory_tier import MemoryTier
 
     tiers = [{"type": "filesystem", "root": "/x"}]
     cfg = ConnectorConfig.from_extra({"tiers": tiers})
@@ -72,7 +72,8 @@ def test_the_bounds_of_probes_and_staging_waits_are_checked_where_they_enter(tmp
 
 
 def test_pipeline_depth_is_the_first_tiers_unless_configured(tmp_path):
-    from bsr_runtime.tiers import FilesystemTier, MemoryTier
+    from bsr_harness.memory_tier import MemoryTier
+    from bsr_runtime.tiers import FilesystemTier
 
     class PrefersOne(MemoryTier):  # stands for Mooncake over tcp or LMCache (tested in test_tier_contract.py)
         preferred_pipeline_depth = 1
@@ -166,9 +167,9 @@ def test_metadata_pickles():
 def test_background_loads_shorten_the_switch_interval_while_the_worker_lives():
     import sys
 
+    from bsr_harness.memory_tier import MemoryTier
     from bsr_kernels import presets
     from bsr_runtime.integrations.vllm.worker import WorkerSide
-    from bsr_runtime.tiers import MemoryTier
 
     reg = presets.llama_like(layers=1, kv_heads=1, head_dim=16, block_size=16)
     tier = MemoryTier(reg.chunk_bytes, reg.fingerprint)

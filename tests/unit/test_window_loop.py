@@ -17,6 +17,7 @@ import torch
 from kernel_util import POISON, random_kv
 from restore_util import fresh_request, random_tables, store_random_prefix
 
+from bsr_harness.memory_tier import MemoryTier
 from bsr_kernels import StagingPool, WindowInstaller, gather_window, presets
 from bsr_runtime import store as store_mod
 from bsr_runtime.admission import ByteBudget, SerialAdmission
@@ -24,7 +25,6 @@ from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.plan import Window, plan_windows
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig, TierSource
 from bsr_runtime.state_hash import state_hash
-from bsr_runtime.tiers import MemoryTier
 from bsr_runtime.tiers.base import FETCH_HEADROOM
 from bsr_runtime.window_loop import LoopStats, WindowFailed, WindowLoop, map_onto_destination
 

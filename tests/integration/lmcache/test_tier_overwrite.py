@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from bsr_harness.faulty_tier import damage_stored, flipped
+from bsr_harness.memory_tier import MemoryTier
 from bsr_kernels import presets
-from bsr_runtime.tiers import CorruptObjectError, FilesystemTier, MemoryTier, TierError
+from bsr_runtime.tiers import CorruptObjectError, FilesystemTier, TierError
 from bsr_runtime.tiers.base import put_replacing
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""MemoryTier: a dict of bytes. FOR UNIT TESTS ONLY.
+"""MemoryTier: a dict of bytes, the harness's tier for unit tests (no files, no processes).
 
 It is not a cache and not a product tier: it holds every object it is given in Python
 memory, without bound. It exists so runtime tests can exercise the tier contract (and, wrapped in the harness's
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._common import SettledFetchHandle, host_views
-from .base import (
+from bsr_runtime.tiers._common import SettledFetchHandle, host_views
+from bsr_runtime.tiers.base import (
     CorruptObjectError,
     MissingObjectError,
     Tier,
