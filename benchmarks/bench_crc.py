@@ -29,9 +29,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bsr_harness.kernel_bench import ChecksummingCopy  # noqa: E402
 from bsr_harness.records import add_record_options, record_script  # noqa: E402
 from bsr_kernels import host_crc  # noqa: E402
-from bsr_kernels.bench import ChecksummingCopy  # noqa: E402
 
 H = 128
 

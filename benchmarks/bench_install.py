@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, f
 import pytest
 import torch
 
+from bsr_harness.kernel_bench import best_seconds, cache_evictor, default_labels, install_step, prepared_and_one_shot
 from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import presets
-from bsr_kernels.bench import best_seconds, cache_evictor, default_labels, install_step, prepared_and_one_shot
 
 SCALES = (1 / 16, 1 / 64)
 WINDOWS = (1, 8, 32)

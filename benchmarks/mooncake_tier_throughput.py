@@ -36,11 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from bsr_harness.kernel_bench import cache_evictor
 from bsr_harness.mooncake_launcher import MooncakeMaster, free_port
 from bsr_harness.mooncake_store_host import MooncakeStoreHost
 from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import host_crc
-from bsr_kernels.bench import cache_evictor
 from bsr_kernels.staging_pool import StagingPool
 from bsr_runtime.tiers.base import FETCH_HEADROOM, TierError
 from bsr_runtime.tiers.mooncake import MooncakeTier

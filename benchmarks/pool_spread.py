@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bsr_harness.kernel_bench import ChecksummingCopy, cache_evictor, make_window  # noqa: E402
 from bsr_harness.records import add_record_options, record_script  # noqa: E402
 from bsr_kernels import cpu_backend, install_window, presets  # noqa: E402
-from bsr_kernels.bench import ChecksummingCopy, cache_evictor, make_window  # noqa: E402
 
 BODY, WINDOW = 256 << 10, 64 << 20
 

@@ -246,7 +246,7 @@ def cmd_faults(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from bsr_kernels.bench import bench_install
+    from bsr_harness.kernel_bench import bench_install
 
     reg = load_registration(args.registration, args.scale)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .install import WindowInstaller, available_backends, install_window
-from .registration import Registration
+from bsr_kernels.install import WindowInstaller, available_backends, install_window
+from bsr_kernels.registration import Registration
 
 # label -> (backend, cpu_threads): the cpu library once single-threaded and once with two threads
 CPU_VARIANTS = {"cpu:1t": ("cpu", 1), "cpu:2t": ("cpu", 2)}
@@ -111,7 +111,7 @@ class ChecksummingCopy:
         self.nbytes = self.src.size
 
     def __call__(self, threads: int = 0):
-        from . import host_crc
+        from bsr_kernels import host_crc
 
         return host_crc.copy_crc32c(self.sp, self.hp, self.bp, self.head, self.body, threads=threads)
 
