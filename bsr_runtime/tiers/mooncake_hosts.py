@@ -1,0 +1,113 @@
+"""A Mooncake tier in a cluster of store hosts: what a read and a put do about a lost host.
+
+Mooncake's master places each object (each of its `replica_num` copies) in the segment of some store
+host; a host that dies takes its segment with it, but the master lists its objects until the host's
+client TTL passes (`mooncake_master --client_ttl`, 10 s by default), then forgets the host and every
+copy it held. Meanwhile (seen with 0.3.13 over tcp):
+- a get of an object whose copy the client picks (the first complete one in the master's list) lies
+  on the lost host fails with TRANSFER_FAIL (-800), every time: the client never tries another copy;
+- a put (or upsert) the master places on the lost host fails with TRANSFER_FAIL and the key is
+  dropped; a put placed on live hosts succeeds.
+
+So:
+- a read that failed on a lost host, of an object with other copies, waits (bounded by the fetch's
+  deadline, polling the master every FAILOVER_POLL_S) until the master lists it without the lost copy,
+  then reads again: the restore commits from the surviving copy, later by at most the client TTL.
+  An object with one copy fails the read at once (HostLostError: the restore fails closed);
+- a put's keys that failed so are put again, at most PUT_RETRIES times, with the hosts that just took
+  this put's other keys as the preferred segments (`ReplicateConfig.preferred_segments`): a repair
+  save lands on the surviving hosts before the master has forgotten the lost one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from .base import FetchTimeoutError, HostLostError, TierUnavailableError
+from .mooncake_client import TRANSFER_FAIL
+
+FAILOVER_POLL_S = 0.2
+PUT_RETRIES = 2
+HOSTS_ASKED = 16  # keys whose copies name the live hosts a put retry prefers (one batch lookup)
+
+PutKeys = Callable[[list[int], object], list[int]]  # (indices of the keys, ReplicateConfig) -> codes
+
+
+def replicate_config(replica_num: int, preferred: Sequence[str] = ()):
+    """Mooncake's ReplicateConfig for a put of `replica_num` copies, preferring the segments `preferred`."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.replica_num = replica_num
+    if preferred:
+        config.preferred_segments = list(preferred)
+    return config
+
+
+def replica_hosts(store, key: str) -> list[str]:
+    """The store hosts (segment names) the master lists a complete in-memory copy of `key` on; [] when
+    it lists none or cannot be asked."""
+    from mooncake.store import ReplicaStatus
+
+    try:
+        replicas = store.get_replica_desc(key)
+    except Exception:  # noqa: BLE001 - an unreachable master or a missing key: no copy to read
+        return []
+    return [r.get_memory_descriptor().buffer_descriptor.transport_endpoint for r in replicas
+            if r.status == ReplicaStatus.COMPLETE and r.is_memory_replica()]
+
+
+def await_surviving_copy(store, lost: HostLostError, deadline: float, closing: threading.Event) -> None:
+    """Return once the master lists `lost.key` without the copy a read just failed on while another
+    copy remains (a read then gets that one). Raises `lost` at once for an object with a single copy
+    (or none left), FetchTimeoutError when the master still lists the lost copy at `deadline`."""
+    before = replica_hosts(store, lost.key)
+    if len(before) < 2:
+        raise lost
+    while time.monotonic() + FAILOVER_POLL_S < deadline:
+        if closing.wait(FAILOVER_POLL_S):
+            raise TierUnavailableError("Mooncake tier closed while a read waited for a surviving copy") from lost
+        now = replica_hosts(store, lost.key)
+        if now != before:
+            if not now:
+                raise lost
+            return
+    raise FetchTimeoutError(f"{lost.key}: a copy on a lost store host ({lost}); the master still listed it at "
+                            f"the fetch's deadline (it forgets a lost host after its --client_ttl)") from lost
+
+
+def put_on_live_hosts(store, keys: Sequence[str], put: PutKeys, replica_num: int, stats: dict) -> list[int]:
+    """The codes of `put` over every key, the keys the master placed on a lost host put again (at most
+    PUT_RETRIES times) on the hosts that took this put's other keys, spread over them in turn."""
+    codes = put(list(range(len(keys))), replicate_config(replica_num))
+    for _ in range(PUT_RETRIES):
+        lost = [i for i, c in enumerate(codes) if c == TRANSFER_FAIL]
+        if not lost:
+            break
+        stats["put_retries"] = stats.get("put_retries", 0) + 1
+        hosts = live_hosts(store, [k for k, c in zip(keys, codes, strict=True) if c == 0])
+        turns = max(1, len(hosts))
+        for turn in range(turns):
+            mine = lost[turn::turns]
+            preferred = hosts[turn:] + hosts[:turn]
+            for i, code in zip(mine, put(mine, replicate_config(replica_num, preferred)), strict=True):
+                codes[i] = code
+    return codes
+
+
+def live_hosts(store, stored_keys: Sequence[str]) -> list[str]:
+    """The hosts holding copies of keys a put just stored (sorted; [] when none was stored or the lookup
+    failed)."""
+    if not stored_keys:
+        return []
+    from mooncake.store import ReplicaStatus
+
+    try:
+        found = store.batch_get_replica_desc(list(stored_keys[:HOSTS_ASKED]))
+    except Exception:  # noqa: BLE001 - the retry then lets the master place the keys
+        return []
+    return sorted({r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                   for replicas in found.values() for r in replicas
+                   if r.status == ReplicaStatus.COMPLETE and r.is_memory_replica()})
