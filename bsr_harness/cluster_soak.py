@@ -37,6 +37,7 @@ CONNECTOR = {"window_chunks": 4, "fetch_timeout_s": 6.0, "probe_timeout_s": 3.0,
              "shutdown_timeout_s": 10.0}
 TIER = {"rpc_timeout_s": 2.0, "connect_timeout_s": 10.0}
 LEVELS = ("vllm:bsr_restore_staging_bytes", "vllm:bsr_save_staging_bytes", "vllm:bsr_loads_in_flight")
+ENGINE_LEVELS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 REQUEST_TIMEOUT_S = 120.0
 
 
@@ -75,6 +76,13 @@ def levels(engine: VllmServer) -> dict[str, float]:
     engine.complete([5, 6, 7], max_tokens=1)
     m = engine.metrics()
     return {name: bsr_value(m, name) for name in LEVELS}
+
+
+def engine_holds(engine: VllmServer) -> dict[str, float]:
+    """What vLLM itself holds when no request is sent: requests running or waiting (a load never reported
+    keeps its request waiting), the KV cache in use by requests."""
+    m = engine.metrics()
+    return {name: bsr_value(m, name) for name in ENGINE_LEVELS}
 
 
 def wait_idle(engine: VllmServer, timeout_s: float = 30.0) -> dict[str, float]:
@@ -174,8 +182,8 @@ def _client(soak: _Soak, engine: int, client: int) -> None:
         t = time.monotonic()
         req = _Request(engine, name, kind, 0.0)
         try:
-            if kind == "abort":
-                if not server.abandon(tokens, after_s=rng.uniform(0.05, 0.5)):
+            if kind == "abort":  # often while the prefix restores (a load cancelled between windows)
+                if not server.abandon(tokens, after_s=rng.uniform(0.02, 0.3)):
                     req.kind = "abort-finished"
             else:
                 resp = server.complete(tokens, soak.plan.max_tokens, timeout=REQUEST_TIMEOUT_S)
@@ -188,9 +196,12 @@ def _client(soak: _Soak, engine: int, client: int) -> None:
 
 
 def _killer(soak: _Soak, log: Callable[[str], None]) -> None:
+    """A host killed every kill_every_s from the start (or at once when its predecessor's restart took
+    longer), in turn, each started again once the master forgot it."""
     hosts = soak.cluster.hosts
+    start = time.monotonic()
     i = 0
-    while not soak.stop.wait(soak.plan.kill_every_s):
+    while not soak.stop.wait(max(0.0, start + (i + 1) * soak.plan.kill_every_s - time.monotonic())):
         host = hosts[i % len(hosts)]
         segment = next(iter(host.segments))
         t = time.monotonic()
@@ -236,7 +247,7 @@ def _figures(soak: _Soak, refs: dict, idle: list[dict], hung: list[str], seconds
         "hung_threads": hung, "tokens_identical": tokens_same, "logprobs_identical": logprobs_same,
         "max_logprob_diff": diff, "max_request_s": round(max((r.seconds for r in soak.requests), default=0.0), 2),
         "host_kills": len(soak.kills), "kills": soak.kills,
-        "levels_at_end": idle,
+        "levels_at_end": idle, "engine_at_end": [engine_holds(e) for e in soak.engines],
         "loads_committed": [bsr_value(m, "vllm:bsr_loads_committed_total") for m in metrics],
         "loads_failed": [{c: bsr_value(m, "vllm:bsr_loads_failed_total", cause=c) for c in ("missing", "timeout",
                           "unavailable", "corrupt", "other") if bsr_value(m, "vllm:bsr_loads_failed_total", cause=c)}

@@ -14,23 +14,31 @@ So:
   deadline, polling the master every FAILOVER_POLL_S) until the master lists it without the lost copy,
   then reads again: the restore commits from the surviving copy, later by at most the client TTL.
   An object with one copy fails the read at once (HostLostError: the restore fails closed);
-- a put's keys that failed so are put again, at most PUT_RETRIES times, with the hosts that just took
-  this put's other keys as the preferred segments (`ReplicateConfig.preferred_segments`): a repair
-  save lands on the surviving hosts before the master has forgotten the lost one.
+- a put's keys that failed so are put again, at most PUT_RETRIES times, with the live hosts as the
+  preferred segments (`ReplicateConfig.preferred_segments`): the hosts holding copies of the keys this
+  put stored and of the last keys the tier stored, those whose transfer engine still takes a
+  connection (its RPC address from the HTTP metadata server, `mooncake/rpc_meta/<segment>`; a killed
+  host refuses at once, while the master may still list it). A repair save lands on the surviving
+  hosts before the master has forgotten the lost one; with no live host known the master places the
+  retry (at random by default: `mooncake_master --allocation_strategy`).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Sequence
 
 from .base import FetchTimeoutError, HostLostError, TierUnavailableError
-from .mooncake_client import TRANSFER_FAIL
+from .mooncake_client import TRANSFER_FAIL, check_port
 
 FAILOVER_POLL_S = 0.2
 PUT_RETRIES = 2
 HOSTS_ASKED = 16  # keys whose copies name the live hosts a put retry prefers (one batch lookup)
+CONNECT_CHECK_S = 0.2  # a host's port that takes no connection within this is not preferred
 
 PutKeys = Callable[[list[int], object], list[int]]  # (indices of the keys, ReplicateConfig) -> codes
 
@@ -78,16 +86,19 @@ def await_surviving_copy(store, lost: HostLostError, deadline: float, closing: t
                             f"the fetch's deadline (it forgets a lost host after its --client_ttl)") from lost
 
 
-def put_on_live_hosts(store, keys: Sequence[str], put: PutKeys, replica_num: int, stats: dict) -> list[int]:
+def put_on_live_hosts(store, keys: Sequence[str], put: PutKeys, replica_num: int, stats: dict,
+                      recent: Sequence[str] = (), metadata_server: str = "") -> list[int]:
     """The codes of `put` over every key, the keys the master placed on a lost host put again (at most
-    PUT_RETRIES times) on the hosts that took this put's other keys, spread over them in turn."""
+    PUT_RETRIES times) on live hosts (of this put's stored keys and the `recent` keys the tier stored),
+    spread over them in turn."""
     codes = put(list(range(len(keys))), replicate_config(replica_num))
     for _ in range(PUT_RETRIES):
         lost = [i for i, c in enumerate(codes) if c == TRANSFER_FAIL]
         if not lost:
             break
         stats["put_retries"] = stats.get("put_retries", 0) + 1
-        hosts = live_hosts(store, [k for k, c in zip(keys, codes, strict=True) if c == 0])
+        stored = [k for k, c in zip(keys, codes, strict=True) if c == 0]
+        hosts = live_hosts(store, (stored + list(recent))[-HOSTS_ASKED:], metadata_server)
         turns = max(1, len(hosts))
         for turn in range(turns):
             mine = lost[turn::turns]
@@ -97,17 +108,33 @@ def put_on_live_hosts(store, keys: Sequence[str], put: PutKeys, replica_num: int
     return codes
 
 
-def live_hosts(store, stored_keys: Sequence[str]) -> list[str]:
-    """The hosts holding copies of keys a put just stored (sorted; [] when none was stored or the lookup
-    failed)."""
+def live_hosts(store, stored_keys: Sequence[str], metadata_server: str) -> list[str]:
+    """The hosts holding copies of `stored_keys` that answer (sorted; [] when none does or none can be
+    asked)."""
     if not stored_keys:
         return []
     from mooncake.store import ReplicaStatus
 
     try:
-        found = store.batch_get_replica_desc(list(stored_keys[:HOSTS_ASKED]))
+        found = store.batch_get_replica_desc(list(stored_keys))
     except Exception:  # noqa: BLE001 - the retry then lets the master place the keys
         return []
-    return sorted({r.get_memory_descriptor().buffer_descriptor.transport_endpoint
-                   for replicas in found.values() for r in replicas
-                   if r.status == ReplicaStatus.COMPLETE and r.is_memory_replica()})
+    listed = {r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+              for replicas in found.values() for r in replicas
+              if r.status == ReplicaStatus.COMPLETE and r.is_memory_replica()}
+    return sorted(h for h in listed if answers(h, metadata_server))
+
+
+def answers(segment: str, metadata_server: str) -> bool:
+    """Whether the transfer engine of the store host `segment` takes a TCP connection now (its RPC address
+    as the HTTP metadata server has it); False when that cannot be told (another metadata backend)."""
+    if not metadata_server.startswith(("http://", "https://")):
+        return False
+    url = f"{metadata_server}?key={urllib.parse.quote(f'mooncake/rpc_meta/{segment}', safe='')}"
+    try:
+        with urllib.request.urlopen(url, timeout=5 * CONNECT_CHECK_S) as r:
+            rpc = json.loads(r.read())
+        check_port(str(rpc["ip_or_host_name"]), int(rpc["rpc_port"]), CONNECT_CHECK_S, "store host")
+    except (OSError, ValueError, KeyError, TypeError, TierUnavailableError):
+        return False
+    return True
