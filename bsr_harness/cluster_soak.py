@@ -7,11 +7,13 @@ drives them with mixed requests while store hosts are killed and restarted.
 The soak: `clients_per_engine` client threads per engine send, until the deadline, requests of three
 kinds: a long shared prefix (one of `shared_prefixes` prefixes of `prefix_chunks` chunks, with one of two
 tails), a new prefix (a prompt never sent before), or an abort (a request the client gives up on after a
-fraction of a second, so vLLM aborts it). Meanwhile, every `kill_every_s`, a store host is killed
-(SIGKILL) and started again on its port once the master forgot it, in turn. Afterwards every output is
-compared with a cold prefill of its prompt (in a key space of its own: `cache_salt`), every engine must
-hold no staging, budget or load (BSR's gauges on /metrics, after one more request makes it step), and the
-engines' memory is sampled throughout.
+fraction of a second, so vLLM aborts it); before some shared-prefix requests the engine's own prefix
+cache is dropped, so the tier serves them (`vllm serve` with VLLM_SERVER_DEV_MODE=1). Meanwhile, every
+`kill_every_s`, a store host is killed (SIGKILL) and started again on its port once the master forgot
+it, in turn. Afterwards every output is compared with a cold prefill of its prompt (in a key space of its
+own: `cache_salt`), every engine must hold no staging, budget or load (BSR's gauges on /metrics, after
+one more request makes it step) and no request or KV block (vLLM's gauges), and the engines' memory is
+sampled throughout.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class SoakPlan:
     max_tokens: int = 8
     p_new: float = 0.3
     p_abort: float = 0.1
+    p_forget: float = 0.3  # a shared-prefix request after dropping the engine's own prefix cache: the tier serves it
     seed: int = 39
 
 
@@ -179,6 +182,8 @@ def _client(soak: _Soak, engine: int, client: int) -> None:
             with soak.lock:
                 soak.prompts[name] = prompt(rng, soak.plan.new_prefix_chunks * CHUNK + soak.plan.tail_tokens)
         tokens = soak.prompts[name]
+        if name.startswith("shared") and rng.random() < soak.plan.p_forget:
+            server.post("/reset_prefix_cache")  # refused (success false) while a request runs: then a local hit
         t = time.monotonic()
         req = _Request(engine, name, kind, 0.0)
         try:

@@ -268,7 +268,7 @@ def test_soak_two_engines_while_hosts_are_killed_and_restarted(env):
     plan = SoakPlan(duration_s=14, kill_every_s=4, prefix_chunks=4, new_prefix_chunks=2, p_new=0.2, p_abort=0.2)
     figures = run_soak([env.a, env.b], env.cluster, plan, log=print)
     assert figures["lost"] == 0 and not figures["hung_threads"], figures
-    assert figures["host_kills"] >= 2 and figures["restored"] > 0, figures
+    assert figures["host_kills"] >= 2 and sum(figures["loads_committed"]) > 0, figures
     assert figures["tokens_identical"] == figures["answered"], figures
     assert figures["levels_at_end"] == [LEVELS_ZERO, LEVELS_ZERO], figures
     assert all(not any(held.values()) for held in figures["engine_at_end"]), figures  # no request, no block held
