@@ -7,7 +7,7 @@ W="$(mktemp -d)/tree"
 git -C "$SRC" worktree add -q --detach "$W" HEAD
 mkdir -p "$W/bsr_kernels/lib"; cp "$SRC"/bsr_kernels/lib/*.so "$W/bsr_kernels/lib/"
 cd "$W"
-PY="$SRC/.venv/bin/python"
+PY="${BSR_PYTHON:-$SRC/.venv/bin/python}"
 defect() {  # name, file, python-replace-old, new, test paths...
   local name=$1 file=$2 old=$3 new=$4; shift 4
   $PY - "$file" "$old" "$new" <<'P'
@@ -31,5 +31,24 @@ defect "tiers: the filesystem tier accepts a checksum mismatch" bsr_runtime/tier
 defect "connector: a failed background load is reported as received" bsr_runtime/integrations/vllm/worker.py \
   "                failed.add(result.spec.request_id)" "                pass" \
   tests/integration/vllm/test_vllm_engine.py tests/integration/vllm/test_vllm_repair.py
+# issue 39: a Mooncake cluster shared by engines (one module: its processes start once)
+defect "cluster: engines mount a segment of their own (objects not on the store hosts)" bsr_runtime/integrations/vllm/config.py \
+  'options.setdefault("global_segment_size", 0)' 'options.setdefault("global_segment_size", 64 << 20)' \
+  tests/integration/vllm/test_mooncake_cluster.py
+defect "cluster: replica_num ignored (one copy per object)" bsr_runtime/tiers/mooncake_hosts.py \
+  "config.replica_num = replica_num" "config.replica_num = 1" \
+  tests/integration/vllm/test_mooncake_cluster.py
+defect "cluster: the repair save after a failed load skipped" bsr_runtime/integrations/vllm/scheduler.py \
+  "t.saved_chunks, t.overwrite, t.partial_saved = 0, True, False" "pass" \
+  tests/integration/vllm/test_mooncake_cluster.py
+defect "cluster: a lost store host's transfer failure not told apart (no failover, cause other)" bsr_runtime/tiers/mooncake.py \
+  "if code == TRANSFER_FAIL:" "if False:" \
+  tests/integration/vllm/test_mooncake_cluster.py
+defect "cluster: unavailable_cooldown_s not passed to the planner (a restarted master skipped 30 s)" bsr_runtime/integrations/vllm/scheduler.py \
+  "                               unavailable_cooldown_s=cfg.unavailable_cooldown_s)" "                               )" \
+  tests/integration/vllm/test_mooncake_cluster.py
+defect "cluster: a load cancelled by an abort never reported finished" bsr_runtime/loader.py \
+  "            self._finished.append(result)" "            None if result.cancelled else self._finished.append(result)" \
+  tests/integration/vllm/test_mooncake_cluster.py
 git -C "$SRC" worktree remove --force "$W"
 exit $status
