@@ -5,15 +5,15 @@ drives them with mixed requests while store hosts are killed and restarted.
     report = run_soak(engines, cluster, SoakPlan(duration_s=600, kill_every_s=60))
 
 The soak: `clients_per_engine` client threads per engine send, until the deadline, requests of three
-kinds: a long shared prefix (one of `shared_prefixes` prefixes of `prefix_chunks` chunks, with one of two
-tails), a new prefix (a prompt never sent before), or an abort (a request the client gives up on after a
-fraction of a second, so vLLM aborts it); before some shared-prefix requests the engine's own prefix
-cache is dropped, so the tier serves them (`vllm serve` with VLLM_SERVER_DEV_MODE=1). Meanwhile, every
-`kill_every_s`, a store host is killed (SIGKILL) and started again on its port once the master forgot
-it, in turn. Afterwards every output is compared with a cold prefill of its prompt (in a key space of its
-own: `cache_salt`), every engine must hold no staging, budget or load (BSR's gauges on /metrics, after
-one more request makes it step) and no request or KV block (vLLM's gauges), and the engines' memory is
-sampled throughout.
+kinds: a long shared prefix (one of `shared_prefixes` prefixes of `prefix_chunks` chunks, with one of
+two tails), a new prefix (a prompt never sent before), or an abort (a shared prefix the client gives up
+on after 10-100 ms, so vLLM aborts it, often while it loads); before an abort and some shared-prefix
+requests the engine's own prefix cache is dropped, so the tier serves them (`vllm serve` with
+VLLM_SERVER_DEV_MODE=1). Meanwhile, every `kill_every_s`, a store host is killed (SIGKILL) and started
+again on its port once the master forgot it, in turn. Afterwards every output is compared with a cold
+prefill of its prompt (in a key space of its own: `cache_salt`), every engine must hold no staging,
+budget or load (BSR's gauges on /metrics, after one more request makes it step) and no request or KV
+block (vLLM's gauges), and the engines' memory is sampled throughout.
 """
 
 from __future__ import annotations
@@ -169,35 +169,45 @@ def run_soak(engines: list[VllmServer], cluster: MooncakeCluster, plan: SoakPlan
 
 def _client(soak: _Soak, engine: int, client: int) -> None:
     rng = random.Random(soak.plan.seed * 1000 + engine * 10 + client)
-    server = soak.engines[engine]
-    n = 0
+    sent = 0
     while not soak.stop.is_set():
         kind = rng.choices(["shared", "new", "abort"],
                            [1 - soak.plan.p_new - soak.plan.p_abort, soak.plan.p_new, soak.plan.p_abort])[0]
-        if kind == "shared" or (kind == "abort" and rng.random() < 0.5):
-            name = rng.choice([k for k in soak.prompts if k.startswith("shared")])
-        else:
-            name = f"new.{engine}.{client}.{n}"
-            n += 1
-            with soak.lock:
-                soak.prompts[name] = prompt(rng, soak.plan.new_prefix_chunks * CHUNK + soak.plan.tail_tokens)
-        tokens = soak.prompts[name]
-        if name.startswith("shared") and rng.random() < soak.plan.p_forget:
-            server.post("/reset_prefix_cache")  # refused (success false) while a request runs: then a local hit
-        t = time.monotonic()
-        req = _Request(engine, name, kind, 0.0)
-        try:
-            if kind == "abort":  # often while the prefix restores (a load cancelled between windows)
-                if not server.abandon(tokens, after_s=rng.uniform(0.02, 0.3)):
-                    req.kind = "abort-finished"
-            else:
-                resp = server.complete(tokens, soak.plan.max_tokens, timeout=REQUEST_TIMEOUT_S)
-                req.output, req.cached = completion_tokens(resp), cached_tokens(resp)
-        except Exception as e:  # noqa: BLE001 - a lost request, counted and reported
-            req.error = f"{type(e).__name__}: {e}"[:300]
-        req.seconds = time.monotonic() - t
+        name = _prompt_for(soak, rng, kind, f"new.{engine}.{client}.{sent}")
+        req = _send(soak, rng, engine, kind, name)
+        sent += 1
         with soak.lock:
             soak.requests.append(req)
+
+
+def _prompt_for(soak: _Soak, rng: random.Random, kind: str, new_name: str) -> str:
+    """A new prompt's name (made here) or a shared one's."""
+    if kind != "new":
+        return rng.choice([k for k in soak.prompts if k.startswith("shared")])
+    with soak.lock:
+        soak.prompts[new_name] = prompt(rng, soak.plan.new_prefix_chunks * CHUNK + soak.plan.tail_tokens)
+    return new_name
+
+
+def _send(soak: _Soak, rng: random.Random, engine: int, kind: str, name: str) -> _Request:
+    """One request; an abort (and some shared-prefix requests) after dropping the engine's prefix cache, so
+    it loads from the tier (an abort: given up on while it does, often: a load cancelled between windows)."""
+    server, tokens = soak.engines[engine], soak.prompts[name]
+    req = _Request(engine, name, kind, 0.0)
+    t = time.monotonic()
+    try:
+        if kind == "abort" or (kind == "shared" and rng.random() < soak.plan.p_forget):
+            server.post("/reset_prefix_cache")  # refused (success false) while a request runs: a local hit then
+        if kind == "abort":
+            if not server.abandon(tokens, after_s=rng.uniform(0.01, 0.1)):
+                req.kind = "abort-finished"
+        else:
+            resp = server.complete(tokens, soak.plan.max_tokens, timeout=REQUEST_TIMEOUT_S)
+            req.output, req.cached = completion_tokens(resp), cached_tokens(resp)
+    except Exception as e:  # noqa: BLE001 - a lost request, counted and reported
+        req.error = f"{type(e).__name__}: {e}"[:300]
+    req.seconds = time.monotonic() - t
+    return req
 
 
 def _killer(soak: _Soak, log: Callable[[str], None]) -> None:
@@ -233,6 +243,11 @@ def _references(soak: _Soak) -> dict[str, tuple[list[int], list[float]]]:
             for name in used}
 
 
+def _failed_by_cause(metrics: dict) -> dict[str, float]:
+    return {labels[0][1]: value for (name, labels), value in metrics.items()
+            if name == "vllm:bsr_loads_failed_total" and value}
+
+
 def _figures(soak: _Soak, refs: dict, idle: list[dict], hung: list[str], seconds: float) -> dict:
     answered = [r for r in soak.requests if r.output is not None]
     tokens_same = sum(r.output[0] == refs[r.prompt][0] for r in answered)
@@ -254,9 +269,7 @@ def _figures(soak: _Soak, refs: dict, idle: list[dict], hung: list[str], seconds
         "host_kills": len(soak.kills), "kills": soak.kills,
         "levels_at_end": idle, "engine_at_end": [engine_holds(e) for e in soak.engines],
         "loads_committed": [bsr_value(m, "vllm:bsr_loads_committed_total") for m in metrics],
-        "loads_failed": [{c: bsr_value(m, "vllm:bsr_loads_failed_total", cause=c) for c in ("missing", "timeout",
-                          "unavailable", "corrupt", "other") if bsr_value(m, "vllm:bsr_loads_failed_total", cause=c)}
-                         for m in metrics],
+        "loads_failed": [_failed_by_cause(m) for m in metrics],
         "saves_failed": [bsr_value(m, "vllm:bsr_saves_failed_total", tier="mooncake") for m in metrics],
         "rss_mib": rss, "rss_growth_mib": [round(end - start, 1) for start, end in zip(warm, rss[-1], strict=True)],
     }
