@@ -31,6 +31,7 @@ def verdict(f: dict) -> dict:
     """The soak's checks, each true or false."""
     return {"no_request_lost": f["lost"] == 0 and not f["hung_threads"],
             "tokens_identical_to_cold": f["tokens_identical"] == f["answered"],
+            "no_save_failed": not any(f["saves_failed"]),
             "staging_budget_loads_zero": all(not any(v.values()) for v in f["levels_at_end"]),
             "engines_hold_nothing": all(not any(v.values()) for v in f["engine_at_end"]),
             "memory_flat": max(f["rss_growth_mib"]) < 128}
