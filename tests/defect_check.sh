@@ -14,11 +14,12 @@ defect() {  # name, file, python-replace-old, new, test paths...
 import sys; p, old, new = sys.argv[1:]; s = open(p).read(); assert s.count(old) == 1, (p, old); open(p, "w").write(s.replace(old, new))
 P
   echo "=== $name: $(git diff --stat | tail -1)"; git diff | grep '^[-+][^-+]'
-  local out
-  out=$(TRITON_INTERPRET=1 timeout 1500 $PY -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@" 2>&1 |
-        grep -E "^FAILED|[0-9] passed|[0-9] failed|^E  " | head -16)
-  echo "$out"
-  grep -qE "[0-9]+ failed" <<<"$out" || { echo "NOT CAUGHT: $name"; status=1; }
+  local out summary
+  out=$(TRITON_INTERPRET=1 timeout 1500 $PY -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@" 2>&1)
+  summary=$(grep -E "^FAILED|[0-9]+ passed|[0-9]+ failed" <<<"$out" | head -12)
+  echo "$summary"
+  grep -E "^E  " <<<"$out" | cut -c1-240 | head -6  # what the failing tests printed first
+  grep -qE "[0-9]+ failed" <<<"$summary" || { echo "NOT CAUGHT: $name"; status=1; }
   git checkout -q -- .
 }
 status=0
