@@ -49,7 +49,7 @@ defect "cluster: unavailable_cooldown_s not passed to the planner (a restarted m
   "                               unavailable_cooldown_s=cfg.unavailable_cooldown_s)" "                               )" \
   tests/integration/vllm/test_mooncake_cluster.py
 defect "cluster: a put placed on a lost store host not put again on a live one" bsr_runtime/tiers/mooncake_hosts.py \
-  "PUT_RETRIES = 2" "PUT_RETRIES = 0" \
+  "PUT_RETRIES = 3" "PUT_RETRIES = 0" \
   tests/integration/vllm/test_mooncake_cluster.py
 git -C "$SRC" worktree remove --force "$W"
 exit $status

@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -87,7 +86,7 @@ from .mooncake_client import (
     per_key,
     split_hostport,
 )
-from .mooncake_hosts import HOSTS_ASKED, await_surviving_copy, put_on_live_hosts
+from .mooncake_hosts import HostBook, await_surviving_copy, put_on_live_hosts
 from .mooncake_local import LocalSegmentReader
 from .mooncake_object import HEADER_SIZE, LEGACY_META_SUFFIX, ObjectCodec, RegisteredBuffers, size_problem
 from .mooncake_options import MooncakeTierOptions
@@ -126,7 +125,7 @@ class MooncakeTier(Tier):
         self.stats = {"fetches": 0, "get_calls": 0, "objects_verified": 0, "local_reads": 0, "puts": 0,
                       "temp_registrations": 0, "failovers": 0, "put_retries": 0}
         self._registrations = StoreRegistrations(lambda: self._store, self._registration_error, self.stats)
-        self._recent_keys: deque[str] = deque(maxlen=HOSTS_ASKED)  # the live hosts a put retry prefers hold these
+        self._hosts = HostBook(metadata_server)  # the store hosts a put retry may prefer
 
         store, self.rpc_timeout_s = connect_store(
             master_address, metadata_server, protocol=o.protocol, local_hostname=o.local_hostname,
@@ -333,10 +332,7 @@ class MooncakeTier(Tier):
                                                    [self.object_bytes] * len(rows), config),
                            len(rows), "batch_upsert_from")
 
-        codes = put_on_live_hosts(store, keys, upsert, self.options.replica_num, self.stats, tuple(self._recent_keys),
-                                  self.metadata_server)
-        self._recent_keys.extend(k for k, c in zip(keys, codes, strict=True) if c == 0)
-        return codes
+        return put_on_live_hosts(store, keys, upsert, self.options.replica_num, self.stats, self._hosts)
 
     def _put_done(self, keys: list[str], codes: list[int]) -> None:
         self.stats["puts"] += 1

@@ -16,11 +16,14 @@ So:
   An object with one copy fails the read at once (HostLostError: the restore fails closed);
 - a put's keys that failed so are put again, at most PUT_RETRIES times, with the live hosts as the
   preferred segments (`ReplicateConfig.preferred_segments`): the hosts holding copies of the keys this
-  put stored and of the last keys the tier stored, those whose transfer engine still takes a
-  connection (its RPC address from the HTTP metadata server, `mooncake/rpc_meta/<segment>`; a killed
-  host refuses at once, while the master may still list it). A repair save lands on the surviving
-  hosts before the master has forgotten the lost one; with no live host known the master places the
-  retry (at random by default: `mooncake_master --allocation_strategy`).
+  put stored and of the last keys the tier stored, and every host the tier saw so, those whose
+  transfer engine still takes a connection (its RPC address from the HTTP metadata server,
+  `mooncake/rpc_meta/<segment>`; a killed host refuses at once, while the master may still list it),
+  kept in the tier's HostBook. A repair save lands on the surviving
+  hosts before the master has forgotten the lost one. Copies beyond the live hosts known (none known,
+  or fewer than replica_num) the master places (at random by default: `mooncake_master
+  --allocation_strategy`), so such a retry may land on the lost host again: after PUT_RETRIES the
+  save fails (a later miss, counted), never a partial object.
 """
 
 from __future__ import annotations
@@ -30,14 +33,15 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from .base import FetchTimeoutError, HostLostError, TierUnavailableError
 from .mooncake_client import TRANSFER_FAIL, check_port
 
 FAILOVER_POLL_S = 0.2
-PUT_RETRIES = 2
-HOSTS_ASKED = 16  # keys whose copies name the live hosts a put retry prefers (one batch lookup)
+PUT_RETRIES = 3
+HOSTS_ASKED = 32  # keys whose copies name the live hosts a put retry prefers (one batch lookup)
 CONNECT_CHECK_S = 0.2  # a host's port that takes no connection within this is not preferred
 
 PutKeys = Callable[[list[int], object], list[int]]  # (indices of the keys, ReplicateConfig) -> codes
@@ -86,43 +90,57 @@ def await_surviving_copy(store, lost: HostLostError, deadline: float, closing: t
                             f"the fetch's deadline (it forgets a lost host after its --client_ttl)") from lost
 
 
+class HostBook:
+    """What a tier knows of the store hosts: the keys it stored last, every host it saw hold a copy, and
+    where to ask whether a host answers (the HTTP metadata server)."""
+
+    def __init__(self, metadata_server: str) -> None:
+        self.metadata_server = metadata_server
+        self.recent: deque[str] = deque(maxlen=HOSTS_ASKED)
+        self.seen: set[str] = set()
+
+    def live(self, store, stored_keys: Sequence[str]) -> list[str]:
+        """The hosts holding copies of `stored_keys` or of the recent keys, and those seen before, that
+        answer now (sorted; [] when none does or none can be asked)."""
+        self.seen |= hosts_of(store, (list(stored_keys) + list(self.recent))[-HOSTS_ASKED:])
+        return sorted(h for h in self.seen if answers(h, self.metadata_server))
+
+
 def put_on_live_hosts(store, keys: Sequence[str], put: PutKeys, replica_num: int, stats: dict,
-                      recent: Sequence[str] = (), metadata_server: str = "") -> list[int]:
+                      book: HostBook) -> list[int]:
     """The codes of `put` over every key, the keys the master placed on a lost host put again (at most
-    PUT_RETRIES times) on live hosts (of this put's stored keys and the `recent` keys the tier stored),
-    spread over them in turn."""
+    PUT_RETRIES times) on the live hosts `book` knows, spread over them in turn; the keys stored go in
+    the book."""
     codes = put(list(range(len(keys))), replicate_config(replica_num))
     for _ in range(PUT_RETRIES):
         lost = [i for i, c in enumerate(codes) if c == TRANSFER_FAIL]
         if not lost:
             break
         stats["put_retries"] = stats.get("put_retries", 0) + 1
-        stored = [k for k, c in zip(keys, codes, strict=True) if c == 0]
-        hosts = live_hosts(store, (stored + list(recent))[-HOSTS_ASKED:], metadata_server)
+        hosts = book.live(store, [k for k, c in zip(keys, codes, strict=True) if c == 0])
         turns = max(1, len(hosts))
         for turn in range(turns):
             mine = lost[turn::turns]
             preferred = hosts[turn:] + hosts[:turn]
             for i, code in zip(mine, put(mine, replicate_config(replica_num, preferred)), strict=True):
                 codes[i] = code
+    book.recent.extend(k for k, c in zip(keys, codes, strict=True) if c == 0)
     return codes
 
 
-def live_hosts(store, stored_keys: Sequence[str], metadata_server: str) -> list[str]:
-    """The hosts holding copies of `stored_keys` that answer (sorted; [] when none does or none can be
-    asked)."""
-    if not stored_keys:
-        return []
+def hosts_of(store, keys: Sequence[str]) -> set[str]:
+    """The hosts the master lists complete in-memory copies of `keys` on (empty when it cannot say)."""
+    if not keys:
+        return set()
     from mooncake.store import ReplicaStatus
 
     try:
-        found = store.batch_get_replica_desc(list(stored_keys))
+        found = store.batch_get_replica_desc(list(keys))
     except Exception:  # noqa: BLE001 - the retry then lets the master place the keys
-        return []
-    listed = {r.get_memory_descriptor().buffer_descriptor.transport_endpoint
-              for replicas in found.values() for r in replicas
-              if r.status == ReplicaStatus.COMPLETE and r.is_memory_replica()}
-    return sorted(h for h in listed if answers(h, metadata_server))
+        return set()
+    return {r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+            for replicas in found.values() for r in replicas
+            if r.status == ReplicaStatus.COMPLETE and r.is_memory_replica()}
 
 
 def answers(segment: str, metadata_server: str) -> bool:
