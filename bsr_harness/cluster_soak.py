@@ -151,6 +151,7 @@ def run_soak(engines: list[VllmServer], cluster: MooncakeCluster, plan: SoakPlan
                for e in range(len(engines)) for c in range(plan.clients_per_engine)]
     threads += [threading.Thread(target=_killer, args=(soak, log), name="soak-killer", daemon=True),
                 threading.Thread(target=_sampler, args=(soak,), name="soak-memory", daemon=True)]
+    before = [e.metrics() for e in engines]
     t0 = time.monotonic()
     for t in threads:
         t.start()
@@ -162,7 +163,7 @@ def run_soak(engines: list[VllmServer], cluster: MooncakeCluster, plan: SoakPlan
     cluster.wait_mounted()
     idle = [wait_idle(e) for e in engines]
     soak.rss.append([e.rss_bytes() for e in engines])
-    figures = _figures(soak, _references(soak), idle, hung, time.monotonic() - t0)
+    figures = _figures(soak, _references(soak), idle, hung, time.monotonic() - t0) | _counts(engines, before)
     log(json.dumps({k: v for k, v in figures.items() if k != "rss_mib"}))
     return figures
 
@@ -243,9 +244,21 @@ def _references(soak: _Soak) -> dict[str, tuple[list[int], list[float]]]:
             for name in used}
 
 
-def _failed_by_cause(metrics: dict) -> dict[str, float]:
-    return {labels[0][1]: value for (name, labels), value in metrics.items()
-            if name == "vllm:bsr_loads_failed_total" and value}
+def _counts(engines: list[VllmServer], before: list[dict]) -> dict:
+    """BSR's counters of each engine over the soak (the references' cold prefills included)."""
+    after = [e.metrics() for e in engines]
+
+    def grown(name: str, **labels: str) -> list[float]:
+        return [bsr_value(a, name, **labels) - bsr_value(b, name, **labels) for a, b in zip(after, before, strict=True)]
+
+    return {"loads_committed": grown("vllm:bsr_loads_committed_total"),
+            "loads_failed": [_failed_by_cause(a, b) for a, b in zip(after, before, strict=True)],
+            "saves_failed": grown("vllm:bsr_saves_failed_total", tier="mooncake")}
+
+
+def _failed_by_cause(after: dict, before: dict) -> dict[str, float]:
+    return {labels[0][1]: value - before.get((name, labels), 0.0) for (name, labels), value in after.items()
+            if name == "vllm:bsr_loads_failed_total" and value > before.get((name, labels), 0.0)}
 
 
 def _figures(soak: _Soak, refs: dict, idle: list[dict], hung: list[str], seconds: float) -> dict:
@@ -256,7 +269,6 @@ def _figures(soak: _Soak, refs: dict, idle: list[dict], hung: list[str], seconds
                default=0.0)
     rss = [[round(b / 2**20, 1) for b in sample] for sample in soak.rss]
     warm = rss[min(1, len(rss) - 1)]  # after the first sample: the engines' first requests allocated
-    metrics = [e.metrics() for e in soak.engines]
     errors = [r.error for r in soak.requests if r.error]
     return {
         "seconds": round(seconds, 1), "engines": len(soak.engines), "store_hosts": len(soak.cluster.hosts),
@@ -268,8 +280,5 @@ def _figures(soak: _Soak, refs: dict, idle: list[dict], hung: list[str], seconds
         "max_logprob_diff": diff, "max_request_s": round(max((r.seconds for r in soak.requests), default=0.0), 2),
         "host_kills": len(soak.kills), "kills": soak.kills,
         "levels_at_end": idle, "engine_at_end": [engine_holds(e) for e in soak.engines],
-        "loads_committed": [bsr_value(m, "vllm:bsr_loads_committed_total") for m in metrics],
-        "loads_failed": [_failed_by_cause(m) for m in metrics],
-        "saves_failed": [bsr_value(m, "vllm:bsr_saves_failed_total", tier="mooncake") for m in metrics],
         "rss_mib": rss, "rss_growth_mib": [round(end - start, 1) for start, end in zip(warm, rss[-1], strict=True)],
     }
