@@ -1,7 +1,7 @@
 """Restore time of one prefix from a Mooncake cluster of 1, 2 and 3 store hosts, with 1 and 2 copies of
 every object (replica_num), over tcp on 127.0.0.1 (issue 39).
 
-    python benchmarks/mooncake_cluster.py [--chunks 128] [--window 32] [--reps 5] [--scale 64]
+    python benchmarks/mooncake_cluster.py [--chunks 512] [--window 32] [--reps 7] [--scale 64]
 
 Per configuration: a master and that many store hosts (`mooncake_client`, MooncakeCluster), a writer
 MooncakeTier (no segment of its own) stores the prefix with `replica_num` copies (the master places
@@ -88,9 +88,9 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--chunks", type=int, default=128, help="chunks of the prefix (256 tokens each)")
+    ap.add_argument("--chunks", type=int, default=512, help="chunks of the prefix (256 tokens each)")
     ap.add_argument("--window", type=int, default=32, help="W, chunks per window")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--scale", type=int, default=64, help="DeepSeek-V4-Flash registration scaled by 1/SCALE")
     add_record_options(ap)
     args = ap.parse_args()
