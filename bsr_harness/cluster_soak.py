@@ -62,7 +62,7 @@ def cluster_engines(cluster: MooncakeCluster, model: str | Path, workdir: Path, 
             argv = ["vllm", "serve", str(model), "--block-size", str(BLOCK_SIZE), "--kv-transfer-config",
                     json.dumps(kv_config(cluster, replicas, **connector))]
             engines.append(VllmServer(argv, workdir / f"engine{i}.log", env={"VLLM_SERVER_DEV_MODE": "1"},
-                                      engine_core_in_process=True).launch())
+                                      worker_in_engine_core=True).launch())
         for e in engines:
             e.wait_ready()
     except BaseException:
