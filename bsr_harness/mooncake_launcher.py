@@ -24,6 +24,7 @@ signal).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -34,6 +35,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import weakref
 from pathlib import Path
@@ -204,6 +206,27 @@ class MooncakeMaster:
         url = f"http://{HOST}:{self.metrics_port}/get_all_segments"
         with urllib.request.urlopen(url, timeout=5) as r:
             return set(r.read().decode().split())
+
+    def _http(self, path: str) -> bytes:
+        with urllib.request.urlopen(f"http://{HOST}:{self.metrics_port}{path}", timeout=5) as r:
+            return r.read()
+
+    def keys(self) -> set[str]:
+        """Every key the master lists now (its /get_all_keys)."""
+        return set(self._http("/get_all_keys").decode().split())
+
+    def placement(self, keys: list[str]) -> dict[str, list[str]]:
+        """key -> the segments (store hosts) holding a copy of it, as the master lists them now (its
+        /batch_query_keys; [] for a key it does not list)."""
+        out: dict[str, list[str]] = {}
+        for i in range(0, len(keys), 64):  # short URLs
+            batch = keys[i : i + 64]
+            query = urllib.parse.urlencode({"keys": ",".join(batch)})
+            found = json.loads(self._http(f"/batch_query_keys?{query}"))["data"]
+            for key in batch:
+                entry = found.get(key) or {}
+                out[key] = [v["transport_endpoint_"] for v in (entry.get("values") or [])] if entry.get("ok") else []
+        return out
 
     @property
     def pid(self) -> int | None:

@@ -4,6 +4,7 @@ master (MooncakeMaster, bsr_harness.mooncake_launcher), like the paper's externa
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,7 @@ from bsr_harness.mooncake_launcher import (
     free_port,
     port_answers,
 )
-from bsr_harness.process_spawner import Spawner, kill_quietly
+from bsr_harness.process_spawner import Spawner, kill_quietly, stop_process
 
 
 class MooncakeStoreHost:
@@ -59,6 +60,8 @@ class MooncakeStoreHost:
         self._workdir: Path | None = None
 
     def start(self) -> MooncakeStoreHost:
+        if self.segments:  # restarted after kill(): the master must have forgotten the lost segment first
+            self._wait_forgotten()
         before = self._master_segments()
         self._workdir = Path(tempfile.mkdtemp(prefix="bsr-mooncake-host-"))
         args = [
@@ -104,15 +107,17 @@ class MooncakeStoreHost:
 
     def stop(self) -> None:
         """Stop the host, then (wait_forgotten) wait until the master forgot its segment (_wait_forgotten)."""
+        exited = self._reap()
+        if exited and self.wait_forgotten and self.master.running():
+            self._wait_forgotten()
+        self.segments = set()
+
+    def _reap(self) -> bool:
+        """SIGTERM (SIGKILL after 10 s) and reap the process; remove its directory. Whether there was one."""
         exited = self._proc is not None
         if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.terminate()
-                try:
-                    self._proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                    self._proc.wait(timeout=10)
+            self.resume()  # a paused host takes SIGTERM only once it runs again
+            stop_process(self._proc, 10.0)
             self._proc = None
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -120,9 +125,31 @@ class MooncakeStoreHost:
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
-        if exited and self.wait_forgotten and self.master.running():
-            self._wait_forgotten()
-        self.segments = set()
+        return exited
+
+    def kill(self) -> None:
+        """SIGKILL, as a host lost to a crash: its segment's objects go with it, and the master lists them
+        until its client TTL passes (nothing waits for that here). start() brings a new host up on the
+        same port once the master forgot this one (wait_forgotten)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        self._reap()  # self.segments stay: what the master may still list (start() waits until it forgot them)
+
+    def pause(self) -> None:
+        """SIGSTOP: the host hangs (its connections stay open, nothing answers) until kill() or resume()."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     def __enter__(self) -> MooncakeStoreHost:
         return self.start()

@@ -113,6 +113,13 @@ def _vllm_dsv4(figures: dict) -> dict:
                       "committed": r["load"]["committed"]} for r in figures["runs"]]}
 
 
+def _soak(figures: dict) -> dict:
+    """The soak without its memory series (first and last sample shown instead)."""
+    rss = figures.get("rss_mib") or [[]]
+    out = {k: v for k, v in figures.items() if k != "rss_mib"}
+    return out | {"rss_mib_first": rss[0], "rss_mib_last": rss[-1]}
+
+
 _W = "Restore against the whole plan"
 _SECTIONS = [
     Section("bsr_demo", "Peak staging against prefix length: `bsr demo`", (
@@ -193,6 +200,14 @@ _SECTIONS = [
         "Tiers", {k: ["object_KiB", "objects", "raw_get_GBps", "tier_fetch_GBps", "tier_vs_raw", "tier_vs_raw_thread",
                       "room_path_vs_raw", "get_path_vs_raw", "in_place_path_vs_raw", "plugin_vs_tier",
                       "tier_put_GBps", "tier_put_room_GBps", "raw_upsert_GBps"] for k in ("local", "store_host")}),
+    Section("mooncake_cluster", "Mooncake cluster: restore time from 1-3 store hosts, 1 and 2 copies", (
+        "One prefix stored by a client without a segment (`replica_num` copies, placed by the master) into 1, 2 "
+        "or 3 `mooncake_client` store hosts, then restored by another client with a BoundedRestorer (W chunks, "
+        "depth 1), median and best of the reps, state hash checked; `store_s`: the writer's put of every copy. "
+        "Loopback tcp on one machine: the hosts share its cores (RDMA configured in docs/mooncake.md, not "
+        "measured)."), "Tiers",
+        {"rows": ["store_hosts", "replica_num", "chunks", "copies_per_object", "objects_per_host", "store_s",
+                  "restore_s_median", "restore_s_best", "gbps_median", "state_hash_ok"]}),
     Section("fs_restore_efficiency", "Filesystem restore against a floor", (
         "A BoundedRestorer restore from the filesystem tier (warm page cache) against a floor measured in the "
         "same run: reading the same files into one buffer plus one contiguous copy (goal: at least 0.5)."),
@@ -243,6 +258,12 @@ _SECTIONS = [
         {"rows": ["scenario", "outcome", "expected", "exposed_tokens", "invalid_blocks", "total_blocks",
                   "marker_set", "marker_cleared", "staging_leaked_bytes", "served_by", "state_hash_ok",
                   "passed"]}),
+    Section("mooncake_cluster_soak", "Two engines on a Mooncake cluster, store hosts killed", (
+        "Two `vllm serve` engines of one tiny model sharing a master and three store hosts (engine 0 saves 2 "
+        "copies, engine 1 one), two clients each sending long shared prefixes (some after dropping the "
+        "engine's prefix cache), new prefixes and aborts, while a store host is killed (SIGKILL) and started "
+        "again every `kill_every_s`; outputs against cold prefills, requests lost, BSR's and vLLM's gauges at "
+        "the end, resident memory (MiB) every 5 s."), "Reliability", derive=_soak),
     Section("config_startup", "What checking every config costs", (
         "Fresh-process import times with and without the schemas, and per-call cost of parsing a tier spec, "
         "the connector's config and the LMCache knobs."), "Reliability"),

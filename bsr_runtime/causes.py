@@ -5,7 +5,8 @@ health read it; nothing reads an error's message to decide anything (a reworded 
 label, a subclass of a tier error keeps its class's cause).
 
     corrupt      an object failed its integrity check (CorruptObjectError)
-    missing      an object was not there (MissingObjectError), or no tier held the complete prefix
+    missing      an object was not there (MissingObjectError; HostLostError: its store host is lost), or no
+                 tier held the complete prefix
     timeout      a tier's read missed its deadline (FetchTimeoutError)
     unavailable  the tier could not be reached (TierUnavailableError), or was skipped in its cooldown
     staging      no staging for a window within the wait's bound (StagingWaitTimeout: the byte budget B

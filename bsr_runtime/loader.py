@@ -244,6 +244,14 @@ class Loader:
         return True
 
     @property
+    def staging_bytes(self) -> int:
+        """Staging of the budget B held now: leased by restores, or quarantined behind reads that never
+        landed (in this arena and in any retired one); 0 when every restore gave back what it took."""
+        with self._arena_lock:
+            arenas = [self.arena, *self._retired]
+        return sum(a.live_bytes + a.quarantined_chunks * a.chunk_bytes for a in arenas)
+
+    @property
     def in_flight(self) -> int:
         with self._lock:
             return len(self._jobs)

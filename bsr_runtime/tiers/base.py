@@ -32,6 +32,15 @@ class MissingObjectError(TierError):
     """A key that was expected is not present (evicted after the probe, never written)."""
 
 
+class HostLostError(MissingObjectError):
+    """The store host holding an object does not answer (killed, or gone from the network): the object
+    cannot be had from there. A miss of that object, not of the whole store: the tier stays in use."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class CorruptObjectError(TierError):
     """An object failed its integrity check (length, registration, checksum)."""
 

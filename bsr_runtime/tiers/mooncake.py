@@ -38,6 +38,11 @@ view), else staged in a registered buffer (upsert replaces an existing key, whic
 read in place are registered once (register_staging) or for one call.
 probe() asks `batch_is_exist` once, one key per chunk.
 
+A cluster (several store hosts): every put stores `replica_num` copies, each on another host; a read
+that fails on a lost host waits for the master to drop that host and reads a surviving copy, or
+fails at once (HostLostError) where there is none; a put placed on a lost host is put again on the
+live ones (mooncake_hosts.py).
+
 Mooncake's return codes and process-wide settings: see mooncake_client.py.
 
 Threads: two pools of `fetch_workers` Python threads, transfers and verification (joined by
@@ -64,6 +69,7 @@ from .base import (
     CorruptObjectError,
     FetchHandle,
     FetchTimeoutError,
+    HostLostError,
     MissingObjectError,
     Tier,
     TierError,
@@ -73,12 +79,14 @@ from .mooncake_buffers import StoreRegistrations
 from .mooncake_client import (
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
+    TRANSFER_FAIL,
     UNREACHABLE,
     check_port,
     connect_store,
     per_key,
     split_hostport,
 )
+from .mooncake_hosts import HostBook, await_surviving_copy, put_on_live_hosts
 from .mooncake_local import LocalSegmentReader
 from .mooncake_object import HEADER_SIZE, LEGACY_META_SUFFIX, ObjectCodec, RegisteredBuffers, size_problem
 from .mooncake_options import MooncakeTierOptions
@@ -115,8 +123,9 @@ class MooncakeTier(Tier):
         self.codec = ObjectCodec(fingerprint, o.tenant_id)
         self._put_objects = max(1, o.put_batch_bytes // self.object_bytes)
         self.stats = {"fetches": 0, "get_calls": 0, "objects_verified": 0, "local_reads": 0, "puts": 0,
-                      "temp_registrations": 0}
+                      "temp_registrations": 0, "failovers": 0, "put_retries": 0}
         self._registrations = StoreRegistrations(lambda: self._store, self._registration_error, self.stats)
+        self._hosts = HostBook(metadata_server)  # the store hosts a put retry may prefer
 
         store, self.rpc_timeout_s = connect_store(
             master_address, metadata_server, protocol=o.protocol, local_hostname=o.local_hostname,
@@ -191,6 +200,8 @@ class MooncakeTier(Tier):
                 if size >= 0 and size != HEADER_SIZE + payload_bytes:
                     legacy = size == payload_bytes and store.is_exist(key + LEGACY_META_SUFFIX) == 1
                     return size_problem(key, size, payload_bytes, legacy)
+        if code == TRANSFER_FAIL:
+            return HostLostError(key, f"{key}: the store host holding it does not answer (code {code})")
         if code >= 0:
             return CorruptObjectError(f"{key}: read {code} B, expected {HEADER_SIZE + payload_bytes} B")
         return TierError(f"{key}: Mooncake error {code}")
@@ -261,11 +272,16 @@ class MooncakeTier(Tier):
         if time.monotonic() >= deadline:
             # Never start a transfer the caller has stopped waiting for (its slot may be reused).
             raise FetchTimeoutError(f"fetch of {len(keys)} objects started after its deadline")
-        self._live_store()
+        store = self._live_store()
         self.stats["fetches"] += 1
-        self._reads.read(self.codec, keys, [v.data_ptr() for v in views], [self.chunk_bytes] * len(keys),
-                         deadline, verify=self.verify, headroom=headroom)
-        return len(keys) * self.chunk_bytes
+        ptrs, sizes = [v.data_ptr() for v in views], [self.chunk_bytes] * len(keys)
+        while True:
+            try:
+                self._reads.read(self.codec, keys, ptrs, sizes, deadline, verify=self.verify, headroom=headroom)
+                return len(keys) * self.chunk_bytes
+            except HostLostError as lost:  # its other copies (replica_num > 1) are read once the master drops it
+                await_surviving_copy(store, lost, deadline, self._closing)
+                self.stats["failovers"] += 1
 
     def put(self, keys: Sequence[str], views: Sequence[torch.Tensor], *, headroom: int = 0) -> None:
         """Header + payload per object, one upsert per batch: written in place (header in the room
@@ -289,8 +305,7 @@ class MooncakeTier(Tier):
         starts = [r.data_ptr() for r in rows]
         taken = self._registrations.take(starts, self.object_bytes)
         try:
-            codes = per_key(store.batch_upsert_from(keys, starts, [self.object_bytes] * len(keys)), len(keys),
-                            "batch_upsert_from")
+            codes = self._upsert(store, keys, starts)
         finally:
             self._registrations.give_back(taken)
         self._put_done(keys, codes)
@@ -304,11 +319,20 @@ class MooncakeTier(Tier):
                 row[HEADER_SIZE:].copy_(v.reshape(-1))
                 self.codec.write_header(row, k, self.chunk_bytes)
             base = buf.data_ptr()
-            codes = per_key(store.batch_upsert_from(keys, [base + i * ob for i in range(n)], [ob] * n), n,
-                            "batch_upsert_from")
+            codes = self._upsert(store, keys, [base + i * ob for i in range(n)])
         finally:
             self._staging.release(buf)
         self._put_done(keys, codes)
+
+    def _upsert(self, store, keys: list[str], starts: list[int]) -> list[int]:
+        """One code per key of upserting object i from starts[i], `replica_num` copies each; keys the master
+        placed on a lost store host are put again on live ones (mooncake_hosts.put_on_live_hosts)."""
+        def upsert(rows: list[int], config) -> list[int]:
+            return per_key(store.batch_upsert_from([keys[i] for i in rows], [starts[i] for i in rows],
+                                                   [self.object_bytes] * len(rows), config),
+                           len(rows), "batch_upsert_from")
+
+        return put_on_live_hosts(store, keys, upsert, self.options.replica_num, self.stats, self._hosts)
 
     def _put_done(self, keys: list[str], codes: list[int]) -> None:
         self.stats["puts"] += 1
@@ -317,7 +341,7 @@ class MooncakeTier(Tier):
             k, c = bad[0]
             if c in UNREACHABLE:
                 raise TierUnavailableError(f"put of {len(bad)} objects failed: master unreachable ({c})")
-            hint = " (store full)" if c == NO_AVAILABLE_HANDLE else ""
+            hint = {NO_AVAILABLE_HANDLE: " (store full)", TRANSFER_FAIL: " (placed on a lost store host)"}.get(c, "")
             raise TierError(f"put of {len(bad)}/{len(keys)} objects failed, first {k}: code {c}{hint}")
 
     def delete(self, keys: Sequence[str]) -> None:

@@ -6,7 +6,8 @@ Mooncake return codes seen with 0.3.13 over tcp (see the report in the tests):
 - batch_get_into[_multi_buffers]: bytes read per key, -704 OBJECT_NOT_FOUND for a missing key,
   -600 INVALID_PARAMS when the object is larger than the buffers (and when the client is not
   set up), -800 when it is smaller (multi buffers), -900 RPC_FAIL / -901 RPC_TIMEOUT when the
-  master is gone or hung
+  master is gone or hung, -800 TRANSFER_FAIL when the store host holding the object is lost (after
+  ~1 s of the transfer engine's reconnection attempts; at once when it dies mid-transfer)
 - batch_is_exist: 1 / 0 per key, negative error codes (e.g. -900) per key on failure
 - remove: -706 OBJECT_HAS_LEASE for 10 s after a read unless force=True (delete forces)
 - setup() with no master: retries MC_STORE_CLIENT_SETUP_RETRIES (default 20) times, ~4.4 s
@@ -41,6 +42,8 @@ INVALID_PARAMS = -600
 NO_AVAILABLE_HANDLE = -200
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
+TRANSFER_FAIL = -800  # the transfer failed: the store host holding the object does not answer (or, for
+# batch_get_into_multi_buffers, an object smaller than its buffers: the tier checks the size first)
 UNREACHABLE = {RPC_FAIL, RPC_TIMEOUT}
 
 _ENV_LOCK = threading.Lock()

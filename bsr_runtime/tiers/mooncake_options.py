@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import Field
 
 from ..config_schema import Count, HostBytes, Schema, Seconds, Text
 
 # the transports this Mooncake wheel's Python client sets up ("TCP" or "tpc" used to pass here and
 # fail in the client's setup with only "returned -1")
 MooncakeProtocol = Literal["tcp", "rdma"]
+MAX_REPLICAS = 16
+# copies of every object a put stores, each on another store host (Mooncake's ReplicateConfig.replica_num)
+ReplicaCount = Annotated[int, Field(ge=1, le=MAX_REPLICAS)]
 
 
 class MooncakeTierOptions(Schema):
@@ -33,6 +38,10 @@ class MooncakeTierOptions(Schema):
     in_place_batch_bytes: Count = 128 << 20
     verify_threads: Count = 1
     put_batch_bytes: Count = 64 << 20
+    # every object a put stores is stored on this many store hosts (Mooncake places each copy in another
+    # host's segment): a restore survives replica_num - 1 lost hosts, at replica_num times the store memory
+    # and put traffic (docs/mooncake.md, "A cluster"). Reads use one copy.
+    replica_num: ReplicaCount = 1
     local_reads: bool = True  # objects in this client's own segment: one checksumming copy (mooncake_local.py)
     # objects from other segments: True = land whole in 2 registered landing buffers of
     # verify_batch_bytes, then one checksumming copy; False = in place (header in the 128 B before

@@ -89,6 +89,8 @@ def test_a_value_is_cut_before_it_is_formatted():
     (MC | {"in_place_batch_bytes": 0}, "in_place_batch_bytes:"),
     (MC | {"put_batch_bytes": -1}, "put_batch_bytes:"),
     (MC | {"verify_batch_bytes": 1.5}, "verify_batch_bytes:"),
+    (MC | {"replica_num": 0}, "replica_num: input should be greater than or equal to 1 (got 0)"),
+    (MC | {"replica_num": True}, "replica_num: input should be a valid integer (got True)"),
 ])
 def test_tier_spec_keys_are_checked_before_anything_opens(spec, needle):
     with pytest.raises(ValueError, match=re.escape(needle)) as ei:

@@ -49,6 +49,7 @@ def refused(extra: dict) -> str:
     ("model_id", ""), ("model_id", 5),
     ("save", "yes"), ("save", 1), ("save", None),
     ("report_path", "/nonexistent-dir/r.jsonl"), ("report_path", ""), ("report_path", 5), ("report_path", "/tmp"),
+    ("unavailable_cooldown_s", -1), ("unavailable_cooldown_s", math.inf), ("unavailable_cooldown_s", "30"),
     ("windw_chunks", 4),
 ])
 def test_every_key_is_checked(key, value):
@@ -83,6 +84,13 @@ def test_every_key_is_checked(key, value):
      "tiers[0].protocol: input should be 'tcp' or 'rdma' (got 'TCP')"),
     ([{"type": "mooncake", "master_address": "h:1", "metadata_server": "m", "global_segment_size": 1 << 50}],
      "tiers[0].global_segment_size: more than this machine's physical memory"),
+    # issue 39: copies per object on that many store hosts
+    ([{"type": "mooncake", "master_address": "h:1", "metadata_server": "m", "replica_num": 0}],
+     "tiers[0].replica_num: input should be greater than or equal to 1 (got 0)"),
+    ([{"type": "mooncake", "master_address": "h:1", "metadata_server": "m", "replica_num": "2"}],
+     "tiers[0].replica_num: input should be a valid integer (got '2')"),
+    ([{"type": "mooncake", "master_address": "h:1", "metadata_server": "m", "replica_num": 17}],
+     "tiers[0].replica_num: input should be less than or equal to 16 (got 17)"),
 ])
 def test_tier_specs_are_checked_by_their_schema(tiers, needle):
     assert needle in refused({"tiers": tiers}), needle
@@ -128,6 +136,7 @@ def test_good_config_parses_with_names_kept(tmp_path):
     assert [t.type for t in c.tiers] == ["filesystem", "mooncake"]
     assert c.tiers[0].options == {"root": "/x", "load_concurrency": 2}
     assert c.tiers[1].options["global_segment_size"] == 0  # engines mount no segment by default
+    assert "replica_num" not in c.tiers[1].options  # one copy per object unless the spec says more
     assert (c.window_chunks, c.save_staging_chunks, c.chunk_tokens, c.fetch_timeout_s) == (0, 8, 512, 5.0)
     assert c.report_path == report and c.save_tiers == [0] and not c.load_async
     assert ConnectorConfig.from_extra({"tiers": [FS]}).window_chunks == 32  # defaults

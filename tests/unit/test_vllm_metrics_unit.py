@@ -106,6 +106,37 @@ def test_two_workers_summed_and_exported():
     assert BSRConnector.build_prom_metrics(vllm_config, types, ["model_name", "engine"], {0: ["m", "0"]}) is None
 
 
+def test_levels_ship_when_they_change_and_export_summed_over_ranks():
+    """Issue 39: what the workers hold now (restore staging of B, save staging, loads in flight) is a
+    gauge: each rank ships its levels when they changed, the latest per rank wins when intervals are
+    aggregated, the export is their sum, and back at zero the gauges read zero."""
+    rank0, rank1 = LoadSaveStats(C, 0), LoadSaveStats(C, 1)
+    busy = {"restore_staging_bytes": 4 * C, "save_staging_bytes": C, "loads_in_flight": 1}
+    idle = dict.fromkeys(busy, 0)
+    a, b = rank0.take(busy), rank1.take(busy)
+    assert rank0.take(busy) is None  # unchanged: nothing shipped
+    payload = a.aggregate(b).to_dict()
+    assert BSRConnector.build_kv_connector_stats(payload).reduce() == {
+        "bsr_restore_staging_bytes": 8 * C, "bsr_save_staging_bytes": 2 * C, "bsr_loads_in_flight": 2}
+    later = rank0.take(idle)
+    assert BSRConnector.build_kv_connector_stats(payload).aggregate(later).level_totals() == {
+        "restore_staging_bytes": 4 * C, "save_staging_bytes": C, "loads_in_flight": 1}  # rank 1 still busy
+
+    reg = CollectorRegistry()
+    types = {Counter: functools.partial(Counter, registry=reg), Gauge: functools.partial(Gauge, registry=reg),
+             Histogram: functools.partial(Histogram, registry=reg)}
+    prom = BSRConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"],
+                                           {0: ["m", "0"]})
+    value = functools.partial(reg.get_sample_value, labels={"model_name": "m", "engine": "0"})
+    assert value("vllm:bsr_restore_staging_bytes") == 0  # shown from the start
+    prom.observe(payload, 0)
+    assert (value("vllm:bsr_restore_staging_bytes"), value("vllm:bsr_loads_in_flight")) == (8 * C, 2)
+    prom.observe({"counters": {"loads_committed": {"": 1}}}, 0)  # an interval without levels leaves them
+    assert value("vllm:bsr_save_staging_bytes") == 2 * C
+    prom.observe(later.aggregate(rank1.take(idle)).to_dict(), 0)
+    assert all(value(f"vllm:bsr_{n}") == 0 for n in busy)
+
+
 # -- labels from real loads and saves: two filesystem tiers, the worker's own records ---------------
 def _reg():
     return presets.dsv4_flash(scale=1 / 64)

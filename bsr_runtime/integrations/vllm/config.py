@@ -3,7 +3,8 @@
     {"tiers": [{"type": "filesystem", "root": "/ssd/bsr"},
                {"type": "mooncake", "master_address": "H:50051", "metadata_server": "http://H:8080/metadata"},
                {"type": "lmcache-filesystem", "root": "/ssd/lmcache"}],
-     "window_chunks": 32, "pipeline_depth": null, "fetch_timeout_s": 30, "salt": "", "model_id": null,
+     "window_chunks": 32, "pipeline_depth": null, "fetch_timeout_s": 30, "unavailable_cooldown_s": 30,
+     "salt": "", "model_id": null,
      "load_mode": "async", "restore_budget_bytes": null, "max_concurrent_restores": 8,
      "save": true, "save_staging_chunks": null, "report_path": null}
 
@@ -138,6 +139,11 @@ class ConnectorConfig(Schema):
     # (once per request; 0: never): a probe thread that shares the interpreter with the engine's step
     # takes several times longer, and the request then waits for a later step
     probe_wait_s: Seconds = 0.05
+    # a tier that could not be reached (TierUnavailableError: its Mooncake master down) is neither probed nor
+    # read for this long, so a dead store costs one failure, not one per request; once it passes, the next
+    # request probes it again (a restarted master is found then). A lost store host is not this: the tier
+    # stays in use and only that host's objects miss
+    unavailable_cooldown_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 30.0
     # B: staging shared by concurrent restores (default W*c); at most the machine's memory, since
     # the arena is allocated (and touched) when the engine starts
     restore_budget_bytes: Annotated[HostBytes, Field(ge=1)] | None = None

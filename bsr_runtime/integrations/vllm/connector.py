@@ -130,7 +130,7 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
     # -- vLLM's metrics (Prometheus, the periodic log line) ---------------------------------
     def get_kv_connector_stats(self) -> BSRConnectorStats | None:
         if self.worker is not None:
-            return self.worker.stats.take()
+            return self.worker.stats.take(self.worker.levels())
         return self.scheduler.take_stats()
 
     @classmethod

@@ -25,8 +25,15 @@ front end, rebuilds it there (`build_kv_connector_stats`) and hands it to `BSRPr
                                               chunks under the first and one failure under the second
     vllm:bsr_saves_skipped_total              saves skipped at once for want of save staging (never waited for)
     vllm:bsr_peak_staging_bytes               gauge: the largest staging any load or save held
+    vllm:bsr_restore_staging_bytes            gauge: restore staging of the budget B held now, all TP ranks
+    vllm:bsr_save_staging_bytes               gauge: save staging held now (puts still running), all TP ranks
+    vllm:bsr_loads_in_flight                  gauge: loads started and not yet reported finished, all TP ranks
     vllm:bsr_requests_unkeyed_total{reason}   requests neither saved nor restored: an input BSR cannot key
                                               (prompt_embeds; adapter: its files unreadable), the scheduler's count
+
+The three level gauges are what the workers held at the end of the engine's latest step (a worker ships
+them when they changed): after the last request the engine stops stepping, so a put that finished later
+shows at the next step (any request).
 
 Request-level counts come from rank 0 alone, since every rank reports the same agreed outcome;
 a load failed by another rank's object counts under cause "commit_rule" (that rank's own cause
@@ -72,6 +79,12 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
                          "cannot be keyed (prompt_embeds, adapter), by reason.", "reason"),
 }
 PEAK_STAGING = "peak_staging_bytes"
+# gauges of what a worker holds now: name -> documentation (WorkerSide.levels)
+LEVELS: dict[str, str] = {
+    "restore_staging_bytes": "BSR connector: restore staging (of the byte budget B) held now, all TP ranks.",
+    "save_staging_bytes": "BSR connector: save staging held now (puts still running), all TP ranks.",
+    "loads_in_flight": "BSR connector: loads started and not yet reported finished, all TP ranks.",
+}
 RESTORE_SECONDS = "restore_seconds"
 RESTORE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PREFIX = "vllm:bsr_"
@@ -88,9 +101,11 @@ class BSRConnectorStats(KVConnectorStats):
     """What the connector recorded in one interval, as plain data (string keys, numbers, lists: it
     crosses processes):
 
-        {"counters": {name: {label value or "": n}}, "restore_seconds": [s, ...], "peak_staging_bytes": b}
+        {"counters": {name: {label value or "": n}}, "restore_seconds": [s, ...], "peak_staging_bytes": b,
+         "levels": {rank: {level name: value}}}
 
-    Counters add up when intervals or TP workers are aggregated, the peak is their maximum."""
+    Counters add up when intervals or TP workers are aggregated, the peak is their maximum; levels are
+    kept per rank (the latest interval's), summed over ranks when exported."""
 
     def __post_init__(self) -> None:
         for key, empty in (("counters", {}), (RESTORE_SECONDS, []), (PEAK_STAGING, 0)):
@@ -106,7 +121,8 @@ class BSRConnectorStats(KVConnectorStats):
         self.data = {"counters": {}, RESTORE_SECONDS: [], PEAK_STAGING: 0}
 
     def is_empty(self) -> bool:
-        return not (self.data["counters"] or self.data[RESTORE_SECONDS] or self.data[PEAK_STAGING])
+        return not (self.data["counters"] or self.data[RESTORE_SECONDS] or self.data[PEAK_STAGING]
+                    or self.data.get("levels"))
 
     def add(self, name: str, value: float, label: str = "") -> None:
         if value:
@@ -119,7 +135,17 @@ class BSRConnectorStats(KVConnectorStats):
                 self.add(name, value, label)
         self.data[RESTORE_SECONDS].extend(other.data.get(RESTORE_SECONDS, ()))
         self.data[PEAK_STAGING] = max(self.data[PEAK_STAGING], other.data.get(PEAK_STAGING, 0))
+        if other.data.get("levels"):
+            self.data.setdefault("levels", {}).update(other.data["levels"])
         return self
+
+    def level_totals(self) -> dict[str, int]:
+        """Each level summed over the ranks that reported one ({} when none did)."""
+        totals: dict[str, int] = {}
+        for per_rank in self.data.get("levels", {}).values():
+            for name, value in per_rank.items():
+                totals[name] = totals.get(name, 0) + int(value)
+        return totals
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
@@ -132,6 +158,7 @@ class BSRConnectorStats(KVConnectorStats):
             out["bsr_restore_seconds_max"] = round(max(seconds), 6)
         if self.data[PEAK_STAGING]:
             out["bsr_peak_staging_bytes"] = self.data[PEAK_STAGING]
+        out.update({f"bsr_{name}": value for name, value in self.level_totals().items()})
         return out
 
 
@@ -141,10 +168,12 @@ class LoadSaveStats:
     recorded since the last take (None when nothing was). Thread-safe: loads may finish off the
     step thread."""
 
-    def __init__(self, chunk_bytes: int) -> None:
+    def __init__(self, chunk_bytes: int, rank: int = 0) -> None:
         self.chunk_bytes = chunk_bytes
+        self.rank = rank
         self._lock = threading.Lock()
         self._stats = BSRConnectorStats()
+        self._levels_shipped: dict[str, int] | None = None
 
     def record_load(self, record: dict[str, Any]) -> None:
         try:
@@ -196,9 +225,14 @@ class LoadSaveStats:
                     s.add("saved_chunks", n, tier)
             s.data[PEAK_STAGING] = max(s.data[PEAK_STAGING], int(r.get("staging_bytes") or 0))
 
-    def take(self) -> BSRConnectorStats | None:
+    def take(self, levels: dict[str, int] | None = None) -> BSRConnectorStats | None:
+        """What was recorded since the last take, with `levels` (the worker's gauges now) when they changed
+        since they were last shipped; None when there is nothing."""
         try:
             with self._lock:
+                if levels is not None and levels != self._levels_shipped:
+                    self._stats.data["levels"] = {str(self.rank): dict(levels)}
+                    self._levels_shipped = dict(levels)
                 if self._stats.is_empty():
                     return None
                 out, self._stats = self._stats, BSRConnectorStats()
@@ -225,6 +259,9 @@ class BSRPromMetrics(KVConnectorPromMetrics):
         self._peak = self._gauge_cls(name=PREFIX + PEAK_STAGING, multiprocess_mode="max",
                                      documentation="BSR connector: the largest staging (bytes) a load or save held.",
                                      labelnames=labelnames)
+        self._levels = {name: self._gauge_cls(name=PREFIX + name, documentation=doc, labelnames=labelnames,
+                                              multiprocess_mode="mostrecent")
+                        for name, doc in LEVELS.items()}
         self._peak_seen: dict[int, int] = {}
         for values in per_engine_labelvalues.values():  # every series shows from the start, at 0
             for name, (_, label) in COUNTERS.items():
@@ -234,6 +271,8 @@ class BSRPromMetrics(KVConnectorPromMetrics):
                 self._counters["loads_failed"].labels(*values, cause)
             self._seconds.labels(*values)
             self._peak.labels(*values).set(0)
+            for gauge in self._levels.values():
+                gauge.labels(*values).set(0)
 
     @classmethod
     def create(cls, vllm_config, metric_types, labelnames: list[str],
@@ -261,6 +300,9 @@ class BSRPromMetrics(KVConnectorPromMetrics):
                 (counter.labels(*values, label) if label else counter.labels(*values)).inc(value)
         for seconds in data.get(RESTORE_SECONDS, ()):
             self._seconds.labels(*values).observe(seconds)
+        for name, value in BSRConnectorStats(data={"levels": data.get("levels", {})}).level_totals().items():
+            if name in self._levels:
+                self._levels[name].labels(*values).set(value)
         peak = int(data.get(PEAK_STAGING, 0))
         if peak > self._peak_seen.get(engine_idx, 0):
             self._peak_seen[engine_idx] = peak

@@ -62,7 +62,8 @@ class SchedulerSide:
         self.load_async = cfg.load_async
         self.planner = Planner(reg, tiers, tp_world=tp_world, salt=cfg.salt, model=model, probe_all_ranks=True,
                                probe_timeout_s=cfg.probe_timeout_s, probe_wait_s=cfg.probe_wait_s,
-                               key_inputs=VllmKeyInputs(), restore_partial_chunk=cfg.restore_partial_chunk)
+                               key_inputs=VllmKeyInputs(), restore_partial_chunk=cfg.restore_partial_chunk,
+                               unavailable_cooldown_s=cfg.unavailable_cooldown_s)
         self._refused_taken: dict[str, int] = {}  # planner.stats.refused at the last take_stats()
         self.inflight: dict[str, tuple[int, set[int]]] = {}  # request -> (chunks, blocks) of its load
         self._tracked: dict[str, _Tracked] = {}

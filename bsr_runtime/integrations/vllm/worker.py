@@ -51,7 +51,8 @@ class WorkerSide:
         self.loader = Loader(reg, tiers, None, self.restore_config, budget_bytes=cfg.restore_budget_bytes,
                              max_restores=cfg.max_concurrent_restores, tp_rank=tp_rank, tp_world=tp_world,
                              salt=cfg.salt, model=model, agree=agree, agree_timeout_s=cfg.agree_timeout_s,
-                             max_staging_retirements=cfg.max_staging_retirements)
+                             max_staging_retirements=cfg.max_staging_retirements,
+                             unavailable_cooldown_s=cfg.unavailable_cooldown_s)
         self.keyspace = self.loader.keyspace
         self.saver: Saver | None = None
         save_tiers = [tiers[i] for i in cfg.save_tiers]
@@ -64,7 +65,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self.loads: deque[dict] = deque(maxlen=RECORDS)  # the latest load records (tests, demo)
         self.saves: deque[dict] = deque(maxlen=RECORDS)
-        self.stats = LoadSaveStats(reg.chunk_bytes)  # vLLM's metrics (get_kv_connector_stats)
+        self.stats = LoadSaveStats(reg.chunk_bytes, tp_rank)  # vLLM's metrics (get_kv_connector_stats)
         self._switch_interval = self._shorten_switch_interval(cfg.gil_switch_interval_s if self.load_async else None)
 
     @staticmethod
@@ -156,6 +157,13 @@ class WorkerSide:
         if not outcome.committed and not result.cancelled:
             log.warning("BSR: load of %s failed closed (%d blocks invalid): %s", outcome.request_id,
                         outcome.invalid_blocks, outcome.error)
+
+    def levels(self) -> dict[str, int]:
+        """What this worker holds now (vLLM's metrics: gauges): restore staging of the budget B, save
+        staging, loads in flight. All 0 once every load and save gave back what it took."""
+        return {"restore_staging_bytes": self.loader.staging_bytes,
+                "save_staging_bytes": self.saver.arena.live_bytes if self.saver is not None else 0,
+                "loads_in_flight": self.loader.in_flight}
 
     # -- save ------------------------------------------------------------------------------
     def save(self, meta: BSRConnectorMetadata) -> None:
