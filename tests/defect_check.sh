@@ -32,6 +32,21 @@ defect "tiers: the filesystem tier accepts a checksum mismatch" bsr_runtime/tier
 defect "connector: a failed background load is reported as received" bsr_runtime/integrations/vllm/worker.py \
   "                failed.add(result.spec.request_id)" "                pass" \
   tests/integration/vllm/test_vllm_engine.py tests/integration/vllm/test_vllm_repair.py
+# issue 36: BSR's LMCache server module
+defect "LMCache server module: a failed retrieve reports success (a rank's poisoned blocks served)" \
+  bsr_runtime/integrations/lmcache/server_retrieve.py \
+  "            self._failed(key, cause, source.peak_objects)
+            return False" "            self._failed(key, cause, source.peak_objects)
+            return True" \
+  tests/integration/vllm/test_lmcache_server_tp.py tests/integration/vllm/test_lmcache_server_module.py
+defect "LMCache server module: a window's prefetched objects not counted as held (depth 2 reports W)" \
+  bsr_runtime/integrations/lmcache/server_retrieve.py \
+  "                staged.hold(len(keys))" "                pass" \
+  tests/integration/vllm/test_lmcache_server_tp.py
+# issue 40: the step waits for a background lookup once (probe_wait_s)
+defect "planner: probe_wait_s ignored" bsr_runtime/planner.py \
+  "if not running.waited_in_step and self.probe_wait_s > 0:" "if False:" \
+  tests/unit/test_planner.py
 # issue 39: a Mooncake cluster shared by engines (one module: its processes start once)
 defect "cluster: engines mount a segment of their own (objects not on the store hosts)" bsr_runtime/integrations/vllm/config.py \
   'options.setdefault("global_segment_size", 0)' 'options.setdefault("global_segment_size", 64 << 20)' \
