@@ -18,6 +18,12 @@ PYTEST_ARGS ?=
 # Three workers (`make test TEST_WORKERS=3`) were no faster once the Mooncake and LMCache close waits
 # were gone (474 s against 445 s with two, one quiet run each), and a timing test flaked once with them.
 TEST_WORKERS ?= 2
+# Where nvcc is found, the CUDA library must build: an nvcc error fails the set-up (setup.py's
+# BSR_BUILD_CUDA=1) for `make test`, `make demo` and CI alike; BSR_BUILD_CUDA=0 skips the build.
+NVCC := $(shell command -v nvcc 2>/dev/null || { test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc; })
+ifneq ($(NVCC),)
+export BSR_BUILD_CUDA ?= 1
+endif
 PYTEST := TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: all setup vllm-dist demo test test-fast lint clean-venv
