@@ -12,13 +12,9 @@ once the engine allocated the request's blocks. Engine-neutral; holds no staging
         again at its next step), then the answer. The caller's thread pays no key derivation and no
         tier round trip. `start_lookup(request)` starts it as the request arrives.
 
-Every lookup is bounded and isolated. Each runs on a probe thread of its own (up to
-MAX_PROBE_THREADS at once; beyond that a lookup waits for a free one, within its own bound), so a
-tier probe that hangs for one request never holds another request's lookup. A lookup that has not
-answered `probe_timeout_s` after it was asked for is a miss (0 external tokens: the request prefills
-locally), counted in `stats.probe_timeouts`; `match` waits for it no longer either. The thread of a
-probe stuck in a tier stays with it until the tier returns (a daemon thread: it never holds the
-process at exit, and `close()` does not wait for it).
+Every lookup is bounded and isolated: each runs on a probe thread of its own (lookups.py), and one
+that has not answered `probe_timeout_s` after it was asked for is a miss (0 external tokens: the
+request prefills locally), counted in `stats.probe_timeouts`; `match` waits for it no longer either.
     allocated(request, block_ids_per_group, num_external_tokens)
         records the load of N chunks into the request's blocks (one list per HMA group): only the
         blocks allocated for the external tokens. The chunks the engine's own cache holds are not
@@ -40,9 +36,8 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
@@ -53,6 +48,7 @@ from bsr_kernels import Registration
 from . import commit
 from .keys import KeyInputs, KeySpace, PrefixKeys, salt_only
 from .load_blocks import block_align, only_blocks_of
+from .lookups import Lookup, LookupThreads
 from .markers import ForceLocalMarkers
 from .retrieve import ProbeDecision, TierSet
 from .tiers.base import Tier, TierError
@@ -61,9 +57,6 @@ from .validation import check_duration, check_int, check_timeout
 log = logging.getLogger(__name__)
 
 DEFAULT_PROBE_TIMEOUT_S = 5.0
-# lookups probing at once: each on a thread of its own, so a hung probe holds only its own request; the
-# cap bounds the threads that probes stuck in a dead tier can hold (later lookups wait, within their bound)
-MAX_PROBE_THREADS = 32
 
 
 @dataclass
@@ -92,16 +85,6 @@ class PlannerStats:
     probe_s: float = 0.0
     refused: dict[str, int] = field(default_factory=dict)  # reason -> requests BSR could not key
     epochs: int = 0  # new_epoch() calls
-
-
-@dataclass
-class _Lookup:
-    """One request's lookup: asked for at `started` (time.monotonic()), answered through `future`."""
-
-    request: object
-    started: float
-    future: Future = field(default_factory=Future)
-    waited_in_step: bool = False  # the step thread waited for it once (probe_wait_s)
 
 
 def request_id_of(request) -> str:
@@ -157,10 +140,7 @@ class Planner:
         self._lock = threading.Lock()
         self._plans: dict[str, tuple[ProbeDecision, int, float]] = {}  # request -> (plan, num_computed_tokens, probe s)
         self._pending: dict[str, LoadSpec] = {}
-        self._probing: dict[str, _Lookup] = {}  # request -> its lookup, queued or on a probe thread
-        self._queue: deque[_Lookup] = deque()  # lookups waiting for a probe thread
-        self._probe_threads = 0
-        self._closed = False
+        self._lookups = LookupThreads(self._timed_lookup)
         self._refused: set[str] = set()  # requests counted as refused (counted once each)
 
     @property
@@ -176,42 +156,18 @@ class Planner:
             plan = self._wait_lookup(request)
         return self._decide(request, plan, num_computed_tokens, time.perf_counter() - t0)
 
-    def start_lookup(self, request) -> None:
-        """Start the request's lookup on a probe thread now (it arrived; the engine asks later)."""
+    def start_lookup(self, request) -> Lookup | None:
+        """Start the request's lookup on a probe thread now (it arrived; the engine asks later); the
+        lookup, or None (a force-local marker, or closed)."""
         rid = request_id_of(request)
         if self.markers.is_set(rid):
-            return
-        with self._lock:
-            if rid in self._probing or self._closed:
-                return
-            lookup = _Lookup(request, time.monotonic())
-            self._probing[rid] = lookup
-            self._queue.append(lookup)
-            if self._probe_threads < MAX_PROBE_THREADS:
-                self._probe_threads += 1
-                threading.Thread(target=self._probe_loop, name="bsr-probe", daemon=True).start()
-
-    def _probe_loop(self) -> None:
-        """A probe thread: queued lookups until none is left (one answered meanwhile is skipped)."""
-        while True:
-            with self._lock:
-                if not self._queue or self._closed:
-                    self._probe_threads -= 1
-                    return
-                lookup = self._queue.popleft()
-            if not lookup.future.set_running_or_notify_cancel():  # answered as a miss, or dropped
-                continue
-            try:
-                lookup.future.set_result(self._timed_lookup(lookup.request))
-            except BaseException as e:  # noqa: BLE001 - bad input: match() raises it, in the background a miss
-                lookup.future.set_exception(e)
+            return None
+        return self._lookups.start(rid, request)
 
     def _wait_lookup(self, request) -> ProbeDecision:
         """The request's lookup on a probe thread, waited for on the caller's thread up to its bound."""
         rid = request_id_of(request)
-        self.start_lookup(request)
-        with self._lock:
-            lookup = self._probing.get(rid)
+        lookup = self._lookups.start(rid, request)
         if lookup is None:  # closed
             return ProbeDecision(0, None, "none")
         try:
@@ -224,7 +180,7 @@ class Planner:
         self._forget(rid, lookup)
         return plan
 
-    def _timed_out(self, rid: str, lookup: _Lookup) -> ProbeDecision:
+    def _timed_out(self, rid: str, lookup: Lookup) -> ProbeDecision:
         """A lookup past its bound: a miss (the request prefills locally); its probe is left to finish."""
         lookup.future.cancel()  # a lookup still queued never probes
         self._forget(rid, lookup)
@@ -233,18 +189,15 @@ class Planner:
                     rid, self.probe_timeout_s)
         return ProbeDecision(0, None, "timeout")
 
-    def _forget(self, rid: str, lookup: _Lookup) -> None:
-        with self._lock:
-            if self._probing.get(rid) is lookup:
-                del self._probing[rid]
+    def _forget(self, rid: str, lookup: Lookup) -> None:
+        self._lookups.forget(rid, lookup)
 
     def match_in_background(self, request, num_computed_tokens: int) -> int | None:
         """match() with the lookup on a probe thread: None until it answered or passed its bound (see the
         module docstring)."""
         num_computed_tokens = check_int("num_computed_tokens", num_computed_tokens, lo=0)
         rid = request_id_of(request)
-        with self._lock:
-            running = self._probing.get(rid)
+        running = self._lookups.get(rid)
         plan = self._quick_plan(request, num_computed_tokens)
         if plan is not None:  # a marker, or the engine holds it all: whatever a lookup found is moot
             if running is not None:
@@ -252,10 +205,8 @@ class Planner:
                 self._forget(rid, running)
             return self._decide(request, plan, num_computed_tokens, 0.0)
         if running is None:
-            self.start_lookup(request)
-            with self._lock:
-                running = self._probing.get(rid)
-            if running is None:
+            running = self._lookups.start(rid, request)
+            if running is None:  # closed
                 return None
         if not running.waited_in_step and self.probe_wait_s > 0:
             # once per request, the step thread waits a little for the probe (its thread then has
@@ -424,9 +375,7 @@ class Planner:
         with self._lock:
             self.keyspace = dataclasses.replace(self.keyspace, salt=f"{self.keyspace.salt}\0epoch\0{uuid.uuid4().hex}")
             self._plans.clear()
-            for lookup in self._probing.values():
-                lookup.future.cancel()  # a queued one never probes; a running one's answer is dropped
-            self._probing.clear()
+            self._lookups.drop()  # a queued one never probes; a running one's answer is dropped
             self.stats.epochs += 1
 
     def running(self, request_id: str) -> bool:
@@ -440,16 +389,10 @@ class Planner:
             self._plans.pop(request_id, None)
             self._pending.pop(request_id, None)
             self._refused.discard(request_id)
-            lookup = self._probing.pop(request_id, None)
-        if lookup is not None:
-            lookup.future.cancel()  # still queued: never probes
+        self._lookups.drop(request_id)  # still queued: never probes
         return cleared
 
     def close(self) -> None:
         """Drop the queued lookups; a probe thread ends after its current probe (never waited for: one
         may be stuck in a tier)."""
-        with self._lock:
-            self._closed = True
-            queued, self._queue = list(self._queue), deque()
-        for lookup in queued:
-            lookup.future.cancel()
+        self._lookups.close()
