@@ -10,7 +10,7 @@
                               -> transfer (gather) -> synchronize -> put -> release -> advance
 
 Where the bytes come from is plugged in as an object the loop calls: a `WindowSource` whose
-`fetch(window, reservation)` starts one window's fetch (a tier into staging: restore.TierSource; or
+`fetch(window, reservation)` starts one window's fetch (a tier into staging: tier_source.TierSource; or
 a tier's own source installed from where it holds the bytes, `Tier.window_source`: LMCache's L1,
 integrations/lmcache/l1_source.py), or, for a store, a `WindowSink` whose `stage(...)` leases where
 the window is gathered to. Making a source or a sink starts nothing.

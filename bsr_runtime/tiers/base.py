@@ -143,7 +143,7 @@ class Tier(ABC):
     def window_source(self, keys: PrefixKeys, timeout_s: float) -> InPlaceSource | None:
         """A WindowSource whose windows the restore installs from where this tier holds the bytes
         (LMCache's L1), measuring what it pins (window_loop.InPlaceSource); or None (the default):
-        the restore fetches each window into its staging (restore.TierSource). `timeout_s`: per
+        the restore fetches each window into its staging (tier_source.TierSource). `timeout_s`: per
         window, from its fetch. Called once per restore."""
         return None
 

@@ -23,8 +23,9 @@ from bsr_runtime import store as store_mod
 from bsr_runtime.admission import ByteBudget, SerialAdmission
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.plan import Window, plan_windows
-from bsr_runtime.restore import BoundedRestorer, RestoreConfig, TierSource
+from bsr_runtime.restore import BoundedRestorer, RestoreConfig
 from bsr_runtime.state_hash import state_hash
+from bsr_runtime.tier_source import TierSource
 from bsr_runtime.tiers.base import FETCH_HEADROOM
 from bsr_runtime.window_loop import LoopStats, WindowFailed, WindowLoop, map_onto_destination
 
