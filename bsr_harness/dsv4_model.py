@@ -75,83 +75,96 @@ def config(layers_ratios=(0, 0, 4, 128), hidden=256, heads=8, experts=64, topk=6
     }
 
 
+class _Weights:
+    """The checkpoint's tensors, drawn in order from one seeded generator."""
+
+    def __init__(self, seed: int) -> None:
+        self.g = torch.Generator().manual_seed(seed)
+        self.t: dict[str, torch.Tensor] = {}
+
+    def w(self, name: str, *shape: int, std: float = 0.05, dtype=torch.bfloat16) -> None:
+        self.t[name] = (torch.randn(*shape, generator=self.g) * std).to(dtype)
+
+    def ones(self, name: str, *shape: int, dtype=torch.bfloat16) -> None:
+        self.t[name] = torch.ones(*shape, dtype=dtype)
+
+    def compressor(self, prefix: str, ratio: int, head: int, hidden: int) -> None:
+        coff = 2 if ratio == 4 else 1
+        self.w(f"{prefix}.ape", ratio, coff * head, std=0.05, dtype=torch.float32)
+        self.ones(f"{prefix}.norm.weight", head)
+        self.w(f"{prefix}.wkv.weight", coff * head, hidden, std=0.08)
+        self.w(f"{prefix}.wgate.weight", coff * head, hidden, std=0.08)
+
+
+def _attention(ws: _Weights, cfg: dict, a: str, ratio: int) -> None:
+    """One layer's compressed MLA attention: its projections, its compressor (ratio > 1) and, at ratio
+    4, its indexer."""
+    H, hd = cfg["hidden_size"], cfg["head_dim"]
+    nh, ql, ol, og = cfg["num_attention_heads"], cfg["q_lora_rank"], cfg["o_lora_rank"], cfg["o_groups"]
+    ihd, inh = cfg["index_head_dim"], cfg["index_n_heads"]
+    ws.w(f"{a}.attn_sink", nh, std=0.5, dtype=torch.float32)
+    ws.ones(f"{a}.q_norm.weight", ql)
+    ws.ones(f"{a}.kv_norm.weight", hd)
+    ws.w(f"{a}.wq_a.weight", ql, H, std=0.08)
+    ws.w(f"{a}.wq_b.weight", nh * hd, ql, std=0.08)
+    ws.w(f"{a}.wkv.weight", hd, H, std=0.08)
+    ws.w(f"{a}.wo_a.weight", og * ol, nh * hd // og, std=0.03)
+    ws.w(f"{a}.wo_b.weight", H, og * ol, std=0.05)
+    if ratio > 1:
+        ws.compressor(f"{a}.compressor", ratio, hd, H)
+    if ratio == 4:
+        ws.compressor(f"{a}.indexer.compressor", ratio, ihd, H)
+        ws.w(f"{a}.indexer.weights_proj.weight", inh, H, std=0.08)
+        ws.w(f"{a}.indexer.wq_b.weight", inh * ihd, ql, std=0.08)
+
+
+def _ffn(ws: _Weights, cfg: dict, f: str, hash_layer: bool) -> None:
+    """One layer's MoE: the gate (a hash layer's token-to-expert table), the routed and shared experts."""
+    H, E = cfg["hidden_size"], cfg["n_routed_experts"]
+    mi, k = cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+    ws.w(f"{f}.gate.weight", E, H, std=0.08)
+    if hash_layer:
+        ws.t[f"{f}.gate.tid2eid"] = torch.stack(
+            [torch.randperm(E, generator=ws.g)[:k] for _ in range(VOCAB)]).to(torch.int64)
+    else:
+        ws.w(f"{f}.gate.bias", E, std=0.05, dtype=torch.float32)
+    for e in [*(f"experts.{e}" for e in range(E)), "shared_experts"]:
+        ws.w(f"{f}.{e}.w1.weight", mi, H, std=0.08)
+        ws.w(f"{f}.{e}.w2.weight", H, mi, std=0.08)
+        ws.w(f"{f}.{e}.w3.weight", mi, H, std=0.08)
+
+
 def _build(path: str | Path, seed: int = 0, weights: bool = True, **kw) -> str:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = config(**kw)
-    if not weights:  # the geometry alone (vLLM's KV-cache objects need no weights)
-        (path / "config.json").write_text(json.dumps(cfg, indent=1))
-        return str(path)
-    g = torch.Generator().manual_seed(seed)
-    bf, f32 = torch.bfloat16, torch.float32
-    H, hd = cfg["hidden_size"], cfg["head_dim"]
-    nh, ql, ol, og = cfg["num_attention_heads"], cfg["q_lora_rank"], cfg["o_lora_rank"], cfg["o_groups"]
-    ihd, inh = cfg["index_head_dim"], cfg["index_n_heads"]
-    E, mi, k = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
-    hc = cfg["hc_mult"]
-    mix = (2 + hc) * hc
-    t: dict[str, torch.Tensor] = {}
-
-    def w(name, *shape, std=0.05, dtype=bf):
-        t[name] = (torch.randn(*shape, generator=g) * std).to(dtype)
-
-    def ones(name, n, dtype=bf):
-        t[name] = torch.ones(n, dtype=dtype)
-
-    w("embed.weight", VOCAB, H, std=1.0)
-    w("head.weight", VOCAB, H, std=0.08)
-    ones("norm.weight", H)
-    w("hc_head_fn", hc, hc * H, std=0.02, dtype=f32)
-    w("hc_head_base", hc, std=0.1, dtype=f32)
-    t["hc_head_scale"] = torch.ones(1, dtype=f32)
-
-    def compressor(prefix, ratio, head):
-        coff = 2 if ratio == 4 else 1
-        w(f"{prefix}.ape", ratio, coff * head, std=0.05, dtype=f32)
-        ones(f"{prefix}.norm.weight", head)
-        w(f"{prefix}.wkv.weight", coff * head, H, std=0.08)
-        w(f"{prefix}.wgate.weight", coff * head, H, std=0.08)
-
-    for i, ratio in enumerate(cfg["compress_ratios"][: cfg["num_hidden_layers"]]):
-        p = f"layers.{i}"
-        a = f"{p}.attn"
-        w(f"{a}.attn_sink", nh, std=0.5, dtype=f32)
-        ones(f"{a}.q_norm.weight", ql)
-        ones(f"{a}.kv_norm.weight", hd)
-        w(f"{a}.wq_a.weight", ql, H, std=0.08)
-        w(f"{a}.wq_b.weight", nh * hd, ql, std=0.08)
-        w(f"{a}.wkv.weight", hd, H, std=0.08)
-        w(f"{a}.wo_a.weight", og * ol, nh * hd // og, std=0.03)
-        w(f"{a}.wo_b.weight", H, og * ol, std=0.05)
-        if ratio > 1:
-            compressor(f"{a}.compressor", ratio, hd)
-        if ratio == 4:
-            compressor(f"{a}.indexer.compressor", ratio, ihd)
-            w(f"{a}.indexer.weights_proj.weight", inh, H, std=0.08)
-            w(f"{a}.indexer.wq_b.weight", inh * ihd, ql, std=0.08)
-        f = f"{p}.ffn"
-        w(f"{f}.gate.weight", E, H, std=0.08)
-        if i < cfg["num_hash_layers"]:
-            t[f"{f}.gate.tid2eid"] = torch.stack(
-                [torch.randperm(E, generator=g)[:k] for _ in range(VOCAB)]).to(torch.int64)
-        else:
-            w(f"{f}.gate.bias", E, std=0.05, dtype=f32)
-        for e in range(E):
-            w(f"{f}.experts.{e}.w1.weight", mi, H, std=0.08)
-            w(f"{f}.experts.{e}.w2.weight", H, mi, std=0.08)
-            w(f"{f}.experts.{e}.w3.weight", mi, H, std=0.08)
-        w(f"{f}.shared_experts.w1.weight", mi, H, std=0.08)
-        w(f"{f}.shared_experts.w2.weight", H, mi, std=0.08)
-        w(f"{f}.shared_experts.w3.weight", mi, H, std=0.08)
-        ones(f"{p}.attn_norm.weight", H)
-        ones(f"{p}.ffn_norm.weight", H)
-        for kind in ("attn", "ffn"):
-            w(f"{p}.hc_{kind}_fn", mix, hc * H, std=0.02, dtype=f32)
-            w(f"{p}.hc_{kind}_base", mix, std=0.1, dtype=f32)
-            t[f"{p}.hc_{kind}_scale"] = torch.ones(3, dtype=f32)
-    save_file({n: v.contiguous() for n, v in t.items()}, str(path / "model.safetensors"))
+    if weights:  # else the geometry alone (vLLM's KV-cache objects need no weights)
+        save_file({n: v.contiguous() for n, v in _weights(cfg, seed).items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     return str(path)
+
+
+def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    H, hc, f32 = cfg["hidden_size"], cfg["hc_mult"], torch.float32
+    mix = (2 + hc) * hc
+    ws = _Weights(seed)
+    ws.w("embed.weight", VOCAB, H, std=1.0)
+    ws.w("head.weight", VOCAB, H, std=0.08)
+    ws.ones("norm.weight", H)
+    ws.w("hc_head_fn", hc, hc * H, std=0.02, dtype=f32)
+    ws.w("hc_head_base", hc, std=0.1, dtype=f32)
+    ws.ones("hc_head_scale", 1, dtype=f32)
+    for i, ratio in enumerate(cfg["compress_ratios"][: cfg["num_hidden_layers"]]):
+        p = f"layers.{i}"
+        _attention(ws, cfg, f"{p}.attn", ratio)
+        _ffn(ws, cfg, f"{p}.ffn", i < cfg["num_hash_layers"])
+        ws.ones(f"{p}.attn_norm.weight", H)
+        ws.ones(f"{p}.ffn_norm.weight", H)
+        for kind in ("attn", "ffn"):  # the hyper-connections' mixing
+            ws.w(f"{p}.hc_{kind}_fn", mix, hc * H, std=0.02, dtype=f32)
+            ws.w(f"{p}.hc_{kind}_base", mix, std=0.1, dtype=f32)
+            ws.ones(f"{p}.hc_{kind}_scale", 3, dtype=f32)
+    return ws.t
 
 
 # DeepSeek-V4-Flash's layer pattern (43 layers: 0, 0, then 4/128 alternating, ending on 4; 3 hash
