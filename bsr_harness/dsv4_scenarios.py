@@ -102,9 +102,6 @@ def _load_record(rec: dict) -> dict:
 
 def restore(model: str, root: str, prompt_tokens: int = 1069, window_chunks: int = 2, max_tokens: int = 4,
             damages: tuple[str, ...] = ("flip", "delete", "truncate"), max_model_len: int = 2048) -> dict:
-    from bsr_runtime.keys import PrefixKeys
-    from bsr_runtime.tiers.filesystem import FilesystemTier
-
     kv = vllm_engines.kv_transfer_config([{"type": "filesystem", "root": root}], window_chunks=window_chunks)
     t0 = time.perf_counter()
     llm = dsv4_engine.make_llm(model, kv, max_model_len=max_model_len, kv_cache_memory_bytes=256 << 20)
@@ -113,25 +110,11 @@ def restore(model: str, root: str, prompt_tokens: int = 1069, window_chunks: int
     try:
         sched = vllm_engines.scheduler_side(llm)
         worker = vllm_engines.worker_side()
-        reg = worker.reg
-        out["registration"] = registration_record(sched.reg, reg)
-        out["registration"]["specs"] = [s.to_dict() for s in reg.specs]
+        out["registration"] = registration_record(sched.reg, worker.reg)
+        out["registration"]["specs"] = [s.to_dict() for s in worker.reg.specs]
         tokens = _prompt(prompt_tokens)
-        t0 = time.perf_counter()
-        cold = vllm_engines.generate(llm, tokens, max_tokens=max_tokens)
-        out["cold_s"] = round(time.perf_counter() - t0, 2)
-        out["saved"] = worker.wait_saves(120)
-        _settle(llm)
-        out["saves"] = [{k: s.get(k) for k in ("ok", "stored", "error", "skipped")} for s in worker.saves]
-        files = sorted(str(p) for p in Path(root).rglob("*") if p.is_file())
-        out["object_sizes"] = sorted({os.path.getsize(f) for f in files})
-        out["objects"] = len(files)
-
-        def forget() -> None:
-            assert llm.reset_prefix_cache(), "vLLM kept its prefix cache"
-            poison_all(worker.kv)
-
-        forget()
+        cold = _saved_cold(llm, worker, root, tokens, max_tokens, out)
+        _forget(llm, worker)
         t0 = time.perf_counter()
         restored = vllm_engines.generate(llm, tokens, max_tokens=max_tokens)
         out["restored_s"] = round(time.perf_counter() - t0, 2)
@@ -139,30 +122,63 @@ def restore(model: str, root: str, prompt_tokens: int = 1069, window_chunks: int
         out["restored"] = {"tokens_identical": restored[0] == cold[0], "logprobs_identical": restored[1] == cold[1],
                            "cached_tokens": restored[2], "tokens": restored[0], "cold_tokens": cold[0],
                            "max_logprob_diff": max((abs(a - b) for a, b in zip(restored[1], cold[1])), default=0.0)}
-        n = out["load"]["num_chunks"] or 0
-        keys = PrefixKeys(sched.keyspace, tokens, reg.chunk_tokens).window(0, max(n, 1))
-        with FilesystemTier(root, reg.chunk_bytes, reg.fingerprint) as tier:
-            paths = [tier.path_of(k) for k in keys]
-        seg = next(i for i, s in enumerate(reg.specs) if s.tail_tokens)  # inside a sliding-window tail
-        out["damage"] = {}
-        for i, kind in enumerate(damages):
-            worker.wait_saves(120)  # the recompute after the last damage saved every chunk again
-            _settle(llm)
-            victim = paths[(n - 1 - i) % n]
-            size = os.path.getsize(victim)
-            hook = _Damage(worker.tiers[0], victim, kind, size - reg.chunk_bytes + reg.segment_offsets[seg] + 77)
-            forget()
-            t0 = time.perf_counter()
-            try:
-                got = vllm_engines.generate(llm, tokens, max_tokens=max_tokens)
-            finally:
-                hook.remove()
-            out["damage"][kind] = {"load": _load_record(worker.loads[-1]), "fetched_damaged": hook.done,
-                                   "seconds": round(time.perf_counter() - t0, 2),
-                                   "tokens_identical": got[0] == cold[0], "logprobs_identical": got[1] == cold[1]}
+        paths = _object_paths(sched, worker.reg, root, tokens, out["load"]["num_chunks"] or 0)
+        out["damage"] = {kind: _damaged_restore(llm, worker, tokens, cold, paths[(len(paths) - 1 - i) % len(paths)],
+                                                kind, max_tokens)
+                         for i, kind in enumerate(damages)}
     finally:
         vllm_engines.shutdown(llm)
     return out
+
+
+def _saved_cold(llm, worker, root: str, tokens: list[int], max_tokens: int, out: dict) -> tuple:
+    """The cold prefill (the reference output), its chunks saved; the objects it left under `root`."""
+    t0 = time.perf_counter()
+    cold = vllm_engines.generate(llm, tokens, max_tokens=max_tokens)
+    out["cold_s"] = round(time.perf_counter() - t0, 2)
+    out["saved"] = worker.wait_saves(120)
+    _settle(llm)
+    out["saves"] = [{k: s.get(k) for k in ("ok", "stored", "error", "skipped")} for s in worker.saves]
+    files = sorted(str(p) for p in Path(root).rglob("*") if p.is_file())
+    out["object_sizes"] = sorted({os.path.getsize(f) for f in files})
+    out["objects"] = len(files)
+    return cold
+
+
+def _forget(llm, worker) -> None:
+    """vLLM's prefix cache reset and every KV block poisoned: what comes next comes from the tier."""
+    assert llm.reset_prefix_cache(), "vLLM kept its prefix cache"
+    poison_all(worker.kv)
+
+
+def _object_paths(sched, reg, root: str, tokens: list[int], num_chunks: int) -> list[str]:
+    """The files of the prompt's first `num_chunks` objects (at least one) on the filesystem tier."""
+    from bsr_runtime.keys import PrefixKeys
+    from bsr_runtime.tiers.filesystem import FilesystemTier
+
+    keys = PrefixKeys(sched.keyspace, tokens, reg.chunk_tokens).window(0, max(num_chunks, 1))
+    with FilesystemTier(root, reg.chunk_bytes, reg.fingerprint) as tier:
+        return [tier.path_of(k) for k in keys]
+
+
+def _damaged_restore(llm, worker, tokens: list[int], cold: tuple, victim: str, kind: str, max_tokens: int) -> dict:
+    """The prompt again with `victim` damaged (`kind`) as the restore reads it, inside a sliding-window
+    tail: the load record, whether the damaged bytes were fetched, and the output against cold."""
+    reg = worker.reg
+    worker.wait_saves(120)  # the recompute after the last damage saved every chunk again
+    _settle(llm)
+    seg = next(i for i, s in enumerate(reg.specs) if s.tail_tokens)
+    size = os.path.getsize(victim)
+    hook = _Damage(worker.tiers[0], victim, kind, size - reg.chunk_bytes + reg.segment_offsets[seg] + 77)
+    _forget(llm, worker)
+    t0 = time.perf_counter()
+    try:
+        got = vllm_engines.generate(llm, tokens, max_tokens=max_tokens)
+    finally:
+        hook.remove()
+    return {"load": _load_record(worker.loads[-1]), "fetched_damaged": hook.done,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "tokens_identical": got[0] == cold[0], "logprobs_identical": got[1] == cold[1]}
 
 
 def bench(model: str, root: str, prompt_lengths: list[int], window_chunks: int = 32, batched_tokens: int = 2048,
