@@ -113,11 +113,12 @@ static int copy_segment(const window* w, int64_t c, int64_t t) {
     const int64_t eb = dd.entry_bytes, bs = dd.block_size, epc = dd.entries_per_chunk;
     const int packed = dd.rows_per_entry == 1 && dd.slot_stride == eb; /* a block's slots are one run */
     const int64_t e0 = (w->first_chunk + c) * epc;
+    /* the block index and slot walked along the segment: one division per segment, not per span */
+    int64_t bi = e0 / bs, slot = e0 - (e0 / bs) * bs;
     run r = {0, 0, 0};
-    for (int64_t i = 0; i < epc;) {
-        const int64_t e = e0 + i, slot = e % bs;
+    for (int64_t i = 0; i < epc; ++bi, slot = 0) {
         const int64_t n = bs - slot < epc - i ? bs - slot : epc - i; /* entries left in this block */
-        const int64_t block = table[e / bs];
+        const int64_t block = table[bi];
         uint8_t* s = stage + i * eb;
         if (block < -1 || block >= dd.num_blocks) {
             flush(&r, w->gather, w->stream);

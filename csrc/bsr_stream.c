@@ -11,7 +11,10 @@
 #endif
 
 #define DEFAULT_THRESHOLD (32LL << 20)
-#define NT_MIN 1024 /* below it the alignment head and tail are most of the copy */
+/* below it the alignment head and tail are most of the copy; from two cache lines up streaming pays even
+ * for the install's small spans scattered over the KV cache (dsv4-flash at 1/64 moves 16-512 B spans:
+ * benchmarks/bench_install.py, cold, two threads, 0.41-0.48 of a contiguous copy with 1 KiB, 0.76-0.85 with 128 B) */
+#define NT_MIN 128
 
 static int64_t g_threshold[2] = {-1, -1}; /* per BSR_INTO_*; -1: not read yet */
 
