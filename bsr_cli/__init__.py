@@ -80,11 +80,13 @@ def _add_sweep(sub) -> None:
 def _add_wlaw(sub) -> None:
     w = sub.add_parser("wlaw", help="peak staging against W at one prefix length (the W -> RWS law)",
                        description="Restores one prefix (default 262144 tokens) at W in {8,16,32,64}; peak "
-                                   "staging must be W*c. Seconds are descriptive only.")
+                                   "staging must be W*c; each W's median seconds over W=32's, and its phases.")
     add_common(w)
     w.add_argument("--tokens", type=positive_int, default=262144, help="prefix length (default 262144)")
     w.add_argument("--windows", type=parse_windows, default=[8, 16, 32, 64],
                    help="comma-separated W values (default 8,16,32,64)")
+    w.add_argument("--repeat", type=count_int, default=3,
+                   help="runs per W, the W's runs interleaved; the median is reported (default %(default)s)")
     w.add_argument("--plot", type=output_file, help="PNG of peak staging against W")
     w.set_defaults(func=cmd_wlaw)
 

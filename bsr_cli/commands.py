@@ -7,7 +7,17 @@ import time
 
 from .args import CliError, load_registration, tier_names
 from .engine_demo import engine_demo
-from .output import Progress, human_bytes, line_plot, plot_peaks, print_table, rows_table, write_json
+from .output import (
+    PHASES,
+    Progress,
+    baseline_table,
+    human_bytes,
+    line_plot,
+    plot_peaks,
+    print_table,
+    rows_table,
+    write_json,
+)
 from .resources import (
     TOKEN_ID_BYTES,
     check_sweep_fits,
@@ -90,6 +100,9 @@ def _open_target(args, name: str, reg, src, windows, progress: Progress):
                          name=name if name.startswith("lmcache-") else None, whole_plan_chunks=src.num_chunks)
 
 
+WLAW_REFERENCE_W = 32  # bsr wlaw prints each W's seconds over this W's (issue 41: W = 8 within 1.15x)
+
+
 def cmd_demo(args) -> int:
     progress = Progress(args.quiet)
     reg = load_registration(args.registration, args.scale)
@@ -125,6 +138,7 @@ def cmd_sweep(args) -> int:
     windows = [args.window] + ([0] if args.baseline and args.window else [])
     rows = _sweep_rows(args, reg, tier_names(args), args.tokens, windows, progress, repeat=args.repeat)
     rows_table(rows)
+    baseline_table(rows)
     write_json(args.json, [r.to_dict() for r in rows])
     _record(args, {"rows": [r.to_dict() for r in rows]})
     if args.plot:
@@ -137,12 +151,15 @@ def cmd_wlaw(args) -> int:
     reg = load_registration(args.registration, args.scale)
     windows = args.windows
     print(reg.describe())
-    rows = _sweep_rows(args, reg, tier_names(args), [args.tokens], windows, progress)
-    print_table(["tier", "W", "peak staging", "W*c", "peak == W*c", "seconds (descriptive)"],
+    rows = _sweep_rows(args, reg, tier_names(args), [args.tokens], windows, progress, repeat=args.repeat)
+    ref = {r.tier: r.seconds for r in rows if r.window_chunks == WLAW_REFERENCE_W}
+    print_table(["tier", "W", "peak staging", "W*c", "peak == W*c", "seconds", f"/ W={WLAW_REFERENCE_W}",
+                 *(f"{p} ms" for p in PHASES)],
                 [(r.tier, r.window_chunks, human_bytes(r.peak_staging_bytes),
                   human_bytes(min(r.window_chunks, r.chunks) * r.chunk_bytes),
                   "yes" if r.peak_staging_bytes == min(r.window_chunks, r.chunks) * r.chunk_bytes else "NO",
-                  f"{r.seconds:.2f}") for r in rows])
+                  f"{r.seconds:.3f}", f"{r.seconds / ref[r.tier]:.2f}" if ref.get(r.tier) else "-",
+                  *(f"{getattr(r, p + '_s') * 1e3:.1f}" for p in PHASES)) for r in rows])
     write_json(args.json, [r.to_dict() for r in rows])
     _record(args, {"rows": [r.to_dict() for r in rows]})
     if args.plot:

@@ -71,6 +71,25 @@ def rows_table(rows) -> None:
           f"{r.seconds:.2f}", f"{r.gbps:.2f}", "yes" if r.state_hash_ok else "NO") for r in rows])
 
 
+PHASES = ("prepare", "admit", "submit", "fetch", "install", "sync")  # a restore's, in order (window_loop.LoopStats)
+
+
+def baseline_table(rows) -> None:
+    """Each length's BSR row beside its whole-plan row (W = 0, one window of every chunk, staging allocated
+    before anything is timed): the ratio of their median seconds, and where each spent them (ms)."""
+    whole = {(r.tier, r.tokens): r for r in rows if r.window_chunks == 0}
+    pairs = [(r, whole[r.tier, r.tokens]) for r in rows if r.window_chunks and (r.tier, r.tokens) in whole]
+    if not pairs:
+        return
+    print("BSR / whole plan (W = 0: one window of all N chunks, its staging allocated and touched before timing; "
+          "the same read path and installer). Phases in ms, BSR | whole plan:")
+    print_table(["tier", "tokens", "W", "BSR s", "whole s", "BSR / whole", *PHASES],
+                [(b.tier, b.tokens, b.window_chunks, f"{b.seconds:.4f}", f"{w.seconds:.4f}",
+                  f"{b.seconds / w.seconds:.2f}" if w.seconds else "-",
+                  *(f"{getattr(b, p + '_s') * 1e3:.1f} | {getattr(w, p + '_s') * 1e3:.1f}" for p in PHASES))
+                 for b, w in pairs])
+
+
 def line_plot(path: str, series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str,
               title: str = "") -> None:
     """One PNG with a line per series (label -> [(x, y), ...])."""

@@ -77,6 +77,9 @@ class SweepRow:
     state_hash_ok: bool
     ok: bool
     error: str | None = None
+    prepare_s: float = 0.0  # the restore's phases beside fetch / install / sync (window_loop.LoopStats)
+    admit_s: float = 0.0
+    submit_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,8 +139,9 @@ def sweep(src: SourceState, target: Tier | TierTarget, token_counts: Sequence[in
           windows: Sequence[int], *, depth: int | None = None, fetch_timeout_s: float = 120.0, backend: str = "auto",
           expected: dict[int, str] | None = None, dst: Destinations | None = None, repeat: int = 1,
           on_row: Callable[[SweepRow], None] | None = None) -> list[SweepRow]:
-    """One row per (tokens, W), the median of `repeat` runs. `expected` maps chunk counts to
-    source state hashes; a row's state_hash_ok holds only if every run restored them."""
+    """One row per (tokens, W), the median of `repeat` runs (a length's runs at every W interleaved).
+    `expected` maps chunk counts to source state hashes; a row's state_hash_ok holds only if every run
+    restored them."""
     reg = src.reg
     chunk_counts = [t // reg.chunk_tokens for t in token_counts]
     if max(chunk_counts) > src.num_chunks:
@@ -151,33 +155,39 @@ def sweep(src: SourceState, target: Tier | TierTarget, token_counts: Sequence[in
     try:
         for tokens, n in zip(token_counts, chunk_counts):
             probed = target.probe_chunks(src, n)
-            for w in windows:
-                reports = []
-                for _ in range(repeat):  # the median run is reported; every run must restore the state
+            reports: dict[int, list] = {w: [] for w in windows}
+            for r in range(repeat):  # the W's runs interleaved: drift on a shared machine hits every W alike
+                for w in windows:
                     dst.poison()
-                    req = RestoreRequest(f"sweep-{tokens}-{w}", src.tokens, src.keyspace, dst.kv, dst.tables)
+                    req = RestoreRequest(f"sweep-{tokens}-{w}-{r}", src.tokens, src.keyspace, dst.kv, dst.tables)
                     rep = target.restore(w, req, min(n, probed))
                     rep.ok = rep.ok and state_hash(reg, dst.kv, dst.tables, n) == expected[n]
-                    reports.append(rep)
-                ok_hash = all(r.ok for r in reports)
-                rep = sorted(reports, key=lambda r: r.total_s)[len(reports) // 2]
-                row = SweepRow(
-                    tier=target.name, tokens=tokens, chunks=n, window_chunks=w, pipeline_depth=rep.pipeline_depth,
-                    windows=rep.windows, chunk_bytes=reg.chunk_bytes,
-                    staging_capacity_bytes=target.capacity(w, n, reg.chunk_bytes),
-                    peak_staging_bytes=rep.peak_staging_bytes, bytes_moved=rep.bytes_moved,
-                    seconds=rep.total_s, gbps=rep.bytes_moved / rep.total_s / 1e9 if rep.total_s else 0.0,
-                    fetch_s=rep.fetch_s, install_s=rep.install_s, sync_s=rep.sync_s,
-                    committed_tokens=rep.committed_tokens, probed_tokens=probed * reg.chunk_tokens,
-                    state_hash_ok=ok_hash, ok=all(r.committed_tokens == n * reg.chunk_tokens for r in reports),
-                    error=rep.error,
-                )
+                    reports[w].append(rep)
+            for w in windows:
+                row = _sweep_row(target.name, reg, tokens, n, w, probed, reports[w],
+                                 target.capacity(w, n, reg.chunk_bytes))
                 rows.append(row)
                 if on_row is not None:
                     on_row(row)
     finally:
         target.close()
     return rows
+
+
+def _sweep_row(tier: str, reg: Registration, tokens: int, n: int, w: int, probed: int, reports: list,
+               capacity: int) -> SweepRow:
+    """The row of one (tokens, W): the median run's figures; state_hash_ok only if every run restored the state."""
+    rep = sorted(reports, key=lambda r: r.total_s)[len(reports) // 2]
+    return SweepRow(
+        tier=tier, tokens=tokens, chunks=n, window_chunks=w, pipeline_depth=rep.pipeline_depth,
+        windows=rep.windows, chunk_bytes=reg.chunk_bytes, staging_capacity_bytes=capacity,
+        peak_staging_bytes=rep.peak_staging_bytes, bytes_moved=rep.bytes_moved,
+        seconds=rep.total_s, gbps=rep.bytes_moved / rep.total_s / 1e9 if rep.total_s else 0.0,
+        fetch_s=rep.fetch_s, install_s=rep.install_s, sync_s=rep.sync_s,
+        committed_tokens=rep.committed_tokens, probed_tokens=probed * reg.chunk_tokens,
+        state_hash_ok=all(r.ok for r in reports), ok=all(r.committed_tokens == n * reg.chunk_tokens for r in reports),
+        error=rep.error, prepare_s=rep.prepare_s, admit_s=rep.admit_s, submit_s=rep.submit_s,
+    )
 
 
 def ladder(src: SourceState, tier: Tier, tokens: int, window: int, *, first_rung: int = 1 << 20,
