@@ -59,7 +59,14 @@ def render_section(s: Section, records: list[dict]) -> list[str]:
     out = ["", f"### {s.title}", ""]
     if s.about:
         out += [s.about, ""]
-    for rec in latest(records):
+    shown = latest(records)
+    if s.keep is not None:
+        left_out = [rec for rec in shown if not s.keep(rec)]
+        shown = [rec for rec in shown if s.keep(rec)]
+        if left_out:
+            commands = ", ".join("`" + rec["command"] + "`" for rec in left_out)
+            out += [f"Left out ({len(left_out)}, not this section's measure): {commands}", ""]
+    for rec in shown:
         out += [f"`{rec['command']}`", "",
                 f"commit `{short_commit(rec['commit'])}`, {rec['date']}, {machine_summary(rec['machine'])}", ""]
         if rec.get("notes"):

@@ -150,3 +150,32 @@ def test_every_benchmark_script_records():
         if runnable and not {"add_record_options", "record_script"} <= calls:
             missing.append(path.name)
     assert not missing, f"benchmark scripts that do not append a record: {missing}"
+
+
+def _sweep_record(command: str, caps: list[int]) -> dict:
+    """A `bsr sweep --baseline` record of two lengths (4 and 8 chunks of 100 B): W = 0's staging capacity per row."""
+    rows = []
+    for n, cap in zip((4, 8), caps):
+        for w in (2, 0):
+            rows.append({"tier": "filesystem", "tokens": n * 256, "chunks": n, "window_chunks": w, "pipeline_depth": 2,
+                         "windows": 1, "chunk_bytes": 100, "staging_capacity_bytes": cap if w == 0 else 200,
+                         "peak_staging_bytes": 100, "bytes_moved": n * 100, "seconds": 0.5 if w else 0.25,
+                         "gbps": 1.0, "state_hash_ok": True})
+    return {"command": command, "commit": "0" * 40, "date": "2026-12-03T00:00:00+00:00",
+            "machine": {"cpu": "x", "cores": 2, "memory_gib": 1, "gpu": None}, "figures": {"rows": rows},
+            "settings": {"tier": "filesystem", "baseline": True, "command": command}}
+
+
+def test_the_sweep_section_shows_only_the_whole_plan_at_its_best():
+    """A record whose whole plan got a fresh pool per length (capacity N*c each) is not shown as a ratio, in the
+    docs nor in the README's headline; one whose whole plan was sized once for the longest prefix is."""
+    from bsr_harness.report import render_section
+    from bsr_harness.report_sections import _SECTIONS, HEADLINES
+
+    fair, handicapped = _sweep_record("bsr sweep fair", [800, 800]), _sweep_record("bsr sweep old", [400, 800])
+    (section,) = [s for s in _SECTIONS if s.benchmark == "bsr_sweep"]
+    text = "\n".join(render_section(section, [handicapped, fair]))
+    assert "\n`bsr sweep fair`\n" in text and "| 0.500 | 0.250 | 2 | yes |" in text  # BSR s, whole s, 0.5 / 0.25
+    assert "\n`bsr sweep old`\n" not in text and "Left out (1, not this section's measure): `bsr sweep old`" in text
+    (headline,) = [h for h in HEADLINES if h.benchmark == "bsr_sweep" and "filesystem" in h.result]
+    assert headline.matches(fair) and not headline.matches(handicapped)
