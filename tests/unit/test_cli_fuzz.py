@@ -240,7 +240,7 @@ ARGS = st.fixed_dictionaries({
 ALLOWED = {
     "sweep": {"--tokens", "--window-chunks", "--scale", "--timeout", "--depth", "--repeat", "--load-concurrency",
               "--registration"},
-    "wlaw": {"--tokens", "--windows", "--scale", "--timeout", "--depth", "--registration"},
+    "wlaw": {"--tokens", "--windows", "--scale", "--timeout", "--depth", "--repeat", "--registration"},
     "ladder": {"--tokens", "--window-chunks", "--scale", "--first-rung", "--depth", "--registration"},
     "bench": {"--windows", "--scale", "--rounds", "--registration"},
 }
