@@ -1,9 +1,10 @@
-"""The one tier factory: a Tier from a plain config mapping.
+"""The built-in tier types' opener: a FilesystemTier or MooncakeTier from a plain config mapping.
 
-Used by the engine integrations (a connector's tier list) and by the harness (the CLI and the
-benchmarks, which first start what a tier needs). Starting services is not a tier's business:
-a Mooncake tier here connects to a master that is already running. The specs and their schemas
-are in specs.py: a bad spec is one ValueError naming every bad key, before anything opens.
+Reached through the tier registry (registry.py: every tier type by name, integrations' too) and used
+directly by the harness (the CLI and the benchmarks, which first start what a tier needs). Starting
+services is not a tier's business: a Mooncake tier here connects to a master that is already running.
+The specs and their schemas are in specs.py: a bad spec is one ValueError naming every bad key, before
+anything opens.
 """
 
 from __future__ import annotations
@@ -13,14 +14,18 @@ from collections.abc import Mapping
 from bsr_kernels import Registration
 
 from .base import Tier
-from .specs import TIER_TYPES, FilesystemTierSpec, parse_tier_spec
+from .specs import FilesystemTierSpec, MooncakeTierSpec, parse_tier_spec
 
-__all__ = ["TIER_TYPES", "make_tier"]
+__all__ = ["make_tier"]
 
 
 def make_tier(reg: Registration, spec: Mapping) -> Tier:
-    """A ready tier for `reg` from `spec` (specs.py)."""
+    """A ready tier of a built-in type for `reg` from `spec` (specs.py); another registered type is opened
+    by registry.open_tier."""
     s = parse_tier_spec(spec)
+    if not isinstance(s, (FilesystemTierSpec, MooncakeTierSpec)):
+        raise ValueError(f"make_tier opens the built-in tier types; open {spec['type']!r} with "
+                         f"bsr_runtime.tiers.registry.open_tier")
     if isinstance(s, FilesystemTierSpec):
         from .filesystem import FilesystemTier
 

@@ -1,4 +1,4 @@
-"""The tier specs of the one tier factory (factory.py): one schema per tier type.
+"""The specs of the built-in tier types (registered in registry.py, opened by factory.py): one schema each.
 
     {"type": "filesystem", "root": "/mnt/ssd/bsr", "load_concurrency": 4, "fsync": false, "checksum": "auto"}
     {"type": "mooncake", "master_address": "H:50051", "metadata_server": "http://H:8080/metadata",
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from ..config_schema import ConfigError, Count, HostPort, Name, Schema, parse, short_repr
+from ..config_schema import ConfigError, Count, HostPort, Name, Schema
 from .mooncake_options import MooncakeTierOptions
 
 
@@ -31,21 +31,10 @@ class MooncakeTierSpec(MooncakeTierOptions):
         return MooncakeTierOptions(**{k: getattr(self, k) for k in MooncakeTierOptions.model_fields})
 
 
-TIER_SPECS: dict[str, type[Schema]] = {"filesystem": FilesystemTierSpec, "mooncake": MooncakeTierSpec}
-TIER_TYPES = tuple(TIER_SPECS)
+def parse_tier_spec(spec: object) -> Schema:
+    """A checked tier spec of any registered type (registry.py); one ConfigError naming every bad key otherwise."""
+    from .registry import tier_type
 
-
-def spec_schema(spec: object) -> type[Schema]:
-    """The schema of `spec`'s type; a one-line ConfigError for a spec that is no mapping or of no known type."""
     if not isinstance(spec, Mapping):
         raise ConfigError(f"a tier spec must be a mapping with a 'type', got {type(spec).__name__}")
-    kind = spec.get("type")
-    if kind not in TIER_SPECS:
-        raise ConfigError(f"unknown tier type {short_repr(kind)}; choose one of {', '.join(TIER_TYPES)}")
-    return TIER_SPECS[kind]
-
-
-def parse_tier_spec(spec: object) -> FilesystemTierSpec | MooncakeTierSpec:
-    """A checked tier spec; one ConfigError naming every bad key otherwise."""
-    schema = spec_schema(spec)
-    return parse(schema, spec, f"{spec['type']} tier spec")
+    return tier_type(spec.get("type")).parse({k: v for k, v in spec.items() if k != "type"})

@@ -221,3 +221,35 @@ def test_a_root_that_cannot_be_created_is_one_line_naming_the_key_and_path(tmp_p
         _root_refused(str(ro), f"the directory {str(ro)!r} is not writable")
     _open([{"type": "filesystem", "root": str(tmp_path / "new" / "bsr")}])  # created with its parents
     assert (tmp_path / "new" / "bsr").is_dir()
+
+
+def test_a_tier_type_registered_in_one_place_is_a_connector_tier():
+    """tests/toy_tier.py registers a tier type once (registry.register_tier_type): the connector's config
+    checks its options with its schema, names it among the choices, and opens it; unregistered, it is unknown."""
+    import torch
+    import toy_tier
+
+    from bsr_kernels import presets
+    from bsr_runtime.integrations.vllm.config import open_tiers
+
+    with toy_tier.registered():
+        two = [{"type": "toy", "store": "cfg-test"}, {"type": "filesystem", "root": "/x"}]
+        c = ConnectorConfig.from_extra({"tiers": two})
+        assert [t.type for t in c.tiers] == ["toy", "filesystem"] and c.tiers[0].options == {"store": "cfg-test"}
+        with pytest.raises(ConfigError, match=r"tiers\[0\].*colour"):
+            ConnectorConfig.from_extra({"tiers": [{"type": "toy", "store": "s", "colour": 1}]})
+        with pytest.raises(ConfigError, match=r"tiers\[0\].*store"):
+            ConnectorConfig.from_extra({"tiers": [{"type": "toy"}]})
+        with pytest.raises(ConfigError, match=r"unknown tier type 'nope'; choose one of .*\btoy\b"):
+            ConnectorConfig.from_extra({"tiers": [{"type": "nope"}]})
+        reg = presets.llama_like(layers=1, kv_heads=1, head_dim=16, block_size=16)
+        c = ConnectorConfig.from_extra({"tiers": [{"type": "toy", "store": "cfg-test"}]})
+        with contextlib.ExitStack() as stack:
+            (tier,) = open_tiers(c, reg, stack)
+            assert isinstance(tier, toy_tier.MemoryTier) and tier.chunk_bytes == reg.chunk_bytes
+            tier.put(["k"], [torch.ones(reg.chunk_bytes, dtype=torch.uint8)])
+            assert list(toy_tier.STORES["cfg-test"]) == ["k"]
+        with pytest.raises(Exception, match="after close"):
+            tier.probe(["k"])  # the stack closed it
+    with pytest.raises(ConfigError, match=r"unknown tier type 'toy'"):
+        ConnectorConfig.from_extra({"tiers": [{"type": "toy", "store": "s"}]})

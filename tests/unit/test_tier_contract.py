@@ -1,5 +1,6 @@
 """The Tier contract, the same tests against every tier: memory, filesystem and Mooncake (a real
-mooncake_master on 127.0.0.1), and every FaultyTier fault against each of them.
+mooncake_master on 127.0.0.1), a toy tier opened only by its registered type name (tests/toy_tier.py:
+what a new tier registered in one place gets), and every FaultyTier fault against each of them.
 
 The LMCache tier (LMCacheTier over LMCache's StorageManager) is not in this suite yet;
 tests/integration/lmcache/test_lmcache_tier.py and test_tier_overwrite.py cover it.
@@ -10,9 +11,11 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import torch
+import toy_tier
 
 from bsr_harness.faulty_tier import FaultyTier
 from bsr_harness.memory_tier import MemoryTier
@@ -28,6 +31,7 @@ from bsr_runtime.tiers import (
     TierError,
     TierUnavailableError,
 )
+from bsr_runtime.tiers.registry import open_tier
 
 FP = "0123456789abcdef0123456789abcdef"
 FP_OTHER = "fedcba9876543210fedcba9876543210"
@@ -41,7 +45,7 @@ _MOONCAKE = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 # restore's staging leaves, else the tail of the view before)
 MOONCAKE_PATHS = {"mooncake": {}, "mooncake-landed": {"local_reads": False, "land_whole": True},
                   "mooncake-in-place": {"local_reads": False, "land_whole": False}}
-KINDS = ["memory", "filesystem", *(pytest.param(k, marks=_MOONCAKE) for k in MOONCAKE_PATHS)]
+KINDS = ["memory", "filesystem", "registered", *(pytest.param(k, marks=_MOONCAKE) for k in MOONCAKE_PATHS)]
 
 
 def payloads(n: int, chunk_bytes: int = C, seed: int = 0) -> list[torch.Tensor]:
@@ -99,6 +103,9 @@ class Store:
                                                                         **MOONCAKE_PATHS[self.kind])
         elif self.kind == "filesystem":
             t = FilesystemTier(self._root, chunk_bytes, fingerprint, load_concurrency=2)
+        elif self.kind == "registered":  # by its type's name alone, as a connector's tier list opens it
+            reg = SimpleNamespace(chunk_bytes=chunk_bytes, fingerprint=fingerprint)
+            t = open_tier(reg, {"type": toy_tier.TOY.name, "store": self._salt}).__enter__()
         else:
             t = MemoryTier(chunk_bytes, fingerprint, store=self._dict)
         self._owned.append(t)
@@ -109,8 +116,16 @@ class Store:
             t.close()
 
 
+@pytest.fixture(scope="module")
+def toy_registered():
+    with toy_tier.registered():
+        yield
+
+
 @pytest.fixture(params=KINDS)
 def store(request, tmp_path):
+    if request.param == "registered":
+        request.getfixturevalue("toy_registered")
     s = Store(request.param, request, tmp_path)
     yield s
     s.close()

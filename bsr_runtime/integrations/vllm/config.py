@@ -48,10 +48,8 @@ from ...config_schema import (
 from ...diagnostics import report_writer
 from ...restore import MAX_WINDOW_CHUNKS, RestoreConfig
 from ...tiers.base import Tier
-from ...tiers.factory import make_tier
-from ...tiers.specs import TIER_SPECS
+from ...tiers.registry import tier_type, tier_type_names
 
-TIER_TYPES = ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
 WHAT = "BSR connector: kv_connector_extra_config"
 
 Window = Annotated[int, Field(ge=0, le=MAX_WINDOW_CHUNKS)]  # W in chunks; 0 = the whole plan
@@ -60,20 +58,12 @@ ChunkTokens = Annotated[int, Field(ge=1, le=MAX_CHUNK_TOKENS)]
 Depth = Annotated[int, Field(ge=1, le=2)]
 
 
-def _tier_schema(kind: str) -> type[Schema]:
-    if kind.startswith("lmcache-"):
-        from ..lmcache.specs import LMCACHE_TIER_SPECS  # imports LMCache (the package): only when such a tier is listed
-
-        return LMCACHE_TIER_SPECS[kind]
-    return TIER_SPECS[kind]
-
-
 class TierSpec(Schema):
-    """One tier of the connector: `type`, whether saves go to it, and the options of the tier
-    factory (bsr_runtime.tiers.specs) or of the LMCache tier (integrations/lmcache/config.py),
-    checked by that tier type's schema."""
+    """One tier of the connector: `type` (a registered tier type, bsr_runtime/tiers/registry.py), whether saves
+    go to it, and its options, checked by that type's schema (an integration's schema, LMCache's, is imported
+    only when such a tier is listed)."""
 
-    type: Literal["filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake"]
+    type: str
     save: bool | None = None  # None: the first tier saves, the others do not
     options: dict[str, Any] = Field(default_factory=dict)
 
@@ -83,13 +73,12 @@ class TierSpec(Schema):
         if not isinstance(d, Mapping):
             return None, [f"{where}: a tier spec is a mapping with a 'type', got {type(d).__name__}"]
         kind = d.get("type")
-        if kind not in TIER_TYPES:
-            return None, [f"{where}.type: unknown tier type {short_repr(kind)}; choose one of {', '.join(TIER_TYPES)}"]
-        options = {k: v for k, v in d.items() if k not in ("type", "save")}
-        if kind == "mooncake":
-            # an engine mounts no segment by default: objects live on the store hosts and outlive the engine
-            options.setdefault("global_segment_size", 0)
-        bad = problems(_tier_schema(kind), {"type": kind, **options}, where)
+        if not isinstance(kind, str) or kind not in tier_type_names():
+            return None, [f"{where}.type: unknown tier type {short_repr(kind)}; "
+                          f"choose one of {', '.join(tier_type_names())}"]
+        t = tier_type(kind)
+        options = {**t.engine_defaults, **{k: v for k, v in d.items() if k not in ("type", "save")}}
+        bad = problems(t.load_schema(), {"type": kind, **options}, where)
         if "save" in d and not (d["save"] is None or isinstance(d["save"], bool)):
             bad.append(f"{where}.save: must be true, false or null (got {short_repr(d['save'])})")
         return (None, bad) if bad else (cls(type=kind, save=d.get("save"), options=options), [])
@@ -206,20 +195,14 @@ _PLACEHOLDER = TierSpec(type="filesystem")
 
 
 def open_tiers(cfg: ConnectorConfig, reg: Registration, stack: contextlib.ExitStack) -> list[Tier]:
-    """Open every configured tier (the one tier factory; LMCache through its integration);
-    `stack` closes them. A filesystem root is created where it is missing."""
+    """Open every configured tier (its registered type's opener); `stack` closes them. A directory a
+    tier type names (a filesystem root) is created where it is missing."""
     tiers: list[Tier] = []
     for i, spec in enumerate(cfg.tiers):
-        if spec.type in ("filesystem", "lmcache-filesystem"):
-            make_root(f"tiers[{i}].root", spec.options["root"])
-        if spec.type.startswith("lmcache-"):
-            from ..lmcache.tier import open_lmcache_tier
-
-            tiers.append(stack.enter_context(open_lmcache_tier(reg, spec.type, spec.options)))
-            continue
-        tier = make_tier(reg, {"type": spec.type, **spec.options})
-        stack.callback(tier.close)
-        tiers.append(tier)
+        t = tier_type(spec.type)
+        if t.directory_option is not None:
+            make_root(f"tiers[{i}].{t.directory_option}", spec.options[t.directory_option])
+        tiers.append(stack.enter_context(t.open(reg, spec.options)))
     return tiers
 
 
