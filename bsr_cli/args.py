@@ -26,6 +26,8 @@ MAX_COUNT = 1 << 20  # --repeat, --rounds, --load-concurrency: anything above is
 
 # = bsr_harness.tier_setup.TIER_NAMES (kept import-free for --help)
 TIER_CHOICES = ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
+# = ("auto", *bsr_kernels.backends.backend_names()), kept import-free for --help (test_config_schemas keeps them equal)
+BACKEND_CHOICES = ("auto", "torch", "triton", "cuda", "cpu")
 
 
 class CliError(Exception):
@@ -220,7 +222,7 @@ def add_common(p: argparse.ArgumentParser, *, tier_default: str = "filesystem") 
                         "1 for Mooncake over tcp, 2 for the others; LMCache retrieves at 1)")
     r.add_argument("--timeout", type=seconds_type, default=120.0,
                    help="fetch timeout per window, seconds (default 120)")
-    r.add_argument("--backend", default="auto", choices=("auto", "torch", "cpu", "triton", "cuda"),
+    r.add_argument("--backend", default="auto", choices=BACKEND_CHOICES,
                    help="install backend (default auto)")
     o = p.add_argument_group("output")
     o.add_argument("--json", type=output_file, metavar="FILE", help="write the rows as JSON to FILE")

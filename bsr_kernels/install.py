@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .backends import BACKENDS, available_backends, resolve_backend
+from .backends import BACKENDS, available_backends, get_backend, resolve_backend
 from .prepared import PreparedDestinations, prepare
 from .registration import Registration
 from .validate import WindowArgs, check_block_tables, check_chunk_range, check_fingerprint, check_staging
@@ -136,7 +136,7 @@ class WindowInstaller:
         self.backend = self._dest.backend
         # copied (the request cannot change them underneath) and, for GPU backends, uploaded once
         # per restore: each window then reuses the device tables and their cached pointer table
-        device = self._dest.device if self.backend in ("triton", "cuda") else tables[0].device
+        device = self._dest.device if get_backend(self.backend).tables_on_device else tables[0].device
         self.block_tables = tuple(t.to(device, copy=True) for t in tables)
         self.stream = stream
         self.zero_copy = zero_copy

@@ -22,15 +22,13 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import nullcontext
 from functools import partial
 from operator import attrgetter
 
 import torch
 
-from .descriptors import descriptor_table
+from .backends import RunOptions, get_backend
 from .registration import Registration
-from .torch_backend import DestinationRows, gather_torch, install_torch
 from .validate import DestinationLayout, WindowArgs, check_destination_tensors
 
 MAX_ENTRIES = 8
@@ -40,46 +38,28 @@ _shape, _dtype, _device = attrgetter("shape"), attrgetter("dtype"), attrgetter("
 
 
 class PreparedDestinations:
-    """Destinations of `reg` validated, and the state `backend` runs their windows with."""
+    """Destinations of `reg` validated, and the state `backend` (backends.py) runs their windows with."""
 
     def __init__(self, reg: Registration, kv: tuple[torch.Tensor, ...], layout: DestinationLayout,
                  backend: str) -> None:
         self.reg, self.layout, self.backend = reg, layout, backend
         self.device = kv[0].device
-        # torch: the destinations viewed in pieces; the others: the descriptor table on the device
-        self.state: DestinationRows | torch.Tensor = (
-            DestinationRows(reg, kv) if backend == "torch" else descriptor_table(reg, kv, self.device))
-        if self.device.type == "cuda" and backend != "torch":
-            # the table was uploaded on the current stream; windows launch on any stream later
+        self._backend = get_backend(backend)
+        self.state = self._backend.prepare(reg, kv, self.device)  # torch: views of the destinations; others: a table
+        if self.device.type == "cuda" and not self._backend.holds_destinations:
+            # a table uploaded on the current stream; windows launch on any stream later
             torch.cuda.current_stream(self.device).synchronize()
 
     @property
     def holds_destinations(self) -> bool:
         """Whether the state keeps the destinations' memory alive (views, not addresses)."""
-        return self.backend == "torch"
+        return self._backend.holds_destinations
 
     def run(self, kind: str, a: WindowArgs, *, stream: torch.cuda.Stream | None, zero_copy: bool,
             cpu_threads: int) -> None:
         """One validated window (`a.kv` has this layout)."""
-        if a.num_chunks == 0:
-            return
-        if self.backend == "cpu":
-            from . import cpu_backend
-
-            cpu_backend.run(kind, self.reg, self.state, a.block_tables, a.staging, a.first_chunk, a.num_chunks,
-                            a.chunk_stride, cpu_threads)
-        elif self.backend == "torch":
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                (install_torch if kind == "install" else gather_torch)(self.reg, a, self.state)
-        elif self.backend == "triton":
-            from . import triton_backend
-
-            (triton_backend.install if kind == "install" else triton_backend.gather)(self.reg, a, stream, self.state)
-        else:
-            from . import cuda_backend
-
-            (cuda_backend.install if kind == "install" else cuda_backend.gather)(self.reg, a, stream, zero_copy,
-                                                                                 self.state)
+        if a.num_chunks:
+            self._backend.run(kind, self.reg, self.state, a, RunOptions(stream, zero_copy, cpu_threads))
 
 
 def layout_key(kv: tuple[torch.Tensor, ...]) -> tuple[tuple[int, ...], tuple] | None:

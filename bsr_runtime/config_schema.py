@@ -20,7 +20,7 @@ import os
 import re
 import reprlib
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
@@ -42,6 +42,15 @@ S = TypeVar("S", bound=Schema)
 
 def _utf8(value: str) -> str:
     return check_text("text", value)
+
+
+def _backend(value: str) -> str:
+    from bsr_kernels.backends import backend_names  # the install backends' registry
+
+    names = ("auto", *backend_names())
+    if value not in names:
+        raise ValueError(f"expected one of {', '.join(names)}")
+    return value
 
 
 def _host_port(value: str) -> str:
@@ -85,7 +94,7 @@ Count = Annotated[int, Field(ge=1)]  # threads, workers, window sizes that canno
 Size = Annotated[int, Field(ge=0)]  # bytes, where 0 means none
 Seconds = Annotated[float, Field(gt=0, le=TIMEOUT_MAX_S, allow_inf_nan=False)]  # any timeout
 HostBytes = Annotated[int, Field(ge=0), AfterValidator(_fits_in_memory)]  # bytes allocated in this host's memory
-Backend = Literal["auto", "torch", "cpu", "triton", "cuda"]  # bsr_kernels install backends
+Backend = Annotated[str, AfterValidator(_backend)]  # "auto" or a registered install backend (bsr_kernels/backends.py)
 
 
 def problems(schema: type[Schema], data: Any, prefix: str = "") -> list[str]:

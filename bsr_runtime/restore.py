@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from bsr_kernels import Registration, StagingPool, WindowInstaller
-from bsr_kernels.install import BACKENDS
+from bsr_kernels.backends import backend_names
 from bsr_kernels.staging_arena import StagingArena
 
 from .admission import ArenaAdmission, ByteBudget, SerialAdmission
@@ -64,8 +64,8 @@ class RestoreConfig:
         check_timeout("fetch_timeout_s", self.fetch_timeout_s)
         check_timeout("admission_timeout_s", self.admission_timeout_s, allow_none=True)
         check_optional_int("max_staging_bytes", self.max_staging_bytes, lo=1)
-        if self.backend not in ("auto", *BACKENDS):  # a typo is an error here, not a failed install per window
-            raise ValueError(f"backend must be one of auto, {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend not in ("auto", *backend_names()):  # a typo is an error here, not a failed install per window
+            raise ValueError(f"backend must be one of auto, {', '.join(backend_names())}, got {self.backend!r}")
 
 
 @dataclass

@@ -239,3 +239,10 @@ def test_the_harness_opens_tiers_by_their_names_only():
     with pytest.raises(ValueError, match="unknown tier 'filesytem'; choose one of filesystem, mooncake"):
         with open_tier(TierOptions(name="filesytem"), reg):
             pass
+
+
+def test_cli_backend_choices_are_the_backend_registry():
+    from bsr_cli.args import BACKEND_CHOICES
+    from bsr_kernels.backends import backend_names
+
+    assert BACKEND_CHOICES == ("auto", *backend_names()) == ("auto", "torch", "triton", "cuda", "cpu")

@@ -269,3 +269,43 @@ def test_block_table_pointers_are_reused_across_windows():
     again, moved = block_table_pointers(inst.block_tables, torch.device("cpu"))
     assert again is first and all(m is t for m, t in zip(moved, inst.block_tables))
     assert first.tolist() == [t.data_ptr() for t in inst.block_tables]
+
+
+def test_a_backend_registered_in_one_place_runs_everywhere_a_backend_name_goes():
+    """A toy backend (the cpu library's window call under another name, counting its windows), registered once
+    (backends.register_backend): install_window and WindowInstaller run it against the independent oracle,
+    "auto" never picks it, the restore's and the connector's configs accept its name; unregistered, it is unknown."""
+    from bsr_kernels import backends
+    from bsr_runtime.config_schema import Backend as BackendName
+    from bsr_runtime.config_schema import ConfigError, Schema, parse
+    from bsr_runtime.restore import RestoreConfig
+
+    cpu = backends.get_backend("cpu")
+    if not cpu.available(torch.device("cpu")):
+        pytest.skip("the native cpu library is not built here")
+    windows = []
+
+    def run(kind, reg, state, a, options):
+        windows.append((kind, a.first_chunk, a.num_chunks))
+        cpu.run(kind, reg, state, a, options)
+
+    class WithBackend(Schema):
+        backend: BackendName
+
+    backends.register_backend(backends.InstallBackend("toy", cpu.available, cpu.prepare, run))
+    try:
+        case = make_case(PRESETS["dsv4"](), first_chunk=1, num_chunks=2, seed=5)
+        kv = _installed(case, "toy")
+        assert windows == [("install", 1, 2)]
+        assert_same(kv, _oracle(case), case.reg, "toy vs oracle")
+        untouched_outside_window(case, kv)
+        assert "toy" in available_backends("cpu") and backends.resolve_backend("auto", torch.device("cpu")) == "cpu"
+        assert RestoreConfig(backend="toy").backend == "toy" and parse(WithBackend, {"backend": "toy"}, "x")
+    finally:
+        backends.unregister_backend("toy")
+    with pytest.raises(ValueError, match="unknown backend 'toy'"):
+        _installed(case, "toy")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        RestoreConfig(backend="toy")
+    with pytest.raises(ConfigError, match="backend"):
+        parse(WithBackend, {"backend": "toy"}, "x")
