@@ -25,7 +25,7 @@ IMPORTS = {
 }
 VLLM_IMPORTS = {
     "import vllm": "import vllm",
-    "import bsr_runtime.integrations.vllm.config": "import bsr_runtime.integrations.vllm.config",
+    "import bsr_runtime.connector_config": "import bsr_runtime.connector_config",
 }
 
 
@@ -72,7 +72,7 @@ def main() -> None:
     figures["tier spec us"] = per_call(lambda: parse_tier_spec(spec), 2000) * 1e6
     print(f"{'tier spec (mooncake, 4 keys)':48s} {figures['tier spec us']:9.1f}")
     if not args.no_vllm:
-        from bsr_runtime.integrations.vllm.config import ConnectorConfig
+        from bsr_runtime.connector_config import ConnectorConfig
 
         extra = {"tiers": [{"type": "filesystem", "root": "/x"}, spec], "window_chunks": 8, "backend": "auto",
                  "save_staging_chunks": 4, "chunk_tokens": 256}

@@ -57,11 +57,9 @@ def register_backend(backend: InstallBackend) -> InstallBackend:
 
 
 def unregister_backend(name: str) -> None:
-    """Forget a backend registered in code (tests); the prepared-destinations cache forgets its state."""
-    if _REGISTRY.pop(name, None) is not None:
-        from .prepared import clear_cache
-
-        clear_cache()
+    """Forget a backend registered in code (tests). A name registered again with another backend is
+    prepared afresh only after prepared.clear_cache() (the cache keys preparations by backend name)."""
+    _REGISTRY.pop(name, None)
 
 
 def get_backend(name: str) -> InstallBackend:

@@ -48,8 +48,8 @@ defect "planner: probe_wait_s ignored" bsr_runtime/planner.py \
   "if not running.waited_in_step and self.probe_wait_s > 0:" "if False:" \
   tests/unit/test_planner.py
 # issue 39: a Mooncake cluster shared by engines (one module: its processes start once)
-defect "cluster: engines mount a segment of their own (objects not on the store hosts)" bsr_runtime/integrations/vllm/config.py \
-  'options.setdefault("global_segment_size", 0)' 'options.setdefault("global_segment_size", 64 << 20)' \
+defect "cluster: engines mount a segment of their own (objects not on the store hosts)" bsr_runtime/tiers/registry.py \
+  'engine_defaults={"global_segment_size": 0}' 'engine_defaults={"global_segment_size": 64 << 20}' \
   tests/integration/vllm/test_mooncake_cluster.py
 defect "cluster: replica_num ignored (one copy per object)" bsr_runtime/tiers/mooncake_hosts.py \
   "config.replica_num = replica_num" "config.replica_num = 1" \

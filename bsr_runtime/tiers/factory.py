@@ -34,3 +34,8 @@ def make_tier(reg: Registration, spec: Mapping) -> Tier:
     from .mooncake import MooncakeTier
 
     return MooncakeTier(reg.chunk_bytes, reg.fingerprint, s.master_address, s.metadata_server, s.options())
+
+
+def open_builtin(reg: Registration, name: str, options: Mapping) -> Tier:
+    """The registry's opener of the built-in types (registry.py); a Tier is its own context manager."""
+    return make_tier(reg, {"type": name, **options})

@@ -122,14 +122,9 @@ def open_tier(reg: Registration, spec: Mapping[str, Any]) -> AbstractContextMana
     return tier_type(spec.get("type")).open(reg, {k: v for k, v in spec.items() if k != "type"})
 
 
-def _open_builtin(reg: Registration, name: str, options: Mapping[str, Any]) -> AbstractContextManager[Tier]:
-    from .factory import make_tier
-
-    return make_tier(reg, {"type": name, **options})  # a Tier is its own context manager (close on exit)
-
-
-register_tier_type(TierType("filesystem", "bsr_runtime.tiers.specs:FilesystemTierSpec", _open_builtin,
+_BUILTIN_OPENER = "bsr_runtime.tiers.factory:open_builtin"  # a string: this module imports no tier
+register_tier_type(TierType("filesystem", "bsr_runtime.tiers.specs:FilesystemTierSpec", _BUILTIN_OPENER,
                             directory_option="root"))
 # an engine mounts no segment by default: its objects live on the store hosts and outlive the engine
-register_tier_type(TierType("mooncake", "bsr_runtime.tiers.specs:MooncakeTierSpec", _open_builtin,
+register_tier_type(TierType("mooncake", "bsr_runtime.tiers.specs:MooncakeTierSpec", _BUILTIN_OPENER,
                             engine_defaults={"global_segment_size": 0}))

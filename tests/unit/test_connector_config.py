@@ -16,7 +16,7 @@ from readonly_util import read_only_dir
 pytest.importorskip("vllm")
 
 from bsr_runtime.config_schema import ConfigError  # noqa: E402
-from bsr_runtime.integrations.vllm.config import ConnectorConfig, TierSpec  # noqa: E402
+from bsr_runtime.connector_config import ConnectorConfig, TierSpec  # noqa: E402
 
 FS = {"type": "filesystem", "root": "/x"}
 
@@ -193,7 +193,7 @@ def test_a_huge_value_is_cut_before_it_is_formatted():
 
 def _open(tiers: list[dict]) -> None:
     from bsr_kernels import presets
-    from bsr_runtime.integrations.vllm.config import open_tiers
+    from bsr_runtime.connector_config import open_tiers
 
     c = ConnectorConfig.from_extra({"tiers": tiers})
     with contextlib.ExitStack() as stack:
@@ -230,7 +230,7 @@ def test_a_tier_type_registered_in_one_place_is_a_connector_tier():
     import toy_tier
 
     from bsr_kernels import presets
-    from bsr_runtime.integrations.vllm.config import open_tiers
+    from bsr_runtime.connector_config import open_tiers
 
     with toy_tier.registered():
         two = [{"type": "toy", "store": "cfg-test"}, {"type": "filesystem", "root": "/x"}]

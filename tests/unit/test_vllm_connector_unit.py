@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from bsr_runtime.integrations.vllm.config import ConnectorConfig  # noqa: E402
+from bsr_runtime.connector_config import ConnectorConfig  # noqa: E402
 from bsr_runtime.integrations.vllm.metadata import BSRConnectorMetadata, SaveSpec  # noqa: E402
 from bsr_runtime.integrations.vllm.registration import (  # noqa: E402
     block_lists,

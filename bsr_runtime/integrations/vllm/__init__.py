@@ -7,7 +7,8 @@
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"tiers": [{"type": "filesystem", "root": "/ssd/bsr"}], "window_chunks": 32}})
 
-Modules: config (kv_connector_extra_config, tiers), registration (from the engine's
+Modules (the configuration, kv_connector_extra_config and its tiers, is engine-neutral:
+bsr_runtime/connector_config.py): registration (from the engine's
 kv_cache_config and kv_caches), metadata (picklable, scheduler -> workers), scheduler (probe,
 markers, save triggers), worker (windowed restore, store path), connector (the vLLM class).
 """

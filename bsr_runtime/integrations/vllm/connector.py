@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ... import commit
-from .config import ConnectorConfig, open_tiers
+from ...connector_config import ConnectorConfig, open_tiers
 from .metadata import BSRConnectorMetadata
 from .metrics import BSRConnectorStats, BSRPromMetrics
 from .model_identity import model_identity

@@ -29,9 +29,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ...connector_config import ConnectorConfig, write_report
 from ...planner import Planner
 from ...tiers.base import Tier
-from .config import ConnectorConfig, write_report
 from .metadata import BSRConnectorMetadata, SaveSpec
 from .metrics import BSRConnectorStats
 from .registration import block_lists

@@ -25,11 +25,11 @@ import torch
 from bsr_kernels.backends import resolve_backend
 from bsr_kernels.prepared import prepare
 
+from ...connector_config import ConnectorConfig, write_report
 from ...keys import KeySpace
 from ...loader import Loader, LoadResult
 from ...saver import Saver
 from ...tiers.base import Tier
-from .config import ConnectorConfig, write_report
 from .metadata import BSRConnectorMetadata
 from .metrics import LoadSaveStats
 from .registration import destinations

@@ -1,4 +1,6 @@
-"""The connector's configuration: `kv_connector_extra_config` of vLLM's KVTransferConfig.
+"""An engine connector's configuration, engine-neutral (imports no engine): for vLLM, the
+`kv_connector_extra_config` of its KVTransferConfig (integrations/vllm/); a second engine's adapter reads
+the same mapping and opens the same tiers.
 
     {"tiers": [{"type": "filesystem", "root": "/ssd/bsr"},
                {"type": "mooncake", "master_address": "H:50051", "metadata_server": "http://H:8080/metadata"},
@@ -8,11 +10,12 @@
      "load_mode": "async", "restore_budget_bytes": null, "max_concurrent_restores": 8,
      "save": true, "save_staging_chunks": null, "report_path": null}
 
-Tier options are those of the tier factory (bsr_runtime/tiers/specs.py) or of the LMCache tier
-(integrations/lmcache/config.py); a Mooncake tier mounts no segment unless `global_segment_size`
-says so (the objects live on the store hosts). Tiers are tried in the listed order (plan on the
-first tier holding the longest prefix, fallback to the next one holding the same prefix on a
-failure). Saves go to the tiers whose spec has `"save": true` (default: the first tier only).
+Tier options are those of the tier's registered type (bsr_runtime/tiers/registry.py: the built-in
+ones' in tiers/specs.py, LMCache's in integrations/lmcache/specs.py); a Mooncake tier mounts no
+segment unless `global_segment_size` says so (the objects live on the store hosts). Tiers are tried
+in the listed order (plan on the first tier holding the longest prefix, fallback to the next one
+holding the same prefix on a failure). Saves go to the tiers whose spec has `"save": true`
+(default: the first tier only).
 
 The whole mapping is checked by one schema (ConnectorConfig, tier specs by their type's schema:
 bsr_runtime/config_schema.py) when the connector is built, before the engine starts: wrong types
@@ -32,7 +35,7 @@ from pydantic import Field
 from bsr_kernels import Registration
 from bsr_kernels.registration import MAX_CHUNK_TOKENS
 
-from ...config_schema import (
+from .config_schema import (
     Backend,
     ConfigError,
     HostBytes,
@@ -45,10 +48,10 @@ from ...config_schema import (
     raise_problems,
     short_repr,
 )
-from ...diagnostics import report_writer
-from ...restore import MAX_WINDOW_CHUNKS, RestoreConfig
-from ...tiers.base import Tier
-from ...tiers.registry import tier_type, tier_type_names
+from .diagnostics import report_writer
+from .restore import MAX_WINDOW_CHUNKS, RestoreConfig
+from .tiers.base import Tier
+from .tiers.registry import tier_type, tier_type_names
 
 WHAT = "BSR connector: kv_connector_extra_config"
 
