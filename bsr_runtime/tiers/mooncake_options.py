@@ -12,6 +12,9 @@ from ..config_schema import Count, HostBytes, Schema, Seconds, Text
 # fail in the client's setup with only "returned -1")
 MooncakeProtocol = Literal["tcp", "rdma"]
 MAX_REPLICAS = 16
+# the one default of a client's segment of the store, for library users and the harness (an engine's connector
+# mounts none unless told: registry.py's engine_defaults for both Mooncake tier types)
+DEFAULT_SEGMENT_BYTES = 512 << 20
 # copies of every object a put stores, each on another store host (Mooncake's ReplicateConfig.replica_num)
 ReplicaCount = Annotated[int, Field(ge=1, le=MAX_REPLICAS)]
 
@@ -21,7 +24,7 @@ class MooncakeTierOptions(Schema):
 
     protocol: MooncakeProtocol = "tcp"  # "rdma" on real clusters
     local_hostname: Text = "127.0.0.1"
-    global_segment_size: HostBytes = 512 << 20  # this client's segment of the store (0: a pure client)
+    global_segment_size: HostBytes = DEFAULT_SEGMENT_BYTES  # this client's segment of the store (0: a pure client)
     local_buffer_size: HostBytes = 16 << 20
     device_name: Text = ""
     connect_timeout_s: Seconds = 10.0

@@ -253,3 +253,16 @@ def test_a_tier_type_registered_in_one_place_is_a_connector_tier():
             tier.probe(["k"])  # the stack closed it
     with pytest.raises(ConfigError, match=r"unknown tier type 'toy'"):
         ConnectorConfig.from_extra({"tiers": [{"type": "toy", "store": "s"}]})
+
+
+def test_an_engine_mounts_no_segment_on_either_mooncake_type_while_a_library_user_gets_one():
+    """The engine's default (no segment: objects live on the store hosts) is the registry's, for both Mooncake
+    tier types; a spec parsed outside an engine gets the one library default, 512 MiB."""
+    from bsr_runtime.tiers.registry import tier_type
+
+    mc = {"master_address": "h:50051", "metadata_server": "http://h:8080/metadata"}
+    c = ConnectorConfig.from_extra({"tiers": [{"type": "mooncake", **mc}, {"type": "lmcache-mooncake", **mc}]})
+    assert [t.options["global_segment_size"] for t in c.tiers] == [0, 0]
+    given = ConnectorConfig.from_extra({"tiers": [{"type": "lmcache-mooncake", **mc, "global_segment_size": 1 << 20}]})
+    assert given.tiers[0].options["global_segment_size"] == 1 << 20
+    assert [tier_type(k).parse(mc).global_segment_size for k in ("mooncake", "lmcache-mooncake")] == [512 << 20] * 2

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from bsr_runtime.config_schema import Count, HostBytes, HostPort, Name, Schema, Seconds, Size, Text
-from bsr_runtime.tiers.mooncake_options import MooncakeProtocol
+from bsr_runtime.tiers.mooncake_options import DEFAULT_SEGMENT_BYTES, MooncakeProtocol
 
 DEFAULT_L1_BYTES = 256 << 20
 
@@ -42,7 +42,7 @@ class MooncakeL2Params(Schema):
     metadata_server: Name
     protocol: MooncakeProtocol = "tcp"
     local_hostname: Name = "127.0.0.1"
-    global_segment_size: HostBytes = 512 << 20
+    global_segment_size: HostBytes = DEFAULT_SEGMENT_BYTES
     local_buffer_size: HostBytes = 16 << 20
     device_name: Text = ""
     connect_timeout_s: Seconds = 10.0
@@ -72,7 +72,6 @@ class LMCacheFSTierSpec(LMCacheTierOptions, FSL2Options):
 
 class LMCacheMooncakeTierSpec(LMCacheTierOptions, MooncakeL2Params):
     type: Literal["lmcache-mooncake"] = "lmcache-mooncake"
-    global_segment_size: HostBytes = 0  # an engine mounts no segment by default: objects live on the store hosts
 
 
 LMCACHE_TIER_SPECS: dict[str, type[Schema]] = {"lmcache-filesystem": LMCacheFSTierSpec,
