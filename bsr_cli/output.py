@@ -71,7 +71,8 @@ def rows_table(rows) -> None:
           f"{r.seconds:.2f}", f"{r.gbps:.2f}", "yes" if r.state_hash_ok else "NO") for r in rows])
 
 
-PHASES = ("prepare", "admit", "submit", "fetch", "install", "sync")  # a restore's, in order (window_loop.LoopStats)
+# = bsr_runtime.restore.RESTORE_PHASES, kept import-free for a fast --help (test_config_schemas keeps them equal)
+PHASES = ("prepare", "admit", "submit", "fetch", "install", "sync")
 
 
 def baseline_table(rows) -> None:

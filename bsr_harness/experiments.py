@@ -17,7 +17,7 @@ from bsr_harness.testdata import poison, request_tables
 from bsr_kernels import Registration
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.probe import probe_prefix
-from bsr_runtime.restore import BoundedRestorer, RestoreConfig, RestoreRequest
+from bsr_runtime.restore import RESTORE_PHASES, BoundedRestorer, RestoreConfig, RestoreRequest
 from bsr_runtime.state_hash import state_hash
 from bsr_runtime.store import store_prefix
 from bsr_runtime.tiers.base import Tier
@@ -77,7 +77,7 @@ class SweepRow:
     state_hash_ok: bool
     ok: bool
     error: str | None = None
-    prepare_s: float = 0.0  # the restore's phases beside fetch / install / sync (window_loop.LoopStats)
+    prepare_s: float = 0.0  # the restore's phases beside fetch / install / sync (restore.RESTORE_PHASES)
     admit_s: float = 0.0
     submit_s: float = 0.0
 
@@ -183,10 +183,9 @@ def _sweep_row(tier: str, reg: Registration, tokens: int, n: int, w: int, probed
         windows=rep.windows, chunk_bytes=reg.chunk_bytes, staging_capacity_bytes=capacity,
         peak_staging_bytes=rep.peak_staging_bytes, bytes_moved=rep.bytes_moved,
         seconds=rep.total_s, gbps=rep.bytes_moved / rep.total_s / 1e9 if rep.total_s else 0.0,
-        fetch_s=rep.fetch_s, install_s=rep.install_s, sync_s=rep.sync_s,
         committed_tokens=rep.committed_tokens, probed_tokens=probed * reg.chunk_tokens,
         state_hash_ok=all(r.ok for r in reports), ok=all(r.committed_tokens == n * reg.chunk_tokens for r in reports),
-        error=rep.error, prepare_s=rep.prepare_s, admit_s=rep.admit_s, submit_s=rep.submit_s,
+        error=rep.error, **{f"{phase}_s": getattr(rep, f"{phase}_s") for phase in RESTORE_PHASES},
     )
 
 

@@ -55,7 +55,7 @@ from .causes import FailureCause, cause_of
 from .keys import KeySpace
 from .plan import slot_sizes
 from .planner import LoadSpec
-from .restore import BoundedRestorer, RestoreConfig, RestoreRequest
+from .restore import RESTORE_PHASES, BoundedRestorer, RestoreConfig, RestoreRequest
 from .retrieve import LOCAL, AgreeFn, LocalResult, RetrieveOutcome, Retriever, TierSet, request_block_ids
 from .tiers.base import FETCH_HEADROOM, Tier
 from .validation import check_int
@@ -429,6 +429,6 @@ def all_block_ids(block_ids, num_groups: int) -> tuple[frozenset[int], ...]:
 def _timings(spec: LoadSpec, outcome: RetrieveOutcome) -> dict[str, float]:
     """Where the load's time went: the scheduler's probe, then per phase of its restore attempts."""
     out = {"probe_s": spec.probe_s}
-    for name in ("prepare_s", "admit_s", "submit_s", "fetch_s", "install_s", "sync_s", "seconds"):
+    for name in (*(f"{phase}_s" for phase in RESTORE_PHASES), "seconds"):
         out["restore_s" if name == "seconds" else name] = sum(getattr(a, name, 0.0) for a in outcome.attempts)
     return out

@@ -36,7 +36,7 @@ from .plan import count_windows, plan_windows, slot_sizes
 from .tier_source import TierSource
 from .tiers.base import FETCH_HEADROOM, Tier
 from .validation import check_int, check_optional_int, check_timeout
-from .window_loop import InPlaceSource, LoopStats, WindowFailed, WindowLoop
+from .window_loop import LOOP_PHASES, InPlaceSource, LoopStats, WindowFailed, WindowLoop
 
 MAX_WINDOW_CHUNKS = 1 << 16  # an absurd W is a configuration error, not a huge allocation
 
@@ -89,6 +89,10 @@ class RestoreRequest:
 
     def prefix_keys(self, chunk_tokens: int) -> PrefixKeys:
         return PrefixKeys(self.keyspace, self.tokens, chunk_tokens, self.partial_tokens)
+
+
+# a restore's timed phases, in order: the destinations prepared, then the window loop's (<phase>_s each)
+RESTORE_PHASES = ("prepare", *LOOP_PHASES)
 
 
 @dataclass
@@ -407,8 +411,8 @@ def _failed(report: RestoreReport, error: Exception, stats: LoopStats) -> None:
 
 
 def _copy_stats(report: RestoreReport, stats: LoopStats, chunk_bytes: int) -> None:
-    report.admit_s, report.submit_s, report.fetch_s = stats.admit_s, stats.submit_s, stats.fetch_s
-    report.install_s, report.sync_s = stats.install_s, stats.sync_s
+    for phase in LOOP_PHASES:
+        setattr(report, f"{phase}_s", getattr(stats, f"{phase}_s"))
     report.windows_installed = stats.windows_done
     report.bytes_moved = stats.chunks_done * chunk_bytes
     report.backend = stats.backend or report.backend

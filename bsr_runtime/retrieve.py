@@ -33,7 +33,7 @@ from . import commit
 from .causes import FailureCause, cause_of
 from .keys import KeySpace, PrefixKeys
 from .probe import probe_prefix
-from .restore import BoundedRestorer, RestoreConfig, RestoreReport, RestoreRequest
+from .restore import RESTORE_PHASES, BoundedRestorer, RestoreConfig, RestoreReport, RestoreRequest
 from .tiers.base import Tier, TierError
 from .validation import check_duration, check_int, check_timeout
 
@@ -100,8 +100,8 @@ class Attempt:
     install_s = _from_report("install_s", 0.0)
     sync_s = _from_report("sync_s", 0.0)
 
-    _FIGURES = ("windows", "windows_installed", "failed_window", "peak_staging_bytes", "prepare_s", "admit_s",
-                "submit_s", "fetch_s", "install_s", "sync_s")
+    _FIGURES = ("windows", "windows_installed", "failed_window", "peak_staging_bytes",
+                *(f"{phase}_s" for phase in RESTORE_PHASES))
 
     @classmethod
     def from_report(cls, rep: RestoreReport, probed: int | None, seconds: float) -> Attempt:

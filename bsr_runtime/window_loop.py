@@ -132,6 +132,11 @@ class WindowFailed(Exception):
         self.cause = cause
 
 
+# the loop's timed phases, in order: LoopStats' `<phase>_s` fields, and with the restore's "prepare" before them
+# (restore.RESTORE_PHASES) the fields of every restore and load record and the connector's metric labels
+LOOP_PHASES = ("admit", "submit", "fetch", "install", "sync")
+
+
 @dataclass
 class LoopStats:
     """What the loop measured; restore and store reports copy these fields."""

@@ -246,3 +246,22 @@ def test_cli_backend_choices_are_the_backend_registry():
     from bsr_kernels.backends import backend_names
 
     assert BACKEND_CHOICES == ("auto", *backend_names()) == ("auto", "torch", "triton", "cuda", "cpu")
+
+
+def test_the_restore_phases_are_spelled_once():
+    """Every record and label of a restore's phases comes from restore.RESTORE_PHASES (the CLI's copy, kept for a
+    fast --help, equal to it): the loop's timed phases, a restore's and a sweep row's fields, a load's timings."""
+    import dataclasses
+
+    from bsr_cli.output import PHASES
+    from bsr_harness.experiments import SweepRow
+    from bsr_runtime.integrations.vllm.metrics import LOAD_PHASES
+    from bsr_runtime.restore import RESTORE_PHASES, RestoreReport
+    from bsr_runtime.window_loop import LoopStats
+
+    assert PHASES == RESTORE_PHASES == ("prepare", "admit", "submit", "fetch", "install", "sync")
+    fields = [f"{p}_s" for p in RESTORE_PHASES]
+    assert set(fields[1:]) <= {f.name for f in dataclasses.fields(LoopStats)}
+    for record in (RestoreReport, SweepRow):
+        assert set(fields) <= {f.name for f in dataclasses.fields(record)}, record
+    assert [k for k in LOAD_PHASES if k in fields] == fields

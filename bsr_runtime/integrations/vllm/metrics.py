@@ -53,13 +53,15 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ...causes import FailureCause
+from ...restore import RESTORE_PHASES
 
 log = logging.getLogger(__name__)
 
 FAILURE_CAUSES = tuple(c.value for c in FailureCause)
-# a load record's "timings" (bsr_runtime/loader.py) -> the phase label
-LOAD_PHASES = {"probe_s": "probe", "queued_s": "queue", "prepare_s": "prepare", "admit_s": "budget",
-               "submit_s": "submit", "fetch_s": "fetch", "install_s": "install", "sync_s": "sync",
+# a load record's "timings" (bsr_runtime/loader.py) -> the phase label: the restore's phases (RESTORE_PHASES; the
+# admission's wait is labelled by what it waits for, the budget) between the load's own
+LOAD_PHASES = {"probe_s": "probe", "queued_s": "queue",
+               **{f"{phase}_s": "budget" if phase == "admit" else phase for phase in RESTORE_PHASES},
                "agree_s": "agree", "total_s": "total"}
 
 # counter name -> (documentation, its label's name or None)
