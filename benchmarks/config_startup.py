@@ -64,7 +64,7 @@ def main() -> None:
 
     from bsr_kernels import presets
     from bsr_runtime.config_schema import parse
-    from bsr_runtime.tiers.specs import parse_tier_spec
+    from bsr_runtime.tiers.registry import parse_tier_spec
 
     reg = presets.llama_like(layers=1, kv_heads=1, head_dim=16, block_size=16)  # noqa: F841 - as a tier needs
     spec = {"type": "mooncake", "master_address": "h:1", "metadata_server": "http://h:2/m", "fetch_workers": 4}

@@ -100,9 +100,6 @@ def _open_target(args, name: str, reg, src, windows, progress: Progress):
                          name=name if name.startswith("lmcache-") else None, whole_plan_chunks=src.num_chunks)
 
 
-WLAW_REFERENCE_W = 32  # bsr wlaw prints each W's seconds over this W's (issue 41: W = 8 within 1.15x)
-
-
 def cmd_demo(args) -> int:
     progress = Progress(args.quiet)
     reg = load_registration(args.registration, args.scale)
@@ -152,6 +149,8 @@ def cmd_wlaw(args) -> int:
     windows = args.windows
     print(reg.describe())
     rows = _sweep_rows(args, reg, tier_names(args), [args.tokens], windows, progress, repeat=args.repeat)
+    from bsr_harness.report_sections import WLAW_REFERENCE_W
+
     ref = {r.tier: r.seconds for r in rows if r.window_chunks == WLAW_REFERENCE_W}
     print_table(["tier", "W", "peak staging", "W*c", "peak == W*c", "seconds", f"/ W={WLAW_REFERENCE_W}",
                  *(f"{p} ms" for p in PHASES)],

@@ -114,7 +114,7 @@ static int copy_segment(const window* w, int64_t c, int64_t t) {
     const int packed = dd.rows_per_entry == 1 && dd.slot_stride == eb; /* a block's slots are one run */
     const int64_t e0 = (w->first_chunk + c) * epc;
     /* the block index and slot walked along the segment: one division per segment, not per span */
-    int64_t bi = e0 / bs, slot = e0 - (e0 / bs) * bs;
+    int64_t bi = e0 / bs, slot = e0 % bs;
     run r = {0, 0, 0};
     for (int64_t i = 0; i < epc; ++bi, slot = 0) {
         const int64_t n = bs - slot < epc - i ? bs - slot : epc - i; /* entries left in this block */

@@ -6,8 +6,8 @@ its registered name."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 from bsr_harness.memory_tier import MemoryTier
 from bsr_runtime.config_schema import Name, Schema
@@ -21,8 +21,7 @@ class ToyTierSpec(Schema):
     store: Name  # the in-process store's name
 
 
-def open_toy_tier(reg, name: str, options: Mapping[str, Any]) -> MemoryTier:
-    spec = ToyTierSpec.model_validate({"type": name, **options})
+def open_toy_tier(reg, spec: ToyTierSpec) -> MemoryTier:
     return MemoryTier(reg.chunk_bytes, reg.fingerprint, store=STORES.setdefault(spec.store, {}))
 
 

@@ -13,29 +13,31 @@ from collections.abc import Mapping
 
 from bsr_kernels import Registration
 
+from ..config_schema import Schema
 from .base import Tier
-from .specs import FilesystemTierSpec, MooncakeTierSpec, parse_tier_spec
+from .registry import parse_tier_spec
+from .specs import FilesystemTierSpec, MooncakeTierSpec
 
 __all__ = ["make_tier"]
 
 
 def make_tier(reg: Registration, spec: Mapping) -> Tier:
-    """A ready tier of a built-in type for `reg` from `spec` (specs.py); another registered type is opened
-    by registry.open_tier."""
-    s = parse_tier_spec(spec)
-    if not isinstance(s, (FilesystemTierSpec, MooncakeTierSpec)):
-        raise ValueError(f"make_tier opens the built-in tier types; open {spec['type']!r} with "
-                         f"bsr_runtime.tiers.registry.open_tier")
+    """A ready tier of a built-in type for `reg` from `spec` (specs.py), checked first; another registered
+    type is opened by registry.open_tier."""
+    return open_spec(reg, parse_tier_spec(spec))
+
+
+def open_spec(reg: Registration, s: Schema) -> Tier:
+    """The registry's opener of the built-in types: the tier of a checked spec (a Tier is its own context
+    manager)."""
     if isinstance(s, FilesystemTierSpec):
         from .filesystem import FilesystemTier
 
         return FilesystemTier(s.root, reg.chunk_bytes, reg.fingerprint, load_concurrency=s.load_concurrency,
                               fsync=s.fsync, checksum=s.checksum)
-    from .mooncake import MooncakeTier
+    if isinstance(s, MooncakeTierSpec):
+        from .mooncake import MooncakeTier
 
-    return MooncakeTier(reg.chunk_bytes, reg.fingerprint, s.master_address, s.metadata_server, s.options())
-
-
-def open_builtin(reg: Registration, name: str, options: Mapping) -> Tier:
-    """The registry's opener of the built-in types (registry.py); a Tier is its own context manager."""
-    return make_tier(reg, {"type": name, **options})
+        return MooncakeTier(reg.chunk_bytes, reg.fingerprint, s.master_address, s.metadata_server, s.options())
+    raise ValueError(f"make_tier opens the built-in tier types; open {s.type!r} with "
+                     f"bsr_runtime.tiers.registry.open_tier")

@@ -31,8 +31,8 @@ from .base import Tier
 
 ENTRY_POINT_GROUP = "bsr.tier_types"
 
-# (registration, type name, the spec's options without "type") -> a context manager yielding the Tier
-Opener = Callable[[Registration, str, Mapping[str, Any]], AbstractContextManager[Tier]]
+# (registration, the spec checked by the type's schema) -> a context manager yielding the Tier
+Opener = Callable[[Registration, Schema], AbstractContextManager[Tier]]
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,9 @@ class TierType:
         return parse(self.load_schema(), {"type": self.name, **options}, f"{self.name} tier spec")
 
     def open(self, reg: Registration, options: Mapping[str, Any]) -> AbstractContextManager[Tier]:
-        """The tier of `options`, checked first; the context manager closes it."""
-        self.parse(options)
-        return _resolve(self.opener)(reg, self.name, options)
+        """The tier of `options`, checked first (once: the opener gets the checked spec); the context manager
+        closes it."""
+        return _resolve(self.opener)(reg, self.parse(options))
 
 
 def _resolve(obj):
@@ -94,10 +94,12 @@ def _entry_points() -> dict[str, object]:
 
 
 def tier_type_names() -> tuple[str, ...]:
-    """Every known tier type: the built-in ones, those registered in code, then the entry points' (not loaded)."""
+    """Every known tier type: the built-in ones and those registered in code, then the entry points' in their
+    declared order, loaded or not (the order never depends on which were used first)."""
+    plugins = _entry_points()
     with _lock:
-        names = list(_types)
-    return tuple(names + [n for n in _entry_points() if n not in names])
+        names = [n for n in _types if n not in plugins]
+    return (*names, *plugins)
 
 
 def tier_type(name: object) -> TierType:
@@ -115,14 +117,26 @@ def tier_type(name: object) -> TierType:
     return register_tier_type(loaded)
 
 
-def open_tier(reg: Registration, spec: Mapping[str, Any]) -> AbstractContextManager[Tier]:
-    """The tier of `spec` ({"type": name, ...options}), checked first; the context manager closes it."""
+def _split(spec: object) -> tuple[TierType, dict[str, Any]]:
+    """(the type `spec` names, its options without "type"); a one-line ConfigError for a spec of no known type."""
     if not isinstance(spec, Mapping):
         raise ConfigError(f"a tier spec must be a mapping with a 'type', got {type(spec).__name__}")
-    return tier_type(spec.get("type")).open(reg, {k: v for k, v in spec.items() if k != "type"})
+    return tier_type(spec.get("type")), {k: v for k, v in spec.items() if k != "type"}
 
 
-_BUILTIN_OPENER = "bsr_runtime.tiers.factory:open_builtin"  # a string: this module imports no tier
+def parse_tier_spec(spec: object) -> Schema:
+    """The checked spec ({"type": name, ...options}) of any registered type; one ConfigError naming every bad key."""
+    t, options = _split(spec)
+    return t.parse(options)
+
+
+def open_tier(reg: Registration, spec: Mapping[str, Any]) -> AbstractContextManager[Tier]:
+    """The tier of `spec` ({"type": name, ...options}), checked first; the context manager closes it."""
+    t, options = _split(spec)
+    return t.open(reg, options)
+
+
+_BUILTIN_OPENER = "bsr_runtime.tiers.factory:open_spec"  # a string: this module imports no tier
 register_tier_type(TierType("filesystem", "bsr_runtime.tiers.specs:FilesystemTierSpec", _BUILTIN_OPENER,
                             directory_option="root"))
 # an engine mounts no segment by default: its objects live on the store hosts and outlive the engine

@@ -7,10 +7,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Literal
 
-from ..config_schema import ConfigError, Count, HostPort, Name, Schema
+from ..config_schema import Count, HostPort, Name, Schema
 from .mooncake_options import MooncakeTierOptions
 
 
@@ -29,12 +28,3 @@ class MooncakeTierSpec(MooncakeTierOptions):
 
     def options(self) -> MooncakeTierOptions:
         return MooncakeTierOptions(**{k: getattr(self, k) for k in MooncakeTierOptions.model_fields})
-
-
-def parse_tier_spec(spec: object) -> Schema:
-    """A checked tier spec of any registered type (registry.py); one ConfigError naming every bad key otherwise."""
-    from .registry import tier_type
-
-    if not isinstance(spec, Mapping):
-        raise ConfigError(f"a tier spec must be a mapping with a 'type', got {type(spec).__name__}")
-    return tier_type(spec.get("type")).parse({k: v for k, v in spec.items() if k != "type"})

@@ -48,3 +48,14 @@ def test_mooncake_options_are_checked_before_connecting(option, value):
     with pytest.raises(ValueError, match=option):
         make_tier(REG, {"type": "mooncake", "master_address": "127.0.0.1:1",
                         "metadata_server": "http://127.0.0.1:1/metadata", option: value})
+
+
+def test_tier_type_names_keep_their_order_whatever_was_loaded():
+    """The choices an error lists do not depend on which integration's types a process used first."""
+    pytest.importorskip("lmcache")
+    from bsr_runtime.tiers.registry import tier_type, tier_type_names
+
+    expected = ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
+    assert tier_type_names() == expected
+    assert tier_type("lmcache-mooncake").name == "lmcache-mooncake"  # loaded (registered) now
+    assert tier_type_names() == expected

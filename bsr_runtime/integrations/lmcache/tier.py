@@ -58,7 +58,7 @@ from .l1_writes import abort_writes, delete_everywhere, flush_l1, wait_in_l2
 from .objects import _owners, chunk_layout, model_name, object_keys
 from .prefetch import WINDOW_TAG, LatePrefetches, evict_l2_loaded, fold_window_lines, release_result
 from .probe import L2Lookups, probe_l1
-from .specs import LMCACHE_TIER_SPECS, LMCacheFSTierSpec
+from .specs import LMCACHE_TIER_SPECS, LMCacheFSTierSpec, LMCacheMooncakeTierSpec
 
 
 class LMCacheTier(Tier):
@@ -261,6 +261,13 @@ def open_lmcache_tier(reg: Registration, kind: str, options: Mapping) -> Iterato
     if kind not in LMCACHE_TIER_SPECS:
         raise ValueError(f"{kind!r} is not an LMCache tier ({' | '.join(LMCACHE_TIER_SPECS)})")
     spec = parse(LMCACHE_TIER_SPECS[kind], {"type": kind, **options}, f"{kind} tier spec")
+    with open_lmcache_spec(reg, spec) as tier:
+        yield tier
+
+
+@contextlib.contextmanager
+def open_lmcache_spec(reg: Registration, spec: LMCacheFSTierSpec | LMCacheMooncakeTierSpec) -> Iterator[LMCacheTier]:
+    """The LMCacheTier of a checked spec (the tier registry's opener of both LMCache types)."""
     config = load_adapter_config(spec.config_file)
     l2_params = spec.model_dump(exclude={"type", "l1_bytes", "config_file", "root"}, exclude_defaults=True)
     if isinstance(spec, LMCacheFSTierSpec):

@@ -6,8 +6,8 @@ from __future__ import annotations
 from bsr_runtime.tiers.registry import TierType
 
 LMCACHE_FILESYSTEM = TierType("lmcache-filesystem", "bsr_runtime.integrations.lmcache.specs:LMCacheFSTierSpec",
-                              "bsr_runtime.integrations.lmcache.tier:open_lmcache_tier", directory_option="root")
+                              "bsr_runtime.integrations.lmcache.tier:open_lmcache_spec", directory_option="root")
 # an engine mounts no segment by default, as with the mooncake type: objects live on the store hosts
 LMCACHE_MOONCAKE = TierType("lmcache-mooncake", "bsr_runtime.integrations.lmcache.specs:LMCacheMooncakeTierSpec",
-                            "bsr_runtime.integrations.lmcache.tier:open_lmcache_tier",
+                            "bsr_runtime.integrations.lmcache.tier:open_lmcache_spec",
                             engine_defaults={"global_segment_size": 0})
