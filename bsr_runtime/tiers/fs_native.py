@@ -31,10 +31,9 @@ def available() -> bool:
 
 def _relpaths(digests: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """The NUL-terminated `ab/cd/<hex>.bsr` of each digest in one buffer, and their addresses."""
-    buf = np.zeros((len(digests), _RELPATH_BYTES), dtype=np.uint8)
-    for i, d in enumerate(digests):
-        h = d.hex()
-        buf[i, : _RELPATH_BYTES - 1] = np.frombuffer(f"{h[0:2]}/{h[2:4]}/{h}{SUFFIX}".encode(), dtype=np.uint8)
+    # one string built at once: a numpy slice assignment per path cost ~1 us each, per window of reads
+    text = "".join(f"{h[0:2]}/{h[2:4]}/{h}{SUFFIX}\0" for h in map(bytes.hex, digests))
+    buf = np.frombuffer(bytearray(text.encode()), dtype=np.uint8)
     addrs = buf.ctypes.data + np.arange(len(digests), dtype=np.int64) * _RELPATH_BYTES
     return buf, addrs
 
