@@ -74,8 +74,8 @@ def main() -> None:
     if not args.no_vllm:
         from bsr_runtime.connector_config import ConnectorConfig
 
-        extra = {"tiers": [{"type": "filesystem", "root": "/x"}, spec], "window_chunks": 8, "backend": "auto",
-                 "save_staging_chunks": 4, "chunk_tokens": 256}
+        extra = {"tiers": [{"type": "filesystem", "root": "/x"}, spec], "window_chunks": 8,
+                 "tuning": {"backend": "auto", "save_staging_chunks": 4, "chunk_tokens": 256}}
         figures["ConnectorConfig.from_extra us"] = per_call(lambda: ConnectorConfig.from_extra(extra), 2000) * 1e6
         print(f"{'ConnectorConfig.from_extra (2 tiers, 5 keys)':48s} {figures['ConnectorConfig.from_extra us']:9.1f}")
     try:

@@ -35,8 +35,8 @@ CHUNK = 256
 BLOCK_SIZE = 64
 # the connector of a cluster engine: windows of 4 chunks, a fetch may wait out a lost host's TTL (a few s),
 # an unreachable master is skipped for 1 s only (requests find a restarted master at once)
-CONNECTOR = {"window_chunks": 4, "fetch_timeout_s": 6.0, "probe_timeout_s": 3.0, "unavailable_cooldown_s": 1.0,
-             "shutdown_timeout_s": 10.0}
+CONNECTOR = {"window_chunks": 4, "timeouts": {"fetch_s": 6.0, "probe_s": 3.0, "shutdown_s": 10.0},
+             "tuning": {"unavailable_cooldown_s": 1.0}}
 TIER = {"rpc_timeout_s": 2.0, "connect_timeout_s": 10.0}
 LEVELS = ("vllm:bsr_restore_staging_bytes", "vllm:bsr_save_staging_bytes", "vllm:bsr_loads_in_flight")
 ENGINE_LEVELS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")

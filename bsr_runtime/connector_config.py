@@ -5,10 +5,9 @@ the same mapping and opens the same tiers.
     {"tiers": [{"type": "filesystem", "root": "/ssd/bsr"},
                {"type": "mooncake", "master_address": "H:50051", "metadata_server": "http://H:8080/metadata"},
                {"type": "lmcache-filesystem", "root": "/ssd/lmcache"}],
-     "window_chunks": 32, "pipeline_depth": null, "fetch_timeout_s": 30, "unavailable_cooldown_s": 30,
-     "salt": "", "model_id": null,
-     "load_mode": "async", "restore_budget_bytes": null, "max_concurrent_restores": 8,
-     "save": true, "save_staging_chunks": null, "report_path": null}
+     "window_chunks": 32, "restore_budget_bytes": null, "load_mode": "async", "save": true,
+     "restore_partial_chunk": true, "salt": "", "model_id": null, "report_path": null,
+     "timeouts": {"fetch_s": 30, "probe_s": 5, ...}, "tuning": {"pipeline_depth": null, ...}}
 
 Tier options are those of the tier's registered type (bsr_runtime/tiers/registry.py: the built-in
 ones' in tiers/specs.py, LMCache's in integrations/lmcache/specs.py); a Mooncake tier mounts no
@@ -95,38 +94,33 @@ class TierSpec(Schema):
         return spec
 
 
-class ConnectorConfig(Schema):
-    """kv_connector_extra_config, checked as a whole by `from_extra`. One line per key."""
+class Timeouts(Schema):
+    """How long each wait of the connector may take (`timeouts` in the config); past it, what waited fails
+    closed (a load, a save at shutdown) or misses (a lookup): no wait is unbounded."""
 
-    tiers: tuple[TierSpec, ...] = Field(min_length=1)
-    # "async": loads run on the connector's loader threads while the engine keeps stepping; the request
-    # waits (WAITING_FOR_REMOTE_KVS), failures are reported per request (failed_recving). "sync": loads run
-    # on the step thread before the forward (every other request waits), failures by block id (one
-    # KV-cache group only); kept for comparison.
-    load_mode: Literal["sync", "async"] = "async"
-    window_chunks: Window = 32  # W
-    pipeline_depth: Depth | None = None  # None: the first tier's preferred depth (Tier.preferred_pipeline_depth)
-    fetch_timeout_s: Seconds = 30.0
+    fetch_s: Seconds = 30.0  # one window's reads
     # how long a load's window waits for staging from the budget B before the load fails closed (staging a
     # late read still holds comes back when the read lands; a read that never lands must not hold loads)
-    staging_wait_timeout_s: Seconds = 30.0
+    staging_wait_s: Seconds = 30.0
+    agree_s: Seconds = 30.0  # TP ranks agreeing on a plan or a commit
+    # a request's tier lookup that has not answered within this is a miss (the request prefills locally):
+    # a probe hung in one tier never holds the request, nor (each lookup has its own thread) any other
+    probe_s: Seconds = 5.0
+    shutdown_s: Seconds = 30.0  # how long shutdown waits for loads and saves in flight
+
+
+class Tuning(Schema):
+    """Knobs with working defaults (`tuning` in the config): how restores are pipelined, threaded and
+    staged, what a chunk is."""
+
+    pipeline_depth: Depth | None = None  # None: the first tier's preferred depth (Tier.preferred_pipeline_depth)
+    backend: Backend = "auto"  # the install backend (bsr_kernels/backends.py)
+    chunk_tokens: ChunkTokens = 256
+    max_concurrent_restores: Annotated[int, Field(ge=1, le=1024)] = 8  # loader threads
     # staging replaced (B bytes more each, until its reads land) when reads that never land leave B no room
     # for a window; past this many, such loads fail at once until the reads land (bsr_runtime/loader.py)
     max_staging_retirements: Annotated[int, Field(ge=0, le=64)] = 2
-    backend: Backend = "auto"
-    salt: Text = ""  # tenant of this engine (a request's cache_salt is added to it)
-    model_id: Name | None = None  # default: a digest of the served checkpoint's weights (model_identity.py)
-    save: bool = True  # store complete prompt chunks after prefill
-    # restore up to the last whole block before a prompt's last token, as vLLM's own prefix cache does
-    # (prompts' partial chunks stored as objects of their own); False: whole chunks only (the restored prefix
-    # then ends on a chunk boundary, where a cold prefill of 256-token steps also stops: bit-identical)
-    restore_partial_chunk: bool = True
-    report_path: OutputFile | None = None  # append one JSON line per load and save (both roles, all ranks)
-    chunk_tokens: ChunkTokens = 256
-    agree_timeout_s: Seconds = 30.0
-    # a request's tier lookup that has not answered within this is a miss (the request prefills locally):
-    # a probe hung in one tier never holds the request, nor (each lookup has its own thread) any other
-    probe_timeout_s: Seconds = 5.0
+    save_staging_chunks: SaveWindow | None = None  # staging of saves whose puts run (default: two steps' chunks)
     # with background loads, how long the step that first asks for a request's lookup waits for it
     # (once per request; 0: never): a probe thread that shares the interpreter with the engine's step
     # takes several times longer, and the request then waits for a later step
@@ -136,17 +130,37 @@ class ConnectorConfig(Schema):
     # request probes it again (a restarted master is found then). A lost store host is not this: the tier
     # stays in use and only that host's objects miss
     unavailable_cooldown_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 30.0
-    # B: staging shared by concurrent restores (default W*c); at most the machine's memory, since
-    # the arena is allocated (and touched) when the engine starts
-    restore_budget_bytes: Annotated[HostBytes, Field(ge=1)] | None = None
-    max_concurrent_restores: Annotated[int, Field(ge=1, le=1024)] = 8  # loader threads
-    save_staging_chunks: SaveWindow | None = None  # staging of saves whose puts run (default: two steps' chunks)
-    shutdown_timeout_s: Seconds = 30.0  # how long shutdown waits for loads and saves in flight
     # with background loads, the interpreter's switch interval (sys.setswitchinterval; Python's default is
     # 5 ms): each time a loader thread needs the GIL back while the step thread runs Python it can wait one
     # interval, several times per window; a shorter one lets restores finish near their standalone time.
     # null leaves the interpreter's setting alone
     gil_switch_interval_s: Annotated[float, Field(ge=0.0001, le=0.1, allow_inf_nan=False)] | None = 0.0005
+
+
+class ConnectorConfig(Schema):
+    """kv_connector_extra_config, checked as a whole by `from_extra`. One line per key; the waits' bounds in
+    `timeouts`, the knobs with working defaults in `tuning`."""
+
+    tiers: tuple[TierSpec, ...] = Field(min_length=1)
+    window_chunks: Window = 32  # W
+    # B: staging shared by concurrent restores (default W*c); at most the machine's memory, since
+    # the arena is allocated (and touched) when the engine starts
+    restore_budget_bytes: Annotated[HostBytes, Field(ge=1)] | None = None
+    # "async": loads run on the connector's loader threads while the engine keeps stepping; the request
+    # waits (WAITING_FOR_REMOTE_KVS), failures are reported per request (failed_recving). "sync": loads run
+    # on the step thread before the forward (every other request waits), failures by block id (one
+    # KV-cache group only); kept for comparison.
+    load_mode: Literal["sync", "async"] = "async"
+    save: bool = True  # store complete prompt chunks after prefill
+    # restore up to the last whole block before a prompt's last token, as vLLM's own prefix cache does
+    # (prompts' partial chunks stored as objects of their own); False: whole chunks only (the restored prefix
+    # then ends on a chunk boundary, where a cold prefill of 256-token steps also stops: bit-identical)
+    restore_partial_chunk: bool = True
+    salt: Text = ""  # tenant of this engine (a request's cache_salt is added to it)
+    model_id: Name | None = None  # default: a digest of the served checkpoint's weights (model_identity.py)
+    report_path: OutputFile | None = None  # append one JSON line per load and save (both roles, all ranks)
+    timeouts: Timeouts = Timeouts()
+    tuning: Tuning = Tuning()
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -178,10 +192,11 @@ class ConnectorConfig(Schema):
     def restore_config(self, tiers: Sequence[Tier]) -> RestoreConfig:
         """The restores' configuration; without a configured pipeline depth the first (planning) tier's
         preferred one: 1 for Mooncake over tcp and LMCache, 2 for the filesystem."""
-        depth = self.pipeline_depth if self.pipeline_depth is not None else tiers[0].preferred_pipeline_depth
+        depth = self.tuning.pipeline_depth
+        depth = depth if depth is not None else tiers[0].preferred_pipeline_depth
         return RestoreConfig(window_chunks=self.window_chunks, pipeline_depth=depth,
-                             fetch_timeout_s=self.fetch_timeout_s, backend=self.backend,
-                             admission_timeout_s=self.staging_wait_timeout_s)
+                             fetch_timeout_s=self.timeouts.fetch_s, backend=self.tuning.backend,
+                             admission_timeout_s=self.timeouts.staging_wait_s)
 
     @property
     def load_async(self) -> bool:

@@ -61,7 +61,7 @@ defect "cluster: a lost store host's transfer failure not told apart (no failove
   "if code == TRANSFER_FAIL:" "if False:" \
   tests/integration/vllm/test_mooncake_cluster.py
 defect "cluster: unavailable_cooldown_s not passed to the planner (a restarted master skipped 30 s)" bsr_runtime/integrations/vllm/scheduler.py \
-  "                               unavailable_cooldown_s=cfg.unavailable_cooldown_s)" "                               )" \
+  "                               unavailable_cooldown_s=cfg.tuning.unavailable_cooldown_s)" "                               )" \
   tests/integration/vllm/test_mooncake_cluster.py
 defect "cluster: a put placed on a lost store host not put again on a live one" bsr_runtime/tiers/mooncake_hosts.py \
   "PUT_RETRIES = 3" "PUT_RETRIES = 0" \

@@ -34,26 +34,30 @@ def refused(extra: dict) -> str:
 
 
 @pytest.mark.parametrize("key,value", [
-    ("chunk_tokens", "256"), ("chunk_tokens", 256.0), ("chunk_tokens", 0), ("chunk_tokens", True),
-    ("chunk_tokens", 1 << 21),
-    ("backend", "bogus"), ("backend", 1),
-    ("save_staging_chunks", -1), ("save_staging_chunks", "8"), ("save_staging_chunks", 0),
-    ("save_staging_chunks", 2.0),
+    ("tuning.chunk_tokens", "256"), ("tuning.chunk_tokens", 256.0), ("tuning.chunk_tokens", 0),
+    ("tuning.chunk_tokens", True),
+    ("tuning.chunk_tokens", 1 << 21),
+    ("tuning.backend", "bogus"), ("tuning.backend", 1),
+    ("tuning.save_staging_chunks", -1), ("tuning.save_staging_chunks", "8"), ("tuning.save_staging_chunks", 0),
+    ("tuning.save_staging_chunks", 2.0),
     ("window_chunks", -1), ("window_chunks", "8"), ("window_chunks", True), ("window_chunks", 1 << 17),
-    ("pipeline_depth", 0), ("pipeline_depth", 3), ("pipeline_depth", True), ("pipeline_depth", "1"),
-    ("fetch_timeout_s", 0), ("fetch_timeout_s", -1.0), ("fetch_timeout_s", math.inf), ("fetch_timeout_s", math.nan),
-    ("fetch_timeout_s", "30"), ("fetch_timeout_s", 1e12),
-    ("agree_timeout_s", 0), ("agree_timeout_s", math.inf), ("agree_timeout_s", None),
+    ("tuning.pipeline_depth", 0), ("tuning.pipeline_depth", 3), ("tuning.pipeline_depth", True),
+    ("tuning.pipeline_depth", "1"),
+    ("timeouts.fetch_s", 0), ("timeouts.fetch_s", -1.0), ("timeouts.fetch_s", math.inf), ("timeouts.fetch_s", math.nan),
+    ("timeouts.fetch_s", "30"), ("timeouts.fetch_s", 1e12),
+    ("timeouts.agree_s", 0), ("timeouts.agree_s", math.inf), ("timeouts.agree_s", None),
     ("load_mode", "lazy"), ("load_mode", None),
     ("salt", 5), ("salt", None), ("salt", "\ud800"),
     ("model_id", ""), ("model_id", 5),
     ("save", "yes"), ("save", 1), ("save", None),
     ("report_path", "/nonexistent-dir/r.jsonl"), ("report_path", ""), ("report_path", 5), ("report_path", "/tmp"),
-    ("unavailable_cooldown_s", -1), ("unavailable_cooldown_s", math.inf), ("unavailable_cooldown_s", "30"),
+    ("tuning.unavailable_cooldown_s", -1), ("tuning.unavailable_cooldown_s", math.inf),
+    ("tuning.unavailable_cooldown_s", "30"),
     ("windw_chunks", 4),
 ])
 def test_every_key_is_checked(key, value):
-    msg = refused(cfg(**{key: value}))
+    head, _, leaf = key.partition(".")  # "timeouts.fetch_s": the key fetch_s of the mapping timeouts
+    msg = refused(cfg(**({head: {leaf: value}} if leaf else {key: value})))
     assert f": {key}: " in msg or msg.endswith(f": {key}") or f"; {key}: " in msg, msg
 
 
@@ -118,9 +122,10 @@ def test_lmcache_tier_specs_are_checked_by_their_schema(spec, needle):
 
 
 def test_one_error_names_every_bad_key():
-    msg = refused({"tiers": [FS | {"fsync": "no"}, {"type": "s3"}], "chunk_tokens": "256", "backend": "bogus",
-                   "save_staging_chunks": -1, "window": 4})
-    for key in ("tiers[0].fsync", "tiers[1].type", "chunk_tokens", "backend", "save_staging_chunks", "window"):
+    msg = refused({"tiers": [FS | {"fsync": "no"}, {"type": "s3"}], "window": 4,
+                   "tuning": {"chunk_tokens": "256", "backend": "bogus", "save_staging_chunks": -1}})
+    for key in ("tiers[0].fsync", "tiers[1].type", "tuning.chunk_tokens", "tuning.backend",
+                "tuning.save_staging_chunks", "window"):
         assert key in msg, (key, msg)
     assert "6 bad keys" in msg
 
@@ -130,16 +135,37 @@ def test_good_config_parses_with_names_kept(tmp_path):
     c = ConnectorConfig.from_extra({
         "tiers": [{"type": "filesystem", "root": "/x", "load_concurrency": 2, "save": True},
                   {"type": "mooncake", "master_address": "h:50051", "metadata_server": "http://h:8080/metadata"}],
-        "load_mode": "sync", "window_chunks": 0, "pipeline_depth": 1, "fetch_timeout_s": 5, "backend": "torch",
-        "salt": "t", "model_id": "m", "save": True, "save_staging_chunks": 8, "report_path": report,
-        "chunk_tokens": 512, "agree_timeout_s": 2.5})
+        "load_mode": "sync", "window_chunks": 0, "salt": "t", "model_id": "m", "save": True, "report_path": report,
+        "timeouts": {"fetch_s": 5, "agree_s": 2.5},
+        "tuning": {"pipeline_depth": 1, "backend": "torch", "save_staging_chunks": 8, "chunk_tokens": 512}})
     assert [t.type for t in c.tiers] == ["filesystem", "mooncake"]
     assert c.tiers[0].options == {"root": "/x", "load_concurrency": 2}
     assert c.tiers[1].options["global_segment_size"] == 0  # engines mount no segment by default
     assert "replica_num" not in c.tiers[1].options  # one copy per object unless the spec says more
-    assert (c.window_chunks, c.save_staging_chunks, c.chunk_tokens, c.fetch_timeout_s) == (0, 8, 512, 5.0)
+    assert c.window_chunks == 0 and c.timeouts.fetch_s == 5.0
+    assert (c.tuning.save_staging_chunks, c.tuning.chunk_tokens) == (8, 512)
     assert c.report_path == report and c.save_tiers == [0] and not c.load_async
     assert ConnectorConfig.from_extra({"tiers": [FS]}).window_chunks == 32  # defaults
+
+
+def test_the_top_level_keeps_to_a_dozen_keys_and_the_rest_nests():
+    """Issue 38: the connector had 23 top-level keys (vLLM's CPU offload: ~8). What a deployment sets stays at
+    the top; the waits' bounds live in `timeouts`, the knobs with working defaults in `tuning`; their old
+    top-level spellings are unknown keys (nothing was released under them)."""
+    top = set(ConnectorConfig.model_fields)
+    assert len(top) <= 12, sorted(top)
+    assert {"tiers", "window_chunks", "restore_budget_bytes", "timeouts", "tuning"} <= top
+    for old in ("fetch_timeout_s", "probe_timeout_s", "agree_timeout_s", "shutdown_timeout_s",
+                "staging_wait_timeout_s", "pipeline_depth", "chunk_tokens", "backend", "max_concurrent_restores",
+                "save_staging_chunks", "probe_wait_s", "unavailable_cooldown_s", "gil_switch_interval_s",
+                "max_staging_retirements"):
+        assert f"{old}: unknown key" in refused(cfg(**{old: 1})), old
+    for group in ("timeouts", "tuning"):
+        assert f"{group}.nope: unknown key" in refused(cfg(**{group: {"nope": 1}}))
+        assert f"{group}:" in refused(cfg(**{group: 5}))
+    c = ConnectorConfig.from_extra(cfg(timeouts={"probe_s": 0.5}, tuning={"max_concurrent_restores": 2}))
+    assert (c.timeouts.probe_s, c.timeouts.fetch_s, c.tuning.max_concurrent_restores, c.tuning.chunk_tokens) == \
+        (0.5, 30.0, 2, 256)  # the rest of a group keeps its defaults
 
 
 @pytest.mark.parametrize("earlier", ["fs", "lmcache-fs"])

@@ -34,10 +34,13 @@ def test_config_parsing_and_errors():
     sync = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "load_mode": "sync"})
     assert not sync.load_async
     for bad in ({"load_mode": "auto"}, {"save_window_chunks": 6},  # earlier spellings: never released
-                {"restore_budget_bytes": 0}, {"restore_budget_bytes": "1GiB"}, {"max_concurrent_restores": 0},
-                {"save_staging_chunks": -1}, {"shutdown_timeout_s": -1}, {"load_mode": "lazy"},
-                {"window_chunks": 0}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
+                {"restore_budget_bytes": 0}, {"restore_budget_bytes": "1GiB"},
+                {"tuning": {"max_concurrent_restores": 0}}, {"tuning": {"save_staging_chunks": -1}},
+                {"timeouts": {"shutdown_s": -1}}, {"load_mode": "lazy"}, {"window_chunks": 0}):
+        key = next(iter(bad))
+        if key in ("tuning", "timeouts"):
+            key = f"{key}.{next(iter(bad[key]))}"
+        with pytest.raises(ValueError, match=key):
             ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], **bad})
     with pytest.raises(ValueError, match="kv_connector_extra_config: window: unknown key"):
         ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "window": 4})
@@ -50,25 +53,26 @@ def test_config_parsing_and_errors():
 
 
 def test_the_bounds_of_probes_and_staging_waits_are_checked_where_they_enter(tmp_path):
-    """Issue 35: probe_timeout_s (a lookup past it is a miss) and staging_wait_timeout_s (a load's wait for
+    """Issue 35: timeouts.probe_s (a lookup past it is a miss) and timeouts.staging_wait_s (a load's wait for
     staging), each with a default, each refused when it is no finite positive number of seconds."""
     from bsr_harness.memory_tier import MemoryTier
 
     tiers = [{"type": "filesystem", "root": "/x"}]
     cfg = ConnectorConfig.from_extra({"tiers": tiers})
-    assert cfg.probe_timeout_s == 5.0 and cfg.staging_wait_timeout_s == 30.0
-    cfg = ConnectorConfig.from_extra({"tiers": tiers, "probe_timeout_s": 0.5, "staging_wait_timeout_s": 2.0})
+    assert cfg.timeouts.probe_s == 5.0 and cfg.timeouts.staging_wait_s == 30.0
+    cfg = ConnectorConfig.from_extra({"tiers": tiers, "timeouts": {"probe_s": 0.5, "staging_wait_s": 2.0}})
     tier = MemoryTier(1024, "fp")
     assert cfg.restore_config([tier]).admission_timeout_s == 2.0  # the loader's wait for staging
-    for key in ("probe_timeout_s", "staging_wait_timeout_s"):
+    for key in ("probe_s", "staging_wait_s"):
         for bad in (0, -1, float("inf"), "5", None):
-            with pytest.raises(ValueError, match=key):
-                ConnectorConfig.from_extra({"tiers": tiers, key: bad})
-    assert cfg.max_staging_retirements == 2  # replacements of staging lost to reads that never land
-    assert ConnectorConfig.from_extra({"tiers": tiers, "max_staging_retirements": 0}).max_staging_retirements == 0
+            with pytest.raises(ValueError, match=f"timeouts.{key}"):
+                ConnectorConfig.from_extra({"tiers": tiers, "timeouts": {key: bad}})
+    assert cfg.tuning.max_staging_retirements == 2  # replacements of staging lost to reads that never land
+    one = ConnectorConfig.from_extra({"tiers": tiers, "tuning": {"max_staging_retirements": 0}})
+    assert one.tuning.max_staging_retirements == 0
     for bad in (-1, 65, 1.0, "2", None):
-        with pytest.raises(ValueError, match="max_staging_retirements"):
-            ConnectorConfig.from_extra({"tiers": tiers, "max_staging_retirements": bad})
+        with pytest.raises(ValueError, match="tuning.max_staging_retirements"):
+            ConnectorConfig.from_extra({"tiers": tiers, "tuning": {"max_staging_retirements": bad}})
 
 
 def test_pipeline_depth_is_the_first_tiers_unless_configured(tmp_path):
@@ -82,15 +86,17 @@ def test_pipeline_depth_is_the_first_tiers_unless_configured(tmp_path):
     one = PrefersOne(4096, "f" * 16)
     try:
         cfg = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "window_chunks": 8})
-        assert cfg.pipeline_depth is None
+        assert cfg.tuning.pipeline_depth is None
         assert cfg.restore_config([fs, one]).pipeline_depth == 2
         assert cfg.restore_config([one, fs]).pipeline_depth == 1
         rc = cfg.restore_config([fs])
-        assert (rc.window_chunks, rc.fetch_timeout_s, rc.backend) == (8, cfg.fetch_timeout_s, cfg.backend)
-        set_one = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "pipeline_depth": 1})
+        assert (rc.window_chunks, rc.fetch_timeout_s, rc.backend) == (8, cfg.timeouts.fetch_s, cfg.tuning.backend)
+        set_one = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}],
+                                              "tuning": {"pipeline_depth": 1}})
         assert set_one.restore_config([fs]).pipeline_depth == 1
-        with pytest.raises(ValueError, match="pipeline_depth"):  # refused where it enters, not at the first load
-            ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "pipeline_depth": 3})
+        with pytest.raises(ValueError, match="tuning.pipeline_depth"):  # refused where it enters, not at the first load
+            ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}],
+                                        "tuning": {"pipeline_depth": 3}})
     finally:
         fs.close()
         one.close()
@@ -176,8 +182,9 @@ def test_background_loads_shorten_the_switch_interval_while_the_worker_lives():
     outer = sys.getswitchinterval()
     sys.setswitchinterval(0.005)  # Python's default, whatever an earlier test in this process left
     before = sys.getswitchinterval()
-    cases = [({}, 0.0005), ({"gil_switch_interval_s": 0.002}, 0.002), ({"gil_switch_interval_s": None}, before),
-             ({"load_mode": "sync"}, before), ({"gil_switch_interval_s": 0.05}, before)]  # never made longer
+    cases = [({}, 0.0005), ({"tuning": {"gil_switch_interval_s": 0.002}}, 0.002),
+             ({"tuning": {"gil_switch_interval_s": None}}, before), ({"load_mode": "sync"}, before),
+             ({"tuning": {"gil_switch_interval_s": 0.05}}, before)]  # never made longer
     try:
         for extra, expected in cases:
             cfg = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "save": False, **extra})
@@ -189,8 +196,9 @@ def test_background_loads_shorten_the_switch_interval_while_the_worker_lives():
         sys.setswitchinterval(outer)
         tier.close()
     for bad in (0, 0.5, "fast", float("nan")):
-        with pytest.raises(ValueError, match="gil_switch_interval_s"):
-            ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}], "gil_switch_interval_s": bad})
+        with pytest.raises(ValueError, match="tuning.gil_switch_interval_s"):
+            ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}],
+                                        "tuning": {"gil_switch_interval_s": bad}})
 
 
 def test_shutdown_is_bounded_by_shutdown_timeout_s_in_total(tmp_path):
@@ -208,7 +216,7 @@ def test_shutdown_is_bounded_by_shutdown_timeout_s_in_total(tmp_path):
     reg = presets.llama_like(layers=1, kv_heads=1, head_dim=16, block_size=16)
     tier = FaultyTier(FilesystemTier(tmp_path, reg.chunk_bytes, reg.fingerprint))
     cfg = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": str(tmp_path)}], "window_chunks": 2,
-                                      "shutdown_timeout_s": 1.0, "gil_switch_interval_s": None})
+                                      "timeouts": {"shutdown_s": 1.0}, "tuning": {"gil_switch_interval_s": None}})
     blocks, tables = block_tables(reg, [2, 2], 3, holes="none")
     worker = WorkerSide(cfg, reg, [tier], "m", 0, 1)
     kv = reg.allocate(blocks)

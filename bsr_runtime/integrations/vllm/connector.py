@@ -43,7 +43,7 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is None:
             raise ValueError("the BSR connector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         self.config = cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
-        self.registration = reg = registration_from_kv_cache_config(kv_cache_config, cfg.chunk_tokens,
+        self.registration = reg = registration_from_kv_cache_config(kv_cache_config, cfg.tuning.chunk_tokens,
                                                                          vllm_config=vllm_config)
         if not cfg.load_async and reg.num_groups > 1:
             raise ValueError(f'BSR connector: load_mode "sync" reports failures by block id, which vLLM supports '
@@ -62,7 +62,7 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
                 if world > 1:
                     rank, group = _agreement_group()
                     agree = functools.partial(commit.agree, group=group)
-                per_step = -(-vllm_config.scheduler_config.max_num_batched_tokens // cfg.chunk_tokens)
+                per_step = -(-vllm_config.scheduler_config.max_num_batched_tokens // cfg.tuning.chunk_tokens)
                 self.worker = WorkerSide(cfg, reg, tiers, self.model_id, rank, world, agree, chunks_per_step=per_step)
         except BaseException:
             self._stack.close()

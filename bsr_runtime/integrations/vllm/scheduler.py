@@ -61,9 +61,9 @@ class SchedulerSide:
         self.block_ids_of = block_ids_of  # request id -> its current block ids per group (vLLM's)
         self.load_async = cfg.load_async
         self.planner = Planner(reg, tiers, tp_world=tp_world, salt=cfg.salt, model=model, probe_all_ranks=True,
-                               probe_timeout_s=cfg.probe_timeout_s, probe_wait_s=cfg.probe_wait_s,
+                               probe_timeout_s=cfg.timeouts.probe_s, probe_wait_s=cfg.tuning.probe_wait_s,
                                key_inputs=VllmKeyInputs(), restore_partial_chunk=cfg.restore_partial_chunk,
-                               unavailable_cooldown_s=cfg.unavailable_cooldown_s)
+                               unavailable_cooldown_s=cfg.tuning.unavailable_cooldown_s)
         self._refused_taken: dict[str, int] = {}  # planner.stats.refused at the last take_stats()
         self.inflight: dict[str, tuple[int, set[int]]] = {}  # request -> (chunks, blocks) of its load
         self._tracked: dict[str, _Tracked] = {}

@@ -49,16 +49,16 @@ class WorkerSide:
         self.restore_config = cfg.restore_config(tiers)
         self.load_async = cfg.load_async
         self.loader = Loader(reg, tiers, None, self.restore_config, budget_bytes=cfg.restore_budget_bytes,
-                             max_restores=cfg.max_concurrent_restores, tp_rank=tp_rank, tp_world=tp_world,
-                             salt=cfg.salt, model=model, agree=agree, agree_timeout_s=cfg.agree_timeout_s,
-                             max_staging_retirements=cfg.max_staging_retirements,
-                             unavailable_cooldown_s=cfg.unavailable_cooldown_s)
+                             max_restores=cfg.tuning.max_concurrent_restores, tp_rank=tp_rank, tp_world=tp_world,
+                             salt=cfg.salt, model=model, agree=agree, agree_timeout_s=cfg.timeouts.agree_s,
+                             max_staging_retirements=cfg.tuning.max_staging_retirements,
+                             unavailable_cooldown_s=cfg.tuning.unavailable_cooldown_s)
         self.keyspace = self.loader.keyspace
         self.saver: Saver | None = None
         save_tiers = [tiers[i] for i in cfg.save_tiers]
         if save_tiers:
-            staging = cfg.save_staging_chunks or 2 * max(cfg.window_chunks, chunks_per_step, 1)
-            self.saver = Saver(reg, save_tiers, staging_chunks=staging, backend=cfg.backend,
+            staging = cfg.tuning.save_staging_chunks or 2 * max(cfg.window_chunks, chunks_per_step, 1)
+            self.saver = Saver(reg, save_tiers, staging_chunks=staging, backend=cfg.tuning.backend,
                                keyspace=KeySpace(reg.fingerprint, tp_rank, tp_world, cfg.salt, model))
         self.kv: list[torch.Tensor] | None = None
         self._failed_this_step: set[str] = set()
@@ -66,7 +66,8 @@ class WorkerSide:
         self.loads: deque[dict] = deque(maxlen=RECORDS)  # the latest load records (tests, demo)
         self.saves: deque[dict] = deque(maxlen=RECORDS)
         self.stats = LoadSaveStats(reg.chunk_bytes, tp_rank)  # vLLM's metrics (get_kv_connector_stats)
-        self._switch_interval = self._shorten_switch_interval(cfg.gil_switch_interval_s if self.load_async else None)
+        interval = cfg.tuning.gil_switch_interval_s if self.load_async else None
+        self._switch_interval = self._shorten_switch_interval(interval)
 
     @staticmethod
     def _shorten_switch_interval(interval: float | None) -> tuple[float, float] | None:
@@ -83,7 +84,7 @@ class WorkerSide:
         self.kv = destinations(self.reg, kv_caches)
         # validated and prepared once, at start-up: the first save on a step (and the first restore)
         # finds them prepared (checking a large cache for overlaps takes a while)
-        prepare(self.reg, tuple(self.kv), self.cfg.backend, resolve_backend)
+        prepare(self.reg, tuple(self.kv), self.cfg.tuning.backend, resolve_backend)
         self.loader.register_kv_caches(self.kv)
         if self.saver is not None:
             self.saver.kv = self.kv
@@ -204,8 +205,8 @@ class WorkerSide:
     def close(self) -> None:
         """Stop loads and saves within shutdown_timeout_s in all: one deadline shared by the loader and the
         saver (the saver gets what the loader left of it), not one timeout each."""
-        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
-        self.loader.close(self.cfg.shutdown_timeout_s)
+        deadline = time.monotonic() + self.cfg.timeouts.shutdown_s
+        self.loader.close(self.cfg.timeouts.shutdown_s)
         if self.saver is not None:
             self.saver.close(max(0.0, deadline - time.monotonic()))
             self._drain_saves()

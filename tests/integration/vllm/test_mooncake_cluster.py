@@ -37,7 +37,7 @@ pytestmark = pytest.mark.mooncake
 
 CHUNKS = 6
 TTL_S = 2
-FETCH_TIMEOUT_S = CONNECTOR["fetch_timeout_s"]
+FETCH_TIMEOUT_S = CONNECTOR["timeouts"]["fetch_s"]
 LEVELS_ZERO = dict.fromkeys(("vllm:bsr_restore_staging_bytes", "vllm:bsr_save_staging_bytes",
                              "vllm:bsr_loads_in_flight"), 0.0)
 
@@ -238,7 +238,7 @@ def test_a_restarted_master_leaves_every_engine_serving(env):
         for engine in (env.a, env.b):  # the master down: a miss, recomputed, the save fails (counted)
             resp, seconds = _restored(engine, tokens)
             assert S.cached_tokens(resp) == 0 and S.completion_tokens(resp) == cold
-            assert seconds < CONNECTOR["probe_timeout_s"] + 5, f"{seconds:.1f} s with the master down"
+            assert seconds < CONNECTOR["timeouts"]["probe_s"] + 5, f"{seconds:.1f} s with the master down"
     finally:
         t = time.monotonic()
         env.master.start()

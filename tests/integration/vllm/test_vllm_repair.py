@@ -62,7 +62,7 @@ def test_lmcache_fs_damaged_object_is_repaired_by_the_recompute(model, tokens, c
     # save staging for the whole prompt: no save (or rewrite) is skipped for want of staging while a busy
     # machine's puts run
     tiers = [{"type": "lmcache-filesystem", "root": str(tmp_path / "lmcache")}]
-    a = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, save_staging_chunks=N, salt="repair"))
+    a = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, tuning={"save_staging_chunks": N}, salt="repair"))
     try:
         _same(U.generate(a, tokens), cold)
         worker = U.worker_connector().worker
@@ -71,7 +71,7 @@ def test_lmcache_fs_damaged_object_is_repaired_by_the_recompute(model, tokens, c
     finally:
         U.shutdown(a)
 
-    b = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, save_staging_chunks=N, salt="repair"))
+    b = U.make_llm(model, U.kv_transfer(tiers, window_chunks=W, tuning={"save_staging_chunks": N}, salt="repair"))
     try:
         path = _lmcache_object_path(b, tokens, 5)
         _flip_payload_byte(path)

@@ -46,7 +46,7 @@ def store_host(module_mooncake_master):
 def _kv(tiers: list[dict], salt: str) -> dict:
     """Restores of W chunks a window; save staging for the whole prompt, so that no save is skipped for
     want of staging while a busy machine's puts run (the prefix would miss)."""
-    return U.kv_transfer(tiers, window_chunks=W, save_staging_chunks=N, salt=salt)
+    return U.kv_transfer(tiers, window_chunks=W, tuning={"save_staging_chunks": N}, salt=salt)
 
 
 def _mooncake(master, **kw) -> dict:
