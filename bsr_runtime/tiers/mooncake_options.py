@@ -1,4 +1,5 @@
-"""MooncakeTierOptions: how a MooncakeTier's client connects, reads and writes (a config schema)."""
+"""How a MooncakeTier's client connects (MooncakeConnection), reads and writes (MooncakeTuning): config schemas,
+flat in MooncakeTierOptions (the tier's keyword options)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ DEFAULT_SEGMENT_BYTES = 512 << 20
 ReplicaCount = Annotated[int, Field(ge=1, le=MAX_REPLICAS)]
 
 
-class MooncakeTierOptions(Schema):
-    """How a MooncakeTier's client connects and moves data; every field is checked on parse."""
+class MooncakeConnection(Schema):
+    """How a Mooncake client joins the store: what a deployment sets."""
 
     protocol: MooncakeProtocol = "tcp"  # "rdma" on real clusters
     local_hostname: Text = "127.0.0.1"
@@ -30,6 +31,15 @@ class MooncakeTierOptions(Schema):
     connect_timeout_s: Seconds = 10.0
     rpc_timeout_s: Seconds = 5.0
     tenant_id: Text = "default"
+    # every object a put stores is stored on this many store hosts (Mooncake places each copy in another
+    # host's segment): a restore survives replica_num - 1 lost hosts, at replica_num times the store memory
+    # and put traffic (docs/mooncake.md, "A cluster"). Reads use one copy.
+    replica_num: ReplicaCount = 1
+
+
+class MooncakeTuning(Schema):
+    """How a Mooncake tier reads, checks and writes: working defaults, measured (a tier spec's `tuning`)."""
+
     verify: bool = True  # CRC-32C of every payload on fetch
     fetch_workers: Count = 2
     verify_batch_bytes: Count = 8 << 20  # sub-batch of a fetch checked while the next one lands
@@ -41,10 +51,6 @@ class MooncakeTierOptions(Schema):
     in_place_batch_bytes: Count = 128 << 20
     verify_threads: Count = 1
     put_batch_bytes: Count = 64 << 20
-    # every object a put stores is stored on this many store hosts (Mooncake places each copy in another
-    # host's segment): a restore survives replica_num - 1 lost hosts, at replica_num times the store memory
-    # and put traffic (docs/mooncake.md, "A cluster"). Reads use one copy.
-    replica_num: ReplicaCount = 1
     local_reads: bool = True  # objects in this client's own segment: one checksumming copy (mooncake_local.py)
     # objects from other segments: True = land whole in 2 registered landing buffers of
     # verify_batch_bytes, then one checksumming copy; False = in place (header in the 128 B before
@@ -52,3 +58,8 @@ class MooncakeTierOptions(Schema):
     # fits one landing buffer (one get + copy beats the two gets of the in-place phases) or whose
     # views are never adjacent (a two-buffer get per object is slower there than the copy)
     land_whole: bool | None = None
+
+
+class MooncakeTierOptions(MooncakeConnection, MooncakeTuning):
+    """A MooncakeTier's keyword options, flat (the connection's and the tuning's); every field is checked on
+    parse. A tier spec groups the tuning under `tuning` (specs.py)."""

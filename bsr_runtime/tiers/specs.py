@@ -2,7 +2,7 @@
 
     {"type": "filesystem", "root": "/mnt/ssd/bsr", "load_concurrency": 4, "fsync": false, "checksum": "auto"}
     {"type": "mooncake", "master_address": "H:50051", "metadata_server": "http://H:8080/metadata",
-     ...MooncakeTierOptions fields}
+     ...MooncakeConnection fields, "tuning": {...MooncakeTuning fields}}
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from ..config_schema import Count, HostPort, Name, Schema
-from .mooncake_options import MooncakeTierOptions
+from .mooncake_options import MooncakeConnection, MooncakeTierOptions, MooncakeTuning
 
 
 class FilesystemTierSpec(Schema):
@@ -21,10 +21,14 @@ class FilesystemTierSpec(Schema):
     checksum: Literal["auto", "crc32", "crc32c"] = "auto"
 
 
-class MooncakeTierSpec(MooncakeTierOptions):
+class MooncakeTierSpec(MooncakeConnection):
     type: Literal["mooncake"] = "mooncake"
     master_address: HostPort
     metadata_server: Name
+    tuning: MooncakeTuning = MooncakeTuning()  # working defaults (how reads are batched, checked, landed)
 
     def options(self) -> MooncakeTierOptions:
-        return MooncakeTierOptions(**{k: getattr(self, k) for k in MooncakeTierOptions.model_fields})
+        """The tier's keyword options: the connection's and the tuning's, flat."""
+        connection = {k: getattr(self, k) for k in MooncakeConnection.model_fields}
+        tuning = {k: getattr(self.tuning, k) for k in MooncakeTuning.model_fields}
+        return MooncakeTierOptions(**connection, **tuning)

@@ -86,9 +86,11 @@ def test_a_value_is_cut_before_it_is_formatted():
     (MC | {"local_buffer_size": 1 << 50}, "local_buffer_size: more than this machine's physical memory"),
     (MC | {"tenant_id": None}, "tenant_id:"),
     (MC | {"local_buffer_size": "16M"}, "local_buffer_size:"),
-    (MC | {"in_place_batch_bytes": 0}, "in_place_batch_bytes:"),
-    (MC | {"put_batch_bytes": -1}, "put_batch_bytes:"),
-    (MC | {"verify_batch_bytes": 1.5}, "verify_batch_bytes:"),
+    (MC | {"tuning": {"in_place_batch_bytes": 0}}, "tuning.in_place_batch_bytes:"),
+    (MC | {"tuning": {"put_batch_bytes": -1}}, "tuning.put_batch_bytes:"),
+    (MC | {"tuning": {"verify_batch_bytes": 1.5}}, "tuning.verify_batch_bytes:"),
+    (MC | {"fetch_workers": 2}, "fetch_workers: unknown key"),  # a tuning key belongs in "tuning"
+    (MC | {"tuning": 2}, "tuning:"),
     (MC | {"replica_num": 0}, "replica_num: input should be greater than or equal to 1 (got 0)"),
     (MC | {"replica_num": True}, "replica_num: input should be a valid integer (got True)"),
 ])
@@ -100,9 +102,10 @@ def test_tier_spec_keys_are_checked_before_anything_opens(spec, needle):
 
 def test_tier_spec_error_names_every_bad_key():
     with pytest.raises(ValueError) as ei:
-        make_tier(REG, MC | {"fetch_workers": 0, "verify": "yes", "colour": 1, "rpc_timeout_s": math.inf})
+        make_tier(REG, MC | {"tuning": {"fetch_workers": 0, "verify": "yes"}, "colour": 1, "rpc_timeout_s": math.inf})
     msg = str(ei.value)
-    assert "4 bad keys" in msg and all(k in msg for k in ("fetch_workers", "verify", "colour", "rpc_timeout_s"))
+    assert "4 bad keys" in msg and all(k in msg for k in ("tuning.fetch_workers", "tuning.verify", "colour",
+                                                          "rpc_timeout_s"))
 
 
 def test_restore_config_refuses_an_unknown_backend():
@@ -116,11 +119,19 @@ def test_restore_config_refuses_an_unknown_backend():
 
 def test_mooncake_tier_options_are_one_schema():
     from bsr_runtime.tiers.mooncake import MooncakeTier
-    from bsr_runtime.tiers.mooncake_options import MooncakeTierOptions
+    from bsr_runtime.tiers.mooncake_options import MooncakeConnection, MooncakeTierOptions, MooncakeTuning
     from bsr_runtime.tiers.specs import MooncakeTierSpec
 
-    assert set(MooncakeTierSpec.model_fields) == set(MooncakeTierOptions.model_fields) | {
-        "type", "master_address", "metadata_server"}
+    # the spec: the connection's keys at the top, the tuning's under "tuning"; the tier's options: both, flat
+    assert set(MooncakeTierSpec.model_fields) == set(MooncakeConnection.model_fields) | {
+        "type", "master_address", "metadata_server", "tuning"}
+    assert set(MooncakeTierOptions.model_fields) == set(MooncakeConnection.model_fields) | set(
+        MooncakeTuning.model_fields)
+    assert not set(MooncakeConnection.model_fields) & set(MooncakeTuning.model_fields)
+    spec = MooncakeTierSpec(master_address="h:1", metadata_server="m", replica_num=2,
+                            tuning=MooncakeTuning(fetch_workers=5, land_whole=False))
+    o = spec.options()
+    assert (o.replica_num, o.fetch_workers, o.land_whole, o.verify) == (2, 5, False, True)
     with pytest.raises(ValueError, match="fetch_workers"):  # built directly: pydantic's ValidationError
         MooncakeTierOptions(fetch_workers=0)
     with pytest.raises(ConfigError, match="^Mooncake tier options: fetch_workers: input should be greater"):

@@ -77,8 +77,8 @@ def test_every_key_is_checked(key, value):
     ([FS, {"type": "mooncake", "master_address": "nohost", "metadata_server": "http://h/m"}],
      "tiers[1].master_address: expected HOST:PORT"),
     ([{"type": "mooncake", "master_address": "h:1"}], "tiers[0].metadata_server: missing"),
-    ([{"type": "mooncake", "master_address": "h:1", "metadata_server": "m", "fetch_workers": 0}],
-     "tiers[0].fetch_workers:"),
+    ([{"type": "mooncake", "master_address": "h:1", "metadata_server": "m", "tuning": {"fetch_workers": 0}}],
+     "tiers[0].tuning.fetch_workers:"),
     ([{"type": "mooncake", "master_address": "h:1", "metadata_server": "m", "global_segment_size": "1G"}],
      "tiers[0].global_segment_size:"),
     # issue 35 item 8: passed here and failed in the Mooncake client's setup with only "returned -1"

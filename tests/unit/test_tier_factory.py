@@ -45,9 +45,12 @@ def test_bad_specs_are_one_line_errors(spec, needle):
 ])
 def test_mooncake_options_are_checked_before_connecting(option, value):
     # 127.0.0.1:1 is never contacted: the options are refused first
-    with pytest.raises(ValueError, match=option):
+    from bsr_runtime.tiers.mooncake_options import MooncakeTuning
+
+    where = {"tuning": {option: value}} if option in MooncakeTuning.model_fields else {option: value}
+    with pytest.raises(ValueError, match=("tuning." if "tuning" in where else "") + option):
         make_tier(REG, {"type": "mooncake", "master_address": "127.0.0.1:1",
-                        "metadata_server": "http://127.0.0.1:1/metadata", option: value})
+                        "metadata_server": "http://127.0.0.1:1/metadata", **where})
 
 
 def test_tier_type_names_keep_their_order_whatever_was_loaded():
