@@ -18,9 +18,10 @@ window leases its staging from it (ArenaAdmission), so all their live staging st
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -36,7 +37,7 @@ from .plan import count_windows, plan_windows, slot_sizes
 from .tier_source import TierSource
 from .tiers.base import FETCH_HEADROOM, Tier
 from .validation import check_int, check_optional_int, check_timeout
-from .window_loop import LOOP_PHASES, InPlaceSource, LoopStats, WindowFailed, WindowLoop
+from .window_loop import LOOP_PHASES, LoopStats, WindowFailed, WindowLoop
 
 MAX_WINDOW_CHUNKS = 1 << 16  # an absurd W is a configuration error, not a huge allocation
 
@@ -212,30 +213,26 @@ class BoundedRestorer:
 
     # -- public ----------------------------------------------------------------------------
     def restore(self, req: RestoreRequest, tier: Tier, num_chunks: int) -> RestoreReport:
-        """Restore chunks 0..num_chunks-1 (the confirmed prefix) of `req` from `tier` (see _restore).
-
-        Raises RuntimeError when another thread is in restore() on this restorer (not thread-safe:
-        one restorer per thread, sharing a ByteBudget)."""
-        num_chunks = check_int("num_chunks", num_chunks, lo=0)
-        if self.arena is not None:  # windows lease from the shared arena: any number at once
-            return self._restore(req, tier, num_chunks)
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("BoundedRestorer is not thread-safe: one restore at a time per restorer; "
-                               "make one per thread, sharing a ByteBudget")
-        try:
-            return self._restore(req, tier, num_chunks)
-        finally:
-            self._busy.release()
-
-    def _restore(self, req: RestoreRequest, tier: Tier, num_chunks: int) -> RestoreReport:
         """Restore chunks 0..num_chunks-1 (the confirmed prefix) of `req` from `tier`.
 
         Bad arguments raise ValueError before any byte moves. A tier or install failure
         returns a report with ok=False (committed_tokens = 0) after every slot, lease and
         reservation is released; the caller fails the request closed.
-        """
+
+        Raises RuntimeError when another thread is in restore() on this restorer (not thread-safe:
+        one restorer per thread, sharing a ByteBudget)."""
+        num_chunks = check_int("num_chunks", num_chunks, lo=0)
+        with self._exclusive():
+            self._check(req, tier, num_chunks)
+            installer, report = self._prepare(req, tier, num_chunks)
+            if report.ok or report.error:  # nothing to fetch, or a whole plan past the staging capacity
+                return report
+            return self._run(req, tier, num_chunks, installer, report)
+
+    def _prepare(self, req: RestoreRequest, tier: Tier, num_chunks: int) -> tuple[WindowInstaller, RestoreReport]:
+        """The restore's installer (its destinations checked and prepared) and its report, ok already when
+        there is nothing to fetch, failed when a whole plan exceeds the staging capacity."""
         reg, cfg = self.reg, self.config
-        self._check(req, tier, num_chunks)
         t0 = time.perf_counter()
         # at depth 2 every install but the last runs while the next window's fetch uses the host: the
         # native cpu backend then keeps to one thread (depth 1: a second one from its size threshold up)
@@ -255,17 +252,30 @@ class BoundedRestorer:
             chunk_bytes=reg.chunk_bytes, bytes_moved=0, peak_staging_bytes=0, tiers_tried=[tier.name],
             prepare_s=prepare_s,
         )
-        if num_chunks == first:
-            report.ok = True
-            return report
         cap = cfg.max_staging_bytes
         whole = (num_chunks - first) * reg.chunk_bytes
-        if w == 0 and cap is not None and whole > cap:
+        if num_chunks == first:
+            report.ok = True
+        elif w == 0 and cap is not None and whole > cap:
             report.error = (f"StagingCapacityError: whole plan of {whole:,} B exceeds "
                             f"the staging capacity {cap:,} B")
             report.failed_window = 0
-            return report
-        return self._run(req, tier, num_chunks, installer, report)
+        return installer, report
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Held around a restore through the restorer's own pool (one at a time, by choice: see the class
+        docstring); windows from a shared arena lease from it, any number at once."""
+        if self.arena is not None:
+            yield
+            return
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("BoundedRestorer is not thread-safe: one restore at a time per restorer; "
+                               "make one per thread, sharing a ByteBudget")
+        try:
+            yield
+        finally:
+            self._busy.release()
 
     def _check(self, req: RestoreRequest, tier: Tier, num_chunks: int) -> None:
         reg = self.reg
@@ -288,94 +298,51 @@ class BoundedRestorer:
 
     def _run(self, req: RestoreRequest, tier: Tier, num_chunks: int, installer: WindowInstaller,
              report: RestoreReport) -> RestoreReport:
-        """The windows through the loop; every failure becomes a fail-closed report."""
+        """The one restore driver: the windows through the loop from the tier's own source (Tier.window_source:
+        installed from where the tier holds them, no staging of ours leased; the admission still reserves each
+        window's W*c) or from staging (the shared arena, the restorer's own pool, or for a whole plan without
+        one a pool of the plan's size). Every failure becomes a fail-closed report."""
         reg, cfg = self.reg, self.config
-        keys = req.prefix_keys(reg.chunk_tokens)
-        in_place = tier.window_source(keys, cfg.fetch_timeout_s)
-        if in_place is not None:
-            return self._run_in_place(req, num_chunks, installer, report, in_place)
-        if self.arena is not None:
-            return self._run_shared(req, tier, keys, num_chunks, installer, report)
-        w = cfg.window_chunks
         t0 = time.perf_counter()
         first = req.local_tokens // reg.chunk_tokens
-        pool = self.pool or self._new_pool(num_chunks - first)
-        pool.reset_peak()
-        loop = WindowLoop(self.admission, reg.chunk_bytes, self.stream, depth=len(pool.slots),
+        keys = req.prefix_keys(reg.chunk_tokens)
+        source = tier.window_source(keys, cfg.fetch_timeout_s)
+        staging = None
+        if source is None:
+            staging = self.arena or self.pool or self._new_pool(num_chunks - first)
+            if isinstance(staging, StagingPool):
+                staging.reset_peak()
+            source = TierSource(tier, keys, staging, cfg.fetch_timeout_s, on_unsettled=lambda: self._retire(staging))
+        own = isinstance(staging, StagingPool)  # registered with the tier here (an arena is its owner's to register)
+        loop = WindowLoop(self._admission_of(req), reg.chunk_bytes, self.stream,
+                          depth=len(staging.slots) if own else cfg.pipeline_depth,
                           admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
         try:
             with self.admission.admitted(cfg.admission_timeout_s):
                 try:
-                    self._register(tier, pool)
-                    source = TierSource(tier, keys, pool, cfg.fetch_timeout_s, on_unsettled=lambda: self._retire(pool))
-                    loop.restore(plan_windows(num_chunks, w, cfg.pipeline_depth, first), source,
+                    if own:
+                        self._register(tier, staging)
+                    loop.restore(plan_windows(num_chunks, cfg.window_chunks, cfg.pipeline_depth, first), source,
                                  installer.install)
                     report.ok = True
                     report.committed_tokens = req.end_tokens or num_chunks * reg.chunk_tokens
                 except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
                     _failed(report, e, loop.stats)
                 finally:
-                    if pool is not self.pool:
-                        self._unregister(tier, pool.buffer)
-        finally:
-            pool.drain()
-            _copy_stats(report, loop.stats, reg.chunk_bytes)
-            report.peak_staging_bytes = pool.peak_bytes
-            report.header_room_bytes = pool.room_bytes
-            report.total_s = time.perf_counter() - t0
-        return report
-
-    def _run_in_place(self, req: RestoreRequest, num_chunks: int, installer: WindowInstaller,
-                      report: RestoreReport, source: InPlaceSource) -> RestoreReport:
-        """The windows through the loop from the tier's own source (Tier.window_source): installed from
-        where the tier holds them, no staging of ours leased. The admission still reserves each window's
-        W*c (a byte budget or arena bounds what the windows pin); the report's staging figures are what
-        the source pinned for this restore. Every failure becomes a fail-closed report."""
-        reg, cfg = self.reg, self.config
-        t0 = time.perf_counter()
-        loop = WindowLoop(self._admission_of(req), reg.chunk_bytes, self.stream, depth=cfg.pipeline_depth,
-                          admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
-        try:
-            with self.admission.admitted(cfg.admission_timeout_s):
-                self._windows(loop, num_chunks, req.local_tokens // reg.chunk_tokens, source, installer, report)
+                    if own and staging is not self.pool:
+                        self._unregister(tier, staging.buffer)
         finally:
             _copy_stats(report, loop.stats, reg.chunk_bytes)
-            report.peak_staging_bytes = source.peak_bytes
-            report.header_room_bytes = source.peak_room_bytes
+            if staging is None:  # what the tier's source pinned for this restore
+                report.peak_staging_bytes, report.header_room_bytes = source.peak_bytes, source.peak_room_bytes
+            elif own:
+                staging.drain()
+                report.peak_staging_bytes, report.header_room_bytes = staging.peak_bytes, staging.room_bytes
+            else:
+                report.peak_staging_bytes = loop.stats.peak_bytes
+                report.header_room_bytes = (loop.stats.peak_bytes // reg.chunk_bytes) * staging.headroom
             report.total_s = time.perf_counter() - t0
         return report
-
-    def _run_shared(self, req: RestoreRequest, tier: Tier, keys: PrefixKeys, num_chunks: int,
-                    installer: WindowInstaller, report: RestoreReport) -> RestoreReport:
-        """The windows through the loop, staging leased from the shared arena (the caller registered
-        its buffer with the tiers); every failure becomes a fail-closed report."""
-        reg, cfg, arena = self.reg, self.config, self.arena
-        t0 = time.perf_counter()
-        loop = WindowLoop(self._admission_of(req), reg.chunk_bytes, self.stream, depth=cfg.pipeline_depth,
-                          admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
-        try:
-            self._windows(loop, num_chunks, req.local_tokens // reg.chunk_tokens,
-                          TierSource(tier, keys, arena, cfg.fetch_timeout_s),
-                          installer, report)
-        finally:
-            _copy_stats(report, loop.stats, reg.chunk_bytes)
-            report.peak_staging_bytes = loop.stats.peak_bytes
-            report.header_room_bytes = (loop.stats.peak_bytes // reg.chunk_bytes) * arena.headroom
-            report.total_s = time.perf_counter() - t0
-        return report
-
-    def _windows(self, loop: WindowLoop, num_chunks: int, first_chunk: int, source, installer: WindowInstaller,
-                 report: RestoreReport) -> None:
-        """Every window of the plan from `source` through the loop into the report: committed, or failed
-        closed (any exception) with the cause and the window it failed in."""
-        cfg = self.config
-        try:
-            loop.restore(plan_windows(num_chunks, cfg.window_chunks, cfg.pipeline_depth, first_chunk), source,
-                         installer.install)
-            report.ok = True
-            report.committed_tokens = num_chunks * self.reg.chunk_tokens
-        except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
-            _failed(report, e, loop.stats)
 
     def _admission_of(self, req: RestoreRequest):
         """The admission of one restore: over a shared arena, one that ends the restore's wait for staging

@@ -220,7 +220,8 @@ class WindowLoop:
                 runs = fetched.require_complete()
             with self.stats.time("install"):
                 for block_slice in map_onto_destination(window, runs):
-                    self._transfer(install, block_slice)
+                    self.stats.backend = install(*block_slice) or self.stats.backend
+                    self.stats.launches += 1
             with self.stats.time("sync"):
                 fetched.synchronize(self.stream)
                 held.release()
@@ -245,7 +246,8 @@ class WindowLoop:
             with self._failing(window, held):
                 with self.stats.time("install"):
                     for block_slice in map_onto_destination(window, staged.runs()):
-                        self._transfer(gather, block_slice)
+                        self.stats.backend = gather(*block_slice) or self.stats.backend
+                        self.stats.launches += 1
                 with self.stats.time("sync"):
                     staged.synchronize(self.stream)  # an asynchronous gather lands before the put reads
                     staged.put()
@@ -264,10 +266,6 @@ class WindowLoop:
             self._restore_window(in_flight.popleft(), transfer)
         with self._failing(window), self.stats.time("admit"):
             return self.admission.window(nbytes, self.admission_timeout_s)
-
-    def _transfer(self, transfer: TransferFn, block_slice: BlockSlice) -> None:
-        self.stats.backend = transfer(*block_slice) or self.stats.backend
-        self.stats.launches += 1
 
     def _advance(self, window: Window) -> None:
         self.stats.windows_done += 1
