@@ -14,8 +14,9 @@ force-local marker; while it holds, get_num_new_matched_tokens answers 0 without
 marker is cleared when the request is next scheduled (admitted RUNNING: it prefills locally) or
 torn down.
 
-Saves: every request is tracked from admission; in each step whose scheduled tokens complete
-prompt chunks, a SaveSpec for those chunks goes out and the workers gather them after the forward
+Saves: every request is tracked from admission (bsr_runtime/save_triggers.py, engine-neutral: this
+side tells it what vLLM scheduled); in each step whose scheduled tokens complete prompt chunks, a
+SaveSpec for those chunks goes out and the workers gather them after the forward
 pass (while every group's blocks of those tokens are resident: vLLM frees sliding-window blocks
 once they leave the window) and put them in the background. Chunks a load restored are held by the
 tier already and are not saved again; a request whose load failed is saved again as it is
@@ -27,10 +28,10 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ...connector_config import ConnectorConfig, write_report
 from ...planner import Planner
+from ...save_triggers import SaveTriggers
 from ...tiers.base import Tier
 from .metadata import BSRConnectorMetadata, SaveSpec
 from .metrics import BSRConnectorStats
@@ -38,19 +39,6 @@ from .registration import block_lists
 from .request_keys import VllmKeyInputs
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Tracked:
-    tokens: list[int]
-    num_chunks: int  # complete prompt chunks
-    salt: str
-    features: tuple[tuple[int, int, str], ...]
-    partial_tokens: int = 0  # the prompt's partial chunk saved after its whole chunks (whole blocks; 0: none)
-    partial_saved: bool = False
-    computed: int = 0
-    saved_chunks: int = 0  # chunks 0..saved_chunks-1 went out in SaveSpecs (or were loaded from a tier)
-    overwrite: bool = False
 
 
 class SchedulerSide:
@@ -66,7 +54,7 @@ class SchedulerSide:
                                unavailable_cooldown_s=cfg.tuning.unavailable_cooldown_s)
         self._refused_taken: dict[str, int] = {}  # planner.stats.refused at the last take_stats()
         self.inflight: dict[str, tuple[int, set[int]]] = {}  # request -> (chunks, blocks) of its load
-        self._tracked: dict[str, _Tracked] = {}
+        self.save_triggers = SaveTriggers(reg.chunk_tokens)  # which prompt chunks to save, in which step
         # the latest (event, request id): probe, skip, load, marker_set, marker_cleared (tests, logs)
         self.events: deque[tuple[str, str]] = deque(maxlen=4096)
 
@@ -110,7 +98,7 @@ class SchedulerSide:
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self.planner.allocated(request, block_lists(blocks), num_external_tokens)
         rid = request.request_id
-        if self.cfg.save_tiers and rid not in self._tracked and self._keyable(request):
+        if self.cfg.save_tiers and rid not in self.save_triggers and self._keyable(request):
             tokens = request.prompt_token_ids or ()
             ct = self.reg.chunk_tokens
             n = len(tokens) // ct
@@ -118,8 +106,7 @@ class SchedulerSide:
             partial = (len(tokens) - n * ct) // align * align if self.planner.restore_partial_chunk and n else 0
             if n > 0:
                 inputs = self.planner.inputs(request)
-                self._tracked[rid] = _Tracked(list(tokens[: n * ct + partial]), n, inputs.salt, inputs.features,
-                                              partial)
+                self.save_triggers.track(rid, tokens, inputs.salt, inputs.features, partial)
 
     def _keyable(self, request) -> bool:
         """False for a request whose inputs BSR cannot key (the planner counts it, once per request)."""
@@ -141,7 +128,7 @@ class SchedulerSide:
         before is restored into this engine again (a new epoch in every key: Planner.new_epoch), and the
         prompts tracked for saving are dropped (their KV may predate the change)."""
         self.planner.new_epoch()
-        self._tracked.clear()
+        self.save_triggers.clear()
         self.events.append(("epoch", str(self.planner.stats.epochs)))
         return True
 
@@ -152,49 +139,24 @@ class SchedulerSide:
         for spec in loads:
             self.inflight[spec.request_id] = (spec.num_chunks, {b for ids in spec.block_ids for b in ids if b >= 0})
             self.events.append(("load", spec.request_id))
-            t = self._tracked.get(spec.request_id)
-            if t is not None:  # the tier holds what it restores; a failed load resets this
-                t.saved_chunks = max(t.saved_chunks, min(spec.num_chunks, t.num_chunks))
-                t.partial_saved = t.partial_saved or bool(spec.partial_tokens)
+            self.save_triggers.loaded(spec.request_id, spec.num_chunks, bool(spec.partial_tokens))
         for new in so.scheduled_new_reqs:
             if new.req_id not in load_ids:
                 self._running(new.req_id)
-            t = self._tracked.get(new.req_id)
-            if t is not None:
-                t.computed = new.num_computed_tokens
-                if not t.overwrite:
-                    # chunks the engine's own cache (or a load) held when the request was first scheduled
-                    # were computed by a request that saved them: not gathered again (one that could not
-                    # save them is a future miss, not an error)
-                    t.saved_chunks = max(t.saved_chunks, min(t.num_chunks, t.computed // self.reg.chunk_tokens))
+            self.save_triggers.scheduled(new.req_id, new.num_computed_tokens, first=True)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             self._running(rid)  # scheduled again (e.g. recomputing after a failed load)
-            t = self._tracked.get(rid)
-            if t is not None:
-                t.computed = cached.num_computed_tokens[i]
+            self.save_triggers.scheduled(rid, cached.num_computed_tokens[i], first=False)
         return BSRConnectorMetadata(loads, self._due_saves(so), idle=so.total_num_scheduled_tokens == 0)
 
     def _due_saves(self, so) -> list[SaveSpec]:
         """The chunks completed by this step's forward (or before it: a local hit), saved after the
         forward; the block table as the KV cache manager holds it now (blocks freed from a sliding
         window are vLLM's null block: -1 here, never gathered)."""
-        saves = []
-        for rid, t in self._tracked.items():
-            sched = so.num_scheduled_tokens.get(rid)
-            if sched is None:
-                continue
-            ct, upto = self.reg.chunk_tokens, t.computed + sched
-            done = min(t.num_chunks, upto // ct)
-            if done > t.saved_chunks:
-                saves.append(SaveSpec(rid, t.tokens, done, block_lists(self.block_ids_of(rid)), t.salt, t.overwrite,
-                                      t.saved_chunks, t.features))
-                t.saved_chunks = done
-            if t.partial_tokens and not t.partial_saved and done == t.num_chunks and upto >= len(t.tokens):
-                saves.append(SaveSpec(rid, t.tokens, t.num_chunks + 1, block_lists(self.block_ids_of(rid)), t.salt,
-                                      t.overwrite, t.num_chunks, t.features, t.partial_tokens))
-                t.partial_saved = True
-        return saves
+        return [SaveSpec(r.request_id, r.tokens, r.num_chunks, block_lists(self.block_ids_of(r.request_id)), r.salt,
+                         r.overwrite, r.first_chunk, r.features, r.partial_tokens)
+                for r in self.save_triggers.due(so.num_scheduled_tokens)]
 
     def _running(self, rid: str) -> None:
         if self.planner.running(rid):
@@ -214,16 +176,14 @@ class SchedulerSide:
                 self.events.append(("marker_set", rid))
                 write_report(self.cfg.report_path, {"role": "scheduler", "event": "marker_set", "request_id": rid})
                 del self.inflight[rid]
-                t = self._tracked.get(rid)
-                if t is not None:  # saved again as the recompute goes, every chunk rewritten
-                    t.saved_chunks, t.overwrite, t.partial_saved = 0, True, False
+                self.save_triggers.load_failed(rid)  # saved again as the recompute goes, every chunk rewritten
 
     def request_finished(self, request, block_ids) -> tuple[bool, None]:
         """Teardown. The blocks may be freed at once: saves gather during the step, loads of an aborted
         request are reported finished only after their last install completed."""
         rid = request.request_id
         self.inflight.pop(rid, None)
-        self._tracked.pop(rid, None)
+        self.save_triggers.forget(rid)
         if self.planner.finished(rid):
             self.events.append(("marker_cleared", rid))
         return False, None
