@@ -17,18 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_backend
 from .registration import Registration
-from .validate import WindowArgs
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How a window runs beside its arguments: the CUDA stream, whether the CUDA kernel reads pinned host
-    staging in place (zero copy), and the CPU library's thread count (0: by the window's bytes)."""
-
-    stream: torch.cuda.Stream | None = None
-    zero_copy: bool = True
-    cpu_threads: int = 0
+from .validate import RunOptions, WindowArgs
 
 
 @dataclass(frozen=True)
@@ -151,15 +142,8 @@ def _cpu_available(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_backend.available()
 
 
-def _cpu_run(kind: str, reg: Registration, state, a: WindowArgs, o: RunOptions) -> None:
-    from . import cpu_backend
-
-    cpu_backend.run(kind, reg, state, a.block_tables, a.staging, a.first_chunk, a.num_chunks, a.chunk_stride,
-                    o.cpu_threads)
-
-
 register_backend(InstallBackend("torch", lambda device: True, _torch_prepare, _torch_run, holds_destinations=True))
 register_backend(InstallBackend("triton", _triton_available, _descriptors, _triton_run, tables_on_device=True))
 register_backend(InstallBackend("cuda", _cuda_available, _descriptors, _cuda_run, tables_on_device=True))
-register_backend(InstallBackend("cpu", _cpu_available, _descriptors, _cpu_run))
+register_backend(InstallBackend("cpu", _cpu_available, _descriptors, cpu_backend.run))  # no adapter frame
 BACKENDS = backend_names()  # the built-in four, for messages and choices

@@ -30,7 +30,7 @@ from .descriptors import block_table_pointers, descriptor_table
 from .native_abi import NativeAbi, read_abi
 from .native_library import LazyLibrary, LibraryNotLoaded, build_atomically, cache_dir, sources_digest
 from .registration import Registration
-from .validate import WindowArgs
+from .validate import RunOptions, WindowArgs
 
 LIB_NAME = "libbsr_cpu.so"
 SOURCE = "bsr_install_cpu.c"  # the library is every .c file of csrc/ (this one marks the directory)
@@ -153,24 +153,25 @@ def stream_bytes(nbytes: int | None = None, *, into: str = "staging") -> int:
     return int(lib.bsr_cpu_stream_bytes(STREAM_INTO.index(into), -1 if nbytes is None else int(nbytes)))
 
 
-def run(kind: str, reg: Registration, desc: torch.Tensor, block_tables: tuple[torch.Tensor, ...],
-        staging: torch.Tensor, first_chunk: int, num_chunks: int, chunk_stride: int, threads: int = 0) -> None:
-    """One window through the library: chunk c of `staging` at byte c * chunk_stride, destinations
-    as the descriptor table `desc` (descriptors.descriptor_table) describes them."""
-    if num_chunks == 0:
+def run(kind: str, reg: Registration, desc: torch.Tensor, a: WindowArgs, options: RunOptions | None = None) -> None:
+    """One window through the library (the registry's window call, backends.py): chunk c of `a.staging` at
+    byte c * a.chunk_stride, destinations as the descriptor table `desc` (descriptors.descriptor_table)
+    describes them; `options.cpu_threads` threads (0 or no options: by the window's bytes)."""
+    if a.num_chunks == 0:
         return
+    threads = 0 if options is None else options.cpu_threads
     lib = library()
     if lib is None:
         raise RuntimeError(f"CPU backend unavailable: {load_error()}")
-    if not all(t.is_cpu for t in block_tables):
+    if not all(t.is_cpu for t in a.block_tables):
         raise ValueError("the cpu backend needs block tables on the CPU")
-    if not staging.is_cpu:
-        raise ValueError(f"the cpu backend needs host staging, got {staging.device}")
+    if not a.staging.is_cpu:
+        raise ValueError(f"the cpu backend needs host staging, got {a.staging.device}")
     if threads < 0:
         raise ValueError(f"threads must be >= 0 (0 = auto), got {threads}")
-    ptrs, _tables = block_table_pointers(block_tables, torch.device("cpu"))  # _tables: alive for the call
+    ptrs, _tables = block_table_pointers(a.block_tables, torch.device("cpu"))  # _tables: alive for the call
     fn = lib.bsr_cpu_install_strided if kind == "install" else lib.bsr_cpu_gather_strided
-    rc = fn(staging.data_ptr(), reg.chunk_bytes, chunk_stride, first_chunk, num_chunks, desc.data_ptr(),
+    rc = fn(a.staging.data_ptr(), reg.chunk_bytes, a.chunk_stride, a.first_chunk, a.num_chunks, desc.data_ptr(),
             reg.num_tensors, ptrs.data_ptr(), reg.num_groups, int(threads))
     if rc != 0:
         raise RuntimeError(f"bsr_cpu_{kind}: {(lib.bsr_cpu_last_error() or b'').decode(errors='replace')}")
@@ -179,8 +180,7 @@ def run(kind: str, reg: Registration, desc: torch.Tensor, block_tables: tuple[to
 def _direct(kind: str, reg: Registration, a: WindowArgs, threads: int) -> None:
     if not all(t.is_cpu for t in a.kv):
         raise ValueError("the cpu backend needs destinations on the CPU")
-    run(kind, reg, descriptor_table(reg, a.kv, torch.device("cpu")), a.block_tables, a.staging, a.first_chunk,
-        a.num_chunks, a.chunk_stride, threads)
+    run(kind, reg, descriptor_table(reg, a.kv, torch.device("cpu")), a, RunOptions(cpu_threads=threads))
 
 
 def install(reg: Registration, a: WindowArgs, threads: int = 0) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .backends import BACKENDS, available_backends, get_backend, resolve_backend
+from .backends import BACKENDS, RunOptions, available_backends, get_backend, resolve_backend
 from .prepared import PreparedDestinations, prepare
 from .registration import Registration
 from .validate import WindowArgs, check_block_tables, check_chunk_range, check_fingerprint, check_staging
@@ -141,20 +141,28 @@ class WindowInstaller:
         self.stream = stream
         self.zero_copy = zero_copy
         self.cpu_threads = _threads(cpu_threads)
+        # each window calls the backend's window call straight (prepared.py's run, without its frame)
+        self._run = get_backend(self.backend).run
+        self._options = RunOptions(stream, zero_copy, self.cpu_threads)
 
-    def _window(self, kind: str, staging: torch.Tensor, first_chunk: int, num_chunks: int, name: str) -> str:
+    def _args(self, staging: torch.Tensor, first_chunk: int, num_chunks: int, name: str) -> WindowArgs:
+        """One window's arguments, its chunk range and staging checked."""
         if first_chunk < 0 or num_chunks < 0 or first_chunk + num_chunks > self.num_chunks:
             raise ValueError(f"chunks {first_chunk}..{first_chunk + num_chunks - 1} are outside the "
                              f"{self.num_chunks} chunks this installer was validated for")
         stride = check_staging(staging, self.reg, num_chunks, name)
-        a = WindowArgs(staging, self.kv, self.block_tables, first_chunk, num_chunks, stride)
-        self._dest.run(kind, a, stream=self.stream, zero_copy=self.zero_copy, cpu_threads=self.cpu_threads)
-        return self.backend
+        return WindowArgs(staging, self.kv, self.block_tables, first_chunk, num_chunks, stride)
 
     def install(self, staging: torch.Tensor, first_chunk: int, num_chunks: int) -> str:
         """Scatter `num_chunks` staged chunks starting at request chunk `first_chunk`."""
-        return self._window("install", staging, first_chunk, num_chunks, "staging")
+        a = self._args(staging, first_chunk, num_chunks, "staging")
+        if num_chunks:
+            self._run("install", self.reg, self._dest.state, a, self._options)
+        return self.backend
 
     def gather(self, out: torch.Tensor, first_chunk: int, num_chunks: int) -> str:
         """The inverse: the window's entries into `out` (padding and -1 entries as zero)."""
-        return self._window("gather", out, first_chunk, num_chunks, "out")
+        a = self._args(out, first_chunk, num_chunks, "out")
+        if num_chunks:
+            self._run("gather", self.reg, self._dest.state, a, self._options)
+        return self.backend

@@ -13,6 +13,16 @@ from .registration import SEGMENT_ALIGN, Registration
 
 
 @dataclass(frozen=True)
+class RunOptions:
+    """How a window runs beside its arguments: the CUDA stream, whether the CUDA kernel reads pinned host
+    staging in place (zero copy), and the CPU library's thread count (0: by the window's bytes)."""
+
+    stream: torch.cuda.Stream | None = None
+    zero_copy: bool = True
+    cpu_threads: int = 0
+
+
+@dataclass(frozen=True)
 class WindowArgs:
     """Validated, normalised arguments of one install/gather call."""
 
