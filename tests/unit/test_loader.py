@@ -538,3 +538,43 @@ def test_a_base_exception_in_a_fetch_is_reported_as_a_failed_load(tmp_path):
     finally:
         assert loader.close(5)
         scene.close()
+
+
+def test_a_load_reaches_the_backend_in_at_most_ten_frames(tmp_path, monkeypatch):
+    """Issue 38: from a load (Loader.run, what a sync start_load calls; a background load starts one frame
+    lower, at the loader thread's _run_job) to the install backend's window call there were 16 Python frames,
+    7 of them only forwarding. The frames are counted at the backend's call (a wrapper registered for the
+    torch backend), from Loader.run down."""
+    import dataclasses as dc
+    import traceback
+
+    from bsr_kernels import backends
+
+    reg = _reg()
+    tier = FilesystemTier(tmp_path, reg.chunk_bytes, reg.fingerprint)
+    src = make_source(reg, 4, seed=5)
+    expected = state_hash(reg, src.kv, src.block_tables, 4)
+    store_source(src, tier, window_chunks=4)
+    stacks = []
+    torch_backend = backends.get_backend("torch")
+
+    def run(*a, **kw):
+        stacks.append(traceback.extract_stack()[:-1])
+        return torch_backend.run(*a, **kw)
+
+    monkeypatch.setitem(backends._REGISTRY, "torch", dc.replace(torch_backend, run=run))
+    blocks, tables = block_tables(reg, [4], 1, spare=0, holes="none")
+    kv = reg.allocate(blocks)
+    poison(kv)
+    loader = Loader(reg, [tier], kv, RestoreConfig(window_chunks=2, backend="torch"))
+    try:
+        result = loader.run(LoadSpec("r", src.tokens, 4, 0, [t.tolist() for t in tables[0]]))
+        assert result.outcome.committed and state_hash(reg, kv, tables[0], 4) == expected
+    finally:
+        loader.close()
+        tier.close()
+    assert stacks, "the torch backend never ran"
+    stack = stacks[0]
+    top = max(i for i, f in enumerate(stack) if f.name == "run" and f.filename.endswith("bsr_runtime/loader.py"))
+    frames = [f for f in stack[top:] if "/bsr_" in f.filename]  # Loader.run down to the backend's caller
+    assert len(frames) <= 10, "\n".join(f"{f.filename}:{f.lineno} {f.name}" for f in frames)
