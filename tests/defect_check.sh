@@ -54,7 +54,7 @@ defect "cluster: engines mount a segment of their own (objects not on the store 
 defect "cluster: replica_num ignored (one copy per object)" bsr_runtime/tiers/mooncake_hosts.py \
   "config.replica_num = replica_num" "config.replica_num = 1" \
   tests/integration/vllm/test_mooncake_cluster.py
-defect "cluster: the repair save after a failed load skipped" bsr_runtime/integrations/vllm/scheduler.py \
+defect "cluster: the repair save after a failed load skipped" bsr_runtime/save_triggers.py \
   "t.saved_chunks, t.overwrite, t.partial_saved = 0, True, False" "pass" \
   tests/integration/vllm/test_mooncake_cluster.py
 defect "cluster: a lost store host's transfer failure not told apart (no failover, cause other)" bsr_runtime/tiers/mooncake.py \
