@@ -23,7 +23,7 @@ from .tiers.base import FetchHandle, Tier
 
 class TierSource:
     """A restore's bytes from a tier, fetched window by window into staging (the loop's WindowSource).
-    Making one starts nothing; `fetch` starts one window's fetch."""
+    Making one starts nothing; `submit` starts one window's fetch."""
 
     def __init__(self, tier: Tier, keys: PrefixKeys, staging: StagingPool | StagingArena, timeout_s: float,
                  on_unsettled: Callable[[], None] | None = None) -> None:
@@ -31,7 +31,7 @@ class TierSource:
         self.timeout_s = timeout_s
         self.on_unsettled = on_unsettled  # a fetch that never settled: the owner retires its pool
 
-    def fetch(self, window: Window, reservation: WindowReservation) -> TierWindow:
+    def submit(self, window: Window, reservation: WindowReservation) -> TierWindow:
         """Lease the window's staging (or take the reservation's) and submit the tier's fetch into it."""
         leased_here = reservation.lease is None  # else the reservation owns (and returns) its lease
         lease = self.staging.acquire(window.num_chunks, timeout=self.timeout_s) if leased_here else reservation.lease
@@ -46,13 +46,13 @@ class TierSource:
 
 
 class TierWindow:
-    """One window being fetched from a tier into its staging lease (the loop's FetchedWindow)."""
+    """One window being fetched from a tier into its staging lease (the loop's SubmittedWindow)."""
 
     def __init__(self, source: TierSource, lease, handle: FetchHandle) -> None:
         self.source, self.lease, self.handle = source, lease, handle
         self._released = False
 
-    def require_complete(self) -> list[tuple[int, int, torch.Tensor]]:
+    def fetched(self) -> list[tuple[int, int, torch.Tensor]]:
         self.handle.wait()
         return [(0, self.lease.num_chunks, self.lease.view)]
 

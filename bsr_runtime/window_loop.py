@@ -3,14 +3,15 @@
     "each window is fetched, required to be complete, mapped onto the corresponding destination
      block slice, transferred, synchronized, and then released"
 
-    restore, per window G_j:  admit (reserve its bytes) -> fetch -> require complete
-                              -> map onto the destination block slice -> transfer (install)
-                              -> synchronize -> release -> advance
+    restore, per window G_j:  admit (reserve its bytes) -> submit the fetch -> fetched (required
+                              complete) -> map onto the destination block slice -> transfer
+                              (install) -> synchronize -> release -> advance
     store, per window G_j:    admit -> stage -> map onto the destination block slice
                               -> transfer (gather) -> synchronize -> put -> release -> advance
 
 Where the bytes come from is plugged in as an object the loop calls: a `WindowSource` whose
-`fetch(window, reservation)` starts one window's fetch (a tier into staging: tier_source.TierSource; or
+`submit(window, reservation)` submits one window's fetch and whose `SubmittedWindow.fetched()` waits until
+it is complete (a tier into staging: tier_source.TierSource; or
 a tier's own source installed from where it holds the bytes, `Tier.window_source`: LMCache's L1,
 integrations/lmcache/l1_source.py), or, for a store, a `WindowSink` whose `stage(...)` leases where
 the window is gathered to. Making a source or a sink starts nothing.
@@ -24,9 +25,9 @@ each new window: the loop then stops at that window boundary, after the windows 
 were transferred or abandoned, and raises `RestoreCancelled` (a failure like any other).
 
 The time of each phase is added to `LoopStats` by `with stats.time(phase):`; the phase names are
-the report fields and metric labels (`<phase>_s`): admit (waiting for the admission), submit
-(issuing the fetch: keys, staging, the tier call), fetch (until the fetch is complete), install
-(the transfers), sync (synchronize + put + release).
+the report fields and metric labels (`<phase>_s`), each timing the call it is named after: admit
+(waiting for the admission), submit (`source.submit`: keys, staging, the tier call), fetch
+(`fetched()`: until the fetch is complete), install (the transfers), sync (synchronize + put + release).
 """
 
 from __future__ import annotations
@@ -60,11 +61,12 @@ class BlockSlice(NamedTuple):
 TransferFn = Callable[[torch.Tensor, int, int], "str | None"]
 
 
-class FetchedWindow(Protocol):
-    """One restore window whose fetch was started."""
+class SubmittedWindow(Protocol):
+    """One restore window whose fetch was submitted."""
 
-    def require_complete(self) -> Sequence[StagedRun]:
-        """Block until every object of the window is present in staging; raise otherwise."""
+    def fetched(self) -> Sequence[StagedRun]:
+        """Block until every object of the window is present in staging (the paper's "required to be
+        complete") and give its staged runs; raise otherwise."""
 
     def synchronize(self, stream) -> None:
         """Record the transfers just launched on `stream` from the staged bytes and wait for them."""
@@ -79,8 +81,8 @@ class FetchedWindow(Protocol):
 class WindowSource(Protocol):
     """Where a restore's bytes come from."""
 
-    def fetch(self, window: Window, reservation: WindowReservation) -> FetchedWindow:
-        """Start fetching the window's objects (into `reservation.lease` when the admission hands
+    def submit(self, window: Window, reservation: WindowReservation) -> SubmittedWindow:
+        """Submit the fetch of the window's objects (into `reservation.lease` when the admission hands
         staging out); on failure nothing of the window is held."""
 
 
@@ -209,21 +211,21 @@ class WindowLoop:
 
     def _fetch(self, window: Window, source: WindowSource, reservation: WindowReservation) -> _Held:
         with self._failing(window, reservation), self.stats.time("submit"):
-            fetched = source.fetch(window, reservation)
-        return _Held(window, fetched, reservation, self.stats)
+            submitted = source.submit(window, reservation)
+        return _Held(window, submitted, reservation, self.stats)
 
     def _restore_window(self, held: _Held, install: TransferFn) -> None:
         """The paper's sentence for one fetched window."""
-        window, fetched = held.window, held.staged
+        window, submitted = held.window, held.staged
         with self._failing(window, held):
             with self.stats.time("fetch"):
-                runs = fetched.require_complete()
+                runs = submitted.fetched()
             with self.stats.time("install"):
                 for block_slice in map_onto_destination(window, runs):
                     self.stats.backend = install(*block_slice) or self.stats.backend
                     self.stats.launches += 1
             with self.stats.time("sync"):
-                fetched.synchronize(self.stream)
+                submitted.synchronize(self.stream)
                 held.release()
         self._advance(window)
 
@@ -295,7 +297,7 @@ class _Held:
     """A window between its fetch (or staging) and its release: the staged bytes and the reservation."""
 
     window: Window
-    staged: FetchedWindow | StoreWindow
+    staged: SubmittedWindow | StoreWindow
     reservation: WindowReservation
     stats: LoopStats
     _counted: bool = False

@@ -144,9 +144,9 @@ class _Fetched:
     def __init__(self, log, win, fail_at=None):
         self.log, self.win, self.fail_at = log, win, fail_at
 
-    def require_complete(self):
-        self.log.append(("require_complete", self.win.index))
-        if self.fail_at == "require_complete":
+    def fetched(self):
+        self.log.append(("fetched", self.win.index))
+        if self.fail_at == "fetched":
             raise ValueError("missing")
         return [(0, self.win.num_chunks, torch.empty(0))]
 
@@ -166,8 +166,8 @@ class _Source:
     def __init__(self, log, fail_at=None):
         self.log, self.fail_at = log, fail_at
 
-    def fetch(self, win, reservation):
-        self.log.append(("fetch", win.index))
+    def submit(self, win, reservation):
+        self.log.append(("submit", win.index))
         return _Fetched(self.log, win, self.fail_at if win.index == 1 else None)
 
 
@@ -180,17 +180,17 @@ def test_loop_order_at_depth_two_and_abandon_on_failure():
     budget = ByteBudget(4)
     loop = WindowLoop(budget, chunk_bytes=1, depth=2)
     loop.restore(_windows(3), _Source(log), lambda v, first, n: log.append(("install", first)) or "x")
-    assert [e for e in log if e[1] == 0] == [("fetch", 0), ("require_complete", 0), ("install", 0),
+    assert [e for e in log if e[1] == 0] == [("submit", 0), ("fetched", 0), ("install", 0),
                                              ("synchronize", 0), ("release", 0)]
-    # depth 2: window 1 is fetched before window 0 is required complete; installs at each window's first chunk
-    assert log.index(("fetch", 1)) < log.index(("require_complete", 0))
+    # depth 2: window 1 is submitted before window 0 is fetched; installs at each window's first chunk
+    assert log.index(("submit", 1)) < log.index(("fetched", 0))
     assert [e for e in log if e[0] == "install"] == [("install", 0), ("install", 2), ("install", 4)]
     assert loop.stats.windows_done == 3 and loop.stats.chunks_done == 6 and budget.used_bytes == 0
 
     log.clear()
     loop = WindowLoop(budget, chunk_bytes=1, depth=2, stats=LoopStats())
     with pytest.raises(WindowFailed) as ei:
-        loop.restore(_windows(3), _Source(log, "require_complete"), lambda v, first, n: "x")
+        loop.restore(_windows(3), _Source(log, "fetched"), lambda v, first, n: "x")
     assert ei.value.window == 1 and loop.stats.failed_window == 1
     assert ("abandon", 1) in log and ("release", 1) not in log and budget.used_bytes == 0
 
@@ -224,7 +224,7 @@ def test_a_tier_source_fetches_only_when_the_loop_asks():
     tier.fetch = refuse
     source = TierSource(tier, PrefixKeys(stored.keyspace, stored.tokens, REG.chunk_tokens), pool, 5.0)
     with pytest.raises(_Boom):
-        source.fetch(Window(0, 0, 4, 0), SerialAdmission().window(4 * REG.chunk_bytes))
+        source.submit(Window(0, 0, 4, 0), SerialAdmission().window(4 * REG.chunk_bytes))
     assert pool.live_bytes == 0
 
 

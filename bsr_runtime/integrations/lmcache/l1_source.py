@@ -1,12 +1,12 @@
 """LMCacheTier's WindowSource: a restore's windows installed straight from LMCache's L1 (one copy per byte).
 
 Per window: `submit_prefetch_task` of its keys (L2 -> L1 by LMCache's prefetch controller) when the loop
-fetches it; `require_complete` waits (deadline), requires every key to hit, enters
+fetches it; `fetched` waits (deadline), requires every key to hit, enters
 `read_prefetched_results` and returns views of the L1 memory objects (one run per stretch of objects
 that lie one object size apart in the L1 arena): the loop installs from them. `release` leaves the
 read, `finish_read_prefetched` (LMCache's default policy frees what it loaded from L2) and deletes
 the L2-loaded objects a retaining policy would keep. The objects are pinned (read-locked) only
-between require_complete and release; `abandon` returns everything on every failure path.
+between fetched and release; `abandon` returns everything on every failure path.
 
 Integrity: the BSR L2 plugins (fs_l2.py, mooncake_l2.py) check each object's header (key, tenant,
 model) and checksum as it lands in L1 and clear the key's bit when a check fails, so a damaged or
@@ -74,7 +74,7 @@ class L1Source:
     def peak_room_bytes(self) -> int:
         return self.peak_objects * (self.l1.object_bytes - self.l1.chunk_bytes)
 
-    def fetch(self, window: Window, reservation=None) -> L1Window:
+    def submit(self, window: Window, reservation=None) -> L1Window:
         """Submit the window's prefetch (the reservation, if any, is the loop's to return)."""
         l1 = self.l1
         keys = self.keys.window(window.first_chunk, window.num_chunks)
@@ -90,7 +90,7 @@ class L1Source:
 
 
 class L1Window:
-    """One window prefetched into LMCache's L1 (the loop's FetchedWindow).
+    """One window prefetched into LMCache's L1 (the loop's SubmittedWindow).
 
     States: prefetching (the task is LMCache's) -> locked (its result taken: every hit read-locked)
     -> reading (inside `read_prefetched_results`: the loop installs from the objects) -> done."""
@@ -104,7 +104,7 @@ class L1Window:
         self._held = 0
         self._state = _PREFETCHING
 
-    def require_complete(self) -> list[tuple[int, int, torch.Tensor]]:
+    def fetched(self) -> list[tuple[int, int, torch.Tensor]]:
         l1, n = self.l1, len(self.keys)
         result = l1.late.wait(self.handle, self.keys, max(0.001, self.deadline - time.monotonic()))
         if result is None:  # the late result is released by l1.late when it lands

@@ -100,15 +100,15 @@ class _Part:
 
 
 class ServerWindow:
-    """One window prefetched into LMCache's L1 (the loop's FetchedWindow): its parts' objects are
-    read-locked from require_complete to release; `abandon` returns everything on a failure path."""
+    """One window prefetched into LMCache's L1 (the loop's SubmittedWindow): its parts' objects are
+    read-locked from fetched to release; `abandon` returns everything on a failure path."""
 
     def __init__(self, source: ServerL1Source, window: Window, parts: list[_Part], deadline: float) -> None:
         self.source, self.window, self.parts, self.deadline = source, window, parts, deadline
         self.sm = source.sm
         self._held = 0
 
-    def require_complete(self) -> list[tuple[int, int, ServerWindow]]:
+    def fetched(self) -> list[tuple[int, int, ServerWindow]]:
         """Every key of every part in L1 and read; the loop's single run is the window itself (its
         objects are LMCache MemoryObjs, copied by LMCache's transfer, not a staged tensor)."""
         for part in self.parts:
@@ -198,7 +198,7 @@ class ServerL1Source:
         self.live_objects = 0
         self.peak_objects = 0
 
-    def fetch(self, window: Window, reservation=None) -> ServerWindow:
+    def submit(self, window: Window, reservation=None) -> ServerWindow:
         staged = ServerWindow(self, window, [], time.monotonic() + self.timeout_s)
         end = window.first_chunk + window.num_chunks
         try:
