@@ -114,8 +114,9 @@ def chunk_bytes(geometry: dict) -> int:
 
 def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concurrency: bool,
           b_extra: int = 37) -> tuple[dict, dict]:
-    """One engine per load mode, B's prefix saved once: resident (B in vLLM's prefix cache: the connector
-    does not probe what the engine holds), then restored async, then restored sync."""
+    """One engine per load mode, B's prefix saved once: the async engine's runs with B resident (in vLLM's
+    prefix cache: the connector does not probe what the engine holds) interleaved with its runs with B
+    restored, then the sync engine's restored runs."""
     from bsr_harness import vllm_engines
     from bsr_harness.tiny_model import VOCAB, build_tiny_llama
 
@@ -153,7 +154,8 @@ def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concur
     log(f"{name} {n}: async max gap {row['async']['a_max_gap_s']:.3f} s, restore {row['async']['restore_s']:.3f} s")
     llm = _engine(model, n_max, _kv(root, "sync", budget))
     try:
-        row["sync"] = _restored(llm, vllm_engines.worker_side(), a, b, cold, repeat)
+        row["sync"] = _restored_summary(_interleaved(llm, vllm_engines.worker_side(), a, b, repeat,
+                                                     resident=False)[1], cold)
     finally:
         vllm_engines.shutdown(llm)
     log(f"{name} {n}: sync max gap {row['sync']['a_max_gap_s']:.3f} s, restore {row['sync']['restore_s']:.3f} s")
@@ -171,34 +173,23 @@ def _case(name: str, geometry: dict, n: int, tmp: Path, repeat: int, log, concur
     return row, conc
 
 
-def _interleaved(llm, worker, a, b, repeat: int) -> tuple[list[dict], list[dict]]:
-    """`repeat` runs with B resident in vLLM's prefix cache (the floor: the connector does not probe what the
-    engine holds) interleaved with `repeat` runs with B restored, so drift hits both cases alike."""
+def _interleaved(llm, worker, a, b, repeat: int, *, resident: bool = True) -> tuple[list[dict], list[dict]]:
+    """`repeat` runs with B restored, each after one with B resident in vLLM's prefix cache (the floor: the
+    connector does not probe what the engine holds) when `resident`, so drift hits both cases alike."""
     from bsr_harness import vllm_engines
 
     llm.reset_prefix_cache()
     vllm_engines.generate(llm, b, max_tokens=1)  # a warm-up restore, not measured: the process's first
-    resident, restored = [], []
+    resident_runs, restored = [], []
     for _ in range(repeat):
-        vllm_engines.generate(llm, b, max_tokens=1)  # B resident (its blocks cached by the run before)
-        out = _stall_run(llm, worker, a, b)
-        assert out["load"] is None, f"B was loaded in a resident run: {out['load']}"
-        resident.append(out)
+        if resident:
+            vllm_engines.generate(llm, b, max_tokens=1)  # B resident (its blocks cached by the run before)
+            out = _stall_run(llm, worker, a, b)
+            assert out["load"] is None, f"B was loaded in a resident run: {out['load']}"
+            resident_runs.append(out)
         llm.reset_prefix_cache()
         restored.append(_stall_run(llm, worker, a, b))
-    return resident, restored
-
-
-def _restored(llm, worker, a, b, cold, repeat: int) -> dict:
-    from bsr_harness import vllm_engines
-
-    llm.reset_prefix_cache()
-    vllm_engines.generate(llm, b, max_tokens=1)  # a warm-up restore, not measured: the process's first
-    runs = []
-    for _ in range(repeat):
-        llm.reset_prefix_cache()
-        runs.append(_stall_run(llm, worker, a, b))
-    return _restored_summary(runs, cold)
+    return resident_runs, restored
 
 
 def _restored_summary(runs: list[dict], cold) -> dict:

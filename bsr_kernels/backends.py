@@ -83,8 +83,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     order = AUTO_ORDER.get(device.type, ("torch",))
     chosen = next(b for b in order if backend_available(b, device))
     if device.type == "cpu" and chosen != "cpu" and "cpu" not in _NOTICED:
-        from . import cpu_backend
-
         _NOTICED.add("cpu")
         print(f"bsr: native cpu backend unavailable ({cpu_backend.load_error()}); using torch", file=sys.stderr)
     return chosen
@@ -137,8 +135,6 @@ def _cuda_run(kind: str, reg: Registration, state, a: WindowArgs, o: RunOptions)
 
 
 def _cpu_available(device: torch.device) -> bool:
-    from . import cpu_backend
-
     return device.type == "cpu" and cpu_backend.available()
 
 

@@ -199,7 +199,7 @@ class WindowLoop:
             for window in windows:
                 self._stop_at_boundary(window, in_flight, install)
                 reservation = self._admit(window, in_flight, install)
-                in_flight.append(self._fetch(window, source, reservation))
+                in_flight.append(self._submit(window, source, reservation))
                 while len(in_flight) >= self.depth:
                     self._restore_window(in_flight.popleft(), install)
             while in_flight:
@@ -209,7 +209,7 @@ class WindowLoop:
                 held.abandon(self.stream)
             raise
 
-    def _fetch(self, window: Window, source: WindowSource, reservation: WindowReservation) -> _Held:
+    def _submit(self, window: Window, source: WindowSource, reservation: WindowReservation) -> _Held:
         with self._failing(window, reservation), self.stats.time("submit"):
             submitted = source.submit(window, reservation)
         return _Held(window, submitted, reservation, self.stats)

@@ -52,7 +52,12 @@ def key_digest(key: str) -> bytes:
 
 def object_relpath(key: str) -> str:
     """The object's path relative to the root: `ab/cd/<64 hex>.bsr`."""
-    h = key_digest(key).hex()
+    return digest_relpath(key_digest(key))
+
+
+def digest_relpath(digest: bytes) -> str:
+    """The path relative to the root of the object whose key has this digest (key_digest)."""
+    h = digest.hex()
     return f"{h[0:2]}/{h[2:4]}/{h}{SUFFIX}"
 
 

@@ -18,10 +18,11 @@ import numpy as np
 
 from bsr_kernels import cpu_backend
 
-from .fs_format import SUFFIX
+from .fs_format import digest_relpath
 
 NOT_REGULAR, WRONG_SIZE, SHORT = 1001, 1002, 1003  # bsr_abi.h BSR_FS_*
-_RELPATH_BYTES = len(f"ab/cd/{'0' * 64}{SUFFIX}") + 1  # with its NUL
+_DIGEST_BYTES = 32
+_RELPATH_BYTES = len(digest_relpath(bytes(_DIGEST_BYTES))) + 1  # with its NUL
 
 
 def available() -> bool:
@@ -32,8 +33,10 @@ def available() -> bool:
 def _relpaths(digests: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """The NUL-terminated `ab/cd/<hex>.bsr` of each digest in one buffer, and their addresses."""
     # one string built at once: a numpy slice assignment per path cost ~1 us each, per window of reads
-    text = "".join(f"{h[0:2]}/{h[2:4]}/{h}{SUFFIX}\0" for h in map(bytes.hex, digests))
+    text = "".join(f"{path}\0" for path in map(digest_relpath, digests))
     buf = np.frombuffer(bytearray(text.encode()), dtype=np.uint8)
+    if buf.size != len(digests) * _RELPATH_BYTES:  # the library reads path i at i * _RELPATH_BYTES
+        raise ValueError(f"object digests must be {_DIGEST_BYTES} bytes each (sha256)")
     addrs = buf.ctypes.data + np.arange(len(digests), dtype=np.int64) * _RELPATH_BYTES
     return buf, addrs
 

@@ -316,6 +316,26 @@ def test_any_key_maps_to_hex_name(key):
     assert all(c in "0123456789abcdef" for c in name[:-4]) and len(name) == 68
 
 
+def test_the_batched_reads_lay_out_every_path_at_its_fixed_stride():
+    """The library reads path i at i * _RELPATH_BYTES: each path there, NUL-ended; a digest of another size
+    (whose path would shift every later one) is refused before the library is called."""
+    import numpy as np
+
+    from bsr_runtime.tiers import fs_native
+    from bsr_runtime.tiers.fs_format import key_digest
+
+    keys = ["a", "b", "c"]
+    buf, addrs = fs_native._relpaths([key_digest(k) for k in keys])
+    for i, k in enumerate(keys):
+        start = int(addrs[i]) - buf.ctypes.data
+        raw = bytes(buf[start:start + fs_native._RELPATH_BYTES])
+        assert raw == fsmod.object_relpath(k).encode() + b"\0"
+    assert fs_native._relpaths([])[0].size == 0
+    with pytest.raises(ValueError, match="32 bytes"):
+        fs_native._relpaths([key_digest("a"), b"short"])
+    assert np.all(np.diff(addrs) == fs_native._RELPATH_BYTES)
+
+
 def test_tenant_salts_never_share_a_file():
     tokens = list(range(256 * 4))
     ka = PrefixKeys(KeySpace(FP, salt="tenant-a"), tokens, 256).window(0, 4)
