@@ -52,7 +52,7 @@ from bsr_harness.standalone_connector import ConnectorRequest, StandaloneConnect
 from bsr_harness.testdata import block_tables, poison, prefix_block_ids
 from bsr_kernels import Registration, presets
 from bsr_runtime.restore import RestoreConfig
-from bsr_runtime.retrieve import LOCAL, RetrieveOutcome
+from bsr_runtime.retrieve import LOCAL, LoadRecord
 from bsr_runtime.state_hash import state_hash
 from bsr_runtime.tiers.base import Tier, TierError
 from bsr_runtime.tiers.filesystem import FilesystemTier
@@ -100,8 +100,8 @@ class FaultRow:
 @dataclass
 class ScenarioResult:
     row: FaultRow
-    outcome: RetrieveOutcome
-    healthy: RetrieveOutcome
+    outcome: LoadRecord
+    healthy: LoadRecord
     source: Source
     tables: list[torch.Tensor]  # the faulted request's destination tables
     kv: list[torch.Tensor]
@@ -289,7 +289,7 @@ class FaultMatrix:
                               set(finished.failed_recving), healthy_src, healthy_tables, conn.retriever.config,
                               partial_ok)
 
-    def _partial_prefix_ok(self, scenario: str, outcome: RetrieveOutcome, kv, tables, src: Source) -> bool | None:
+    def _partial_prefix_ok(self, scenario: str, outcome: LoadRecord, kv, tables, src: Source) -> bool | None:
         """last_window_fault: the early windows really were installed before the fault."""
         if scenario != "last_window_fault":
             return None

@@ -41,11 +41,12 @@ import torch
 from bsr_kernels import Registration
 from bsr_runtime import commit
 from bsr_runtime.keys import request_salt
-from bsr_runtime.loader import failed_local
+from bsr_runtime.loader import failed_record
 from bsr_runtime.markers import ForceLocalMarkers
-from bsr_runtime.planner import LoadSpec, Planner, block_lists, request_id_of, tokens_of
+from bsr_runtime.plan import LoadSpec
+from bsr_runtime.planner import Planner, block_lists, request_id_of, tokens_of
 from bsr_runtime.restore import RestoreConfig, RestoreRequest
-from bsr_runtime.retrieve import AgreeFn, RetrieveOutcome, Retriever
+from bsr_runtime.retrieve import AgreeFn, LoadRecord, Retriever
 from bsr_runtime.tiers.base import Tier
 
 __all__ = ["StandaloneConnector", "ConnectorRequest", "ConnectorStats", "FinishedIds", "LoadSpec", "request_salt"]
@@ -115,7 +116,7 @@ class StandaloneConnector:
         self.kv: list[torch.Tensor] | None = list(kv_caches) if kv_caches is not None else None
         self._stats = ConnectorStats()
         self._lock = threading.Lock()
-        self._outcomes: dict[str, RetrieveOutcome] = {}
+        self._outcomes: dict[str, LoadRecord] = {}
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -174,7 +175,7 @@ class StandaloneConnector:
     request_finished_all_groups = request_finished  # SupportsHMA: block_ids is one list per group
 
     # -- worker side -------------------------------------------------------------------------
-    def start_load(self, loads: Iterable[LoadSpec] | None = None) -> list[RetrieveOutcome]:
+    def start_load(self, loads: Iterable[LoadSpec] | None = None) -> list[LoadRecord]:
         """Run the given loads (default: every load recorded by update_state_after_alloc), in
         order, synchronously. Every TP rank must run the same loads in the same order.
 
@@ -187,14 +188,14 @@ class StandaloneConnector:
             loads = self.take_pending_loads()
         return [self._load(spec) for spec in loads]
 
-    def _load(self, spec: LoadSpec) -> RetrieveOutcome:
+    def _load(self, spec: LoadSpec) -> LoadRecord:
         try:
             tables = [torch.tensor(b, dtype=torch.int64) for b in spec.block_ids]
             keyspace = self.keyspace if spec.salt is None else _with_salt(self.keyspace, spec.salt)
             req = RestoreRequest(spec.request_id, spec.tokens, keyspace, self.kv, tables)
             local = self.retriever.restore_local(req, spec.num_chunks, spec.plan_tier)
         except Exception as e:  # noqa: BLE001 - this load fails closed; the batch goes on
-            local = failed_local(self.reg, spec, e)
+            local = failed_record(self.reg, spec, e)
         # every rank takes part in the commit agreement, also after a local exception, so the
         # peers fail this request closed at once and the collectives stay aligned
         outcome = self.retriever.commit_local(local, commit.make_tag(spec.request_id, "commit"))
@@ -233,7 +234,7 @@ class StandaloneConnector:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def outcome(self, request_id: str) -> RetrieveOutcome | None:
+    def outcome(self, request_id: str) -> LoadRecord | None:
         with self._lock:
             return self._outcomes.get(request_id)
 

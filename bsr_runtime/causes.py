@@ -1,6 +1,6 @@
 """Why a load failed, as a type: one FailureCause per failed load, set where the exception is caught
-(window loop, restore, retrieve, loader, commit) and carried on every record of the load (RestoreReport,
-Attempt, LocalResult, RetrieveOutcome, the worker's load record under "cause"). Metrics labels and tier
+(window loop, restore, retrieve, loader, commit) and carried on the load's record (retrieve.LoadRecord, each
+tier tried: Attempt and its RestoreReport; the worker's report of it under "cause"). Metrics labels and tier
 health read it; nothing reads an error's message to decide anything (a reworded message changes no
 label, a subclass of a tier error keeps its class's cause).
 

@@ -53,10 +53,9 @@ from bsr_kernels.staging_arena import StagingArena
 from . import commit
 from .causes import FailureCause, cause_of
 from .keys import KeySpace
-from .plan import slot_sizes
-from .planner import LoadSpec
+from .plan import LoadSpec, slot_sizes
 from .restore import RESTORE_PHASES, BoundedRestorer, RestoreConfig, RestoreRequest
-from .retrieve import LOCAL, AgreeFn, LocalResult, RetrieveOutcome, Retriever, TierSet, request_block_ids
+from .retrieve import LOCAL, AgreeFn, LoadRecord, Retriever, TierSet, request_block_ids
 from .tiers.base import FETCH_HEADROOM, Tier
 from .validation import check_int
 
@@ -71,23 +70,13 @@ DEFAULT_STAGING_RETIREMENTS = 2
 
 
 @dataclass
-class LoadResult:
-    """One finished load: its outcome and where its time went (seconds)."""
-
-    spec: LoadSpec
-    outcome: RetrieveOutcome
-    cancelled: bool = False
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
 class _Job:
     seq: int
     spec: LoadSpec
     submitted: float
     stop: threading.Event = field(default_factory=threading.Event)
     started: float | None = None
-    local: LocalResult | None = None
+    record: LoadRecord | None = None
     restored: float | None = None
 
 
@@ -141,7 +130,7 @@ class Loader:
         self._seq = itertools.count()
         self._lock = threading.Condition()
         self._jobs: dict[str, _Job] = {}  # request id -> its running or queued job
-        self._finished: deque[LoadResult] = deque()
+        self._finished: deque[LoadRecord] = deque()
         self._closed = False
         self._threads = ThreadPoolExecutor(max_workers=self.max_restores, thread_name_prefix="bsr-restore")
         self._agree_queue: dict[int, _Job] = {}  # seq -> job restored locally, waiting for its agreement
@@ -256,7 +245,7 @@ class Loader:
         with self._lock:
             return len(self._jobs)
 
-    def take_finished(self) -> list[LoadResult]:
+    def take_finished(self) -> list[LoadRecord]:
         with self._lock:
             out = list(self._finished)
             self._finished.clear()
@@ -280,10 +269,10 @@ class Loader:
         job.started = time.perf_counter()
         escaped: BaseException | None = None
         try:
-            job.local = self._restore_local(job.spec, job.stop)
+            job.record = self._restore_local(job.spec, job.stop)
         except BaseException as e:  # the window loop already gave back every window's staging
             log.error("BSR: load of %s raised %s; failed closed", job.spec.request_id, type(e).__name__, exc_info=e)
-            job.local = failed_local(self.reg, job.spec, e)
+            job.record = failed_record(self.reg, job.spec, e)
             escaped = e
         job.restored = time.perf_counter()
         if self._agree_thread is None:
@@ -307,49 +296,44 @@ class Loader:
                 self._agree_next += 1
             self._finish(job, self._commit(job))
 
-    def _commit(self, job: _Job, *, background: bool = True) -> RetrieveOutcome:
+    def _commit(self, job: _Job, *, background: bool = True) -> LoadRecord:
         """The load's agreement; whatever it raises fails this load closed. In the background (the agreement
         thread serves every later load: nothing may end it) a BaseException is logged, not re-raised; on
         the caller's thread (`run`) it is the caller's."""
-        assert job.local is not None
+        assert job.record is not None
         try:
-            return self.retriever.commit_local(job.local, commit.make_tag(job.spec.request_id, "commit"))
+            return self.retriever.commit_local(job.record, commit.make_tag(job.spec.request_id, "commit"))
         except BaseException as e:  # noqa: BLE001 - a bug in the agreement fails this load closed
             if not isinstance(e, Exception):
                 if not background:
                     raise
                 log.error("BSR: agreement of %s raised %s; failed closed", job.spec.request_id, type(e).__name__,
                           exc_info=e)
-            job.local.fail(f"commit: {type(e).__name__}: {e}", job.local.cause or FailureCause.AGREEMENT)
-            return Retriever.finalize(job.local, False)
+            job.record.fail(f"commit: {type(e).__name__}: {e}", job.record.cause or FailureCause.AGREEMENT)
+            return job.record.decide(False)
 
-    def _finish(self, job: _Job, outcome: RetrieveOutcome) -> None:
+    def _finish(self, job: _Job, record: LoadRecord) -> None:
         now = time.perf_counter()
-        timings = _timings(job.spec, outcome)
-        timings.update(queued_s=(job.started or now) - job.submitted,
-                       agree_s=now - (job.restored or now), total_s=now - job.submitted)
-        result = LoadResult(job.spec, outcome, job.stop.is_set(), timings)
+        _close_record(record, job, queued_s=(job.started or now) - job.submitted, now=now,
+                      cancelled=job.stop.is_set())
         with self._lock:
             self._jobs.pop(job.spec.request_id, None)
-            self._finished.append(result)
+            self._finished.append(record)
             self._lock.notify_all()
 
     # -- on the calling thread ---------------------------------------------------------------
-    def run(self, spec: LoadSpec) -> LoadResult:
-        """The load on this thread (sync loads): restore, commit, result. A BaseException (SystemExit) is
+    def run(self, spec: LoadSpec) -> LoadRecord:
+        """The load on this thread (sync loads): restore, commit, its record. A BaseException (SystemExit) is
         the caller's: it propagates, after the restore gave back its staging."""
         job = _Job(next(self._seq), spec, time.perf_counter())
         job.started = job.submitted
-        job.local = self._restore_local(spec, job.stop)
+        job.record = self._restore_local(spec, job.stop)
         job.restored = time.perf_counter()
-        outcome = self._commit(job, background=False)
-        now = time.perf_counter()
-        timings = _timings(spec, outcome)
-        timings.update(queued_s=0.0, agree_s=now - job.restored, total_s=now - job.submitted)
-        return LoadResult(spec, outcome, False, timings)
+        return _close_record(self._commit(job, background=False), job, queued_s=0.0, now=time.perf_counter(),
+                             cancelled=False)
 
     # -- the restore -----------------------------------------------------------------------
-    def _restore_local(self, spec: LoadSpec, stop: threading.Event) -> LocalResult:
+    def _restore_local(self, spec: LoadSpec, stop: threading.Event) -> LoadRecord:
         """This rank's restore of one load; any exception fails it closed (every block invalid)."""
         self._sweep_retired()
         try:
@@ -363,7 +347,7 @@ class Loader:
                                  end_tokens=spec.num_tokens or None, partial_tokens=spec.partial_tokens)
             return self.retriever.restore_local(req, spec.num_chunks, spec.plan_tier)
         except Exception as e:  # noqa: BLE001 - this load fails closed; the others go on
-            return failed_local(self.reg, spec, e)
+            return failed_record(self.reg, spec, e)
 
     # -- shutdown --------------------------------------------------------------------------
     def close(self, timeout_s: float = 30.0) -> bool:
@@ -400,14 +384,14 @@ class Loader:
         return stopped
 
 
-def failed_local(reg: Registration, spec: LoadSpec, error: BaseException) -> LocalResult:
-    """The local result of a load that raised: every group invalid, every block reported."""
+def failed_record(reg: Registration, spec: LoadSpec, error: BaseException) -> LoadRecord:
+    """The record of a load whose restore raised: every group invalid, every block reported."""
     try:
         blocks = request_block_ids(reg, spec.block_ids, check_int("num_chunks", spec.num_chunks, lo=0))
     except Exception:  # noqa: BLE001 - the spec itself is bad: report every block it names
         blocks = all_block_ids(spec.block_ids, reg.num_groups)
     num_chunks = spec.num_chunks if isinstance(spec.num_chunks, int) else 0
-    return LocalResult(spec.request_id, num_chunks, reg.chunk_tokens, [False] * reg.num_groups, LOCAL,
+    return LoadRecord(spec.request_id, num_chunks, reg.chunk_tokens, [False] * reg.num_groups, LOCAL,
                        blocks, error=f"load failed: {type(error).__name__}: {error}", cause=cause_of(error))
 
 
@@ -426,9 +410,13 @@ def all_block_ids(block_ids, num_groups: int) -> tuple[frozenset[int], ...]:
     return tuple(out)
 
 
-def _timings(spec: LoadSpec, outcome: RetrieveOutcome) -> dict[str, float]:
-    """Where the load's time went: the scheduler's probe, then per phase of its restore attempts."""
-    out = {"probe_s": spec.probe_s}
+def _close_record(record: LoadRecord, job: _Job, *, queued_s: float, now: float, cancelled: bool) -> LoadRecord:
+    """The loader's part of the record: the load it ran, whether it was asked to stop, where its time went (the
+    scheduler's probe, the queue, each phase of its restore attempts, the agreement)."""
+    record.spec, record.cancelled = job.spec, cancelled
+    t = {"probe_s": job.spec.probe_s}
     for name in (*(f"{phase}_s" for phase in RESTORE_PHASES), "seconds"):
-        out["restore_s" if name == "seconds" else name] = sum(getattr(a, name, 0.0) for a in outcome.attempts)
-    return out
+        t["restore_s" if name == "seconds" else name] = sum(getattr(a, name, 0.0) for a in record.attempts)
+    t.update(queued_s=queued_s, agree_s=now - (job.restored or now), total_s=now - job.submitted)
+    record.timings = t
+    return record

@@ -1,9 +1,28 @@
-"""Window plan: the confirmed prefix of N chunks cut into windows of at most W chunks."""
+"""The plan of a load: what the scheduler ships to a worker (LoadSpec), and the confirmed prefix of N chunks
+cut into windows of at most W chunks."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+
+@dataclass
+class LoadSpec:
+    """One recorded load: N chunks of the request's prefix into its per-group block ids (what the
+    scheduler side ships to the workers)."""
+
+    request_id: str
+    tokens: list[int]
+    num_chunks: int
+    plan_tier: int | None
+    block_ids: list[list[int]]
+    salt: str | None = None  # the request's tenant salt (None: the connector's)
+    probe_s: float = 0.0  # the scheduler's probe for this request (keys and tier lookups)
+    local_tokens: int = 0  # the engine's local hit: its whole chunks are not loaded, its blocks not written
+    num_tokens: int = 0  # where the loaded prefix ends (0: num_chunks whole chunks); blocks past it not written
+    partial_tokens: int = 0  # chunk num_chunks-1 is the prompt's partial chunk (PrefixKeys') of this many tokens
+    features: tuple[tuple[int, int, str], ...] = ()  # KeySpace.features of the request
 
 
 @dataclass(frozen=True)

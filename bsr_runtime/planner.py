@@ -50,6 +50,7 @@ from .keys import KeyInputs, KeySpace, PrefixKeys, salt_only
 from .load_blocks import block_align, only_blocks_of
 from .lookups import Lookup, LookupThreads
 from .markers import ForceLocalMarkers
+from .plan import LoadSpec
 from .retrieve import ProbeDecision, TierSet
 from .tiers.base import Tier, TierError
 from .validation import check_duration, check_int, check_timeout
@@ -57,24 +58,6 @@ from .validation import check_duration, check_int, check_timeout
 log = logging.getLogger(__name__)
 
 DEFAULT_PROBE_TIMEOUT_S = 5.0
-
-
-@dataclass
-class LoadSpec:
-    """One recorded load: N chunks of the request's prefix into its per-group block ids (what the
-    scheduler side ships to the workers)."""
-
-    request_id: str
-    tokens: list[int]
-    num_chunks: int
-    plan_tier: int | None
-    block_ids: list[list[int]]
-    salt: str | None = None  # the request's tenant salt (None: the connector's)
-    probe_s: float = 0.0  # the scheduler's probe for this request (keys and tier lookups)
-    local_tokens: int = 0  # the engine's local hit: its whole chunks are not loaded, its blocks not written
-    num_tokens: int = 0  # where the loaded prefix ends (0: num_chunks whole chunks); blocks past it not written
-    partial_tokens: int = 0  # chunk num_chunks-1 is the prompt's partial chunk (PrefixKeys') of this many tokens
-    features: tuple[tuple[int, int, str], ...] = ()  # KeySpace.features of the request
 
 
 @dataclass

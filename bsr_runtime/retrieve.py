@@ -32,6 +32,7 @@ from bsr_kernels import Registration
 from . import commit
 from .causes import FailureCause, cause_of
 from .keys import KeySpace, PrefixKeys
+from .plan import LoadSpec
 from .probe import probe_prefix
 from .restore import RESTORE_PHASES, BoundedRestorer, RestoreConfig, RestoreReport, RestoreRequest
 from .tiers.base import Tier, TierError
@@ -115,72 +116,58 @@ class Attempt:
 
 
 @dataclass
-class LocalResult:
-    """One rank's restore of one request before the commit: q[r][.] and how it was reached."""
+class LoadRecord:
+    """The one record of one request's load on one rank, filled as the load goes: this rank's restore
+    (q[r][.], each tier tried with its restore's RestoreReport), then the commit decision over every rank
+    (`decide`), then what the loader knows (`spec`, `cancelled`, `timings`). Reports, metrics and tests
+    read it; nothing copies it into another record."""
 
     request_id: str
     num_chunks: int
     chunk_tokens: int
-    valid_per_group: list[bool]
-    served_by: str  # the tier whose objects are in the blocks, or LOCAL
-    block_ids: tuple[frozenset[int], ...]
+    valid_per_group: list[bool]  # this rank's q[r][.]
+    restored_from: str  # the tier whose objects this rank's restore put in the blocks, or LOCAL
+    block_ids: tuple[frozenset[int], ...]  # per group, every destination block of the request
     attempts: list[Attempt] = field(default_factory=list)
     error: str | None = None
-    cause: FailureCause | None = None  # why this rank's restore failed (None: it did not)
+    cause: FailureCause | None = None  # why it failed here, or (decided) why it was not committed; None: it was
+    committed: bool | None = None  # None until the commit decision
+    agreed: bool = False  # the commit rule over every rank and group
+    spec: LoadSpec | None = None  # the load it ran (loads through the Loader)
+    cancelled: bool = False  # asked to stop (request aborted, engine shutting down)
+    timings: dict[str, float] = field(default_factory=dict)  # the loader's: probe, queue, phases, agreement
 
     def fail(self, error: str, cause: FailureCause) -> None:
         """This rank's restore failed: every group invalid here."""
         self.valid_per_group = [False] * len(self.valid_per_group)
         self.error, self.cause = error, cause
 
-
-@dataclass
-class RetrieveOutcome:
-    """The committed (or failed-closed) result of one request on one rank: its rank's LocalResult
-    (`local`, held, not copied) and the commit decision over it."""
-
-    local: LocalResult
-    committed: bool
-    agreed: bool  # the commit rule over every rank and group
-    error: str | None = None
-    cause: FailureCause | None = None  # why it was not committed (None: committed)
-
-    @property
-    def request_id(self) -> str:
-        return self.local.request_id
-
-    @property
-    def num_chunks(self) -> int:
-        return self.local.num_chunks
+    def decide(self, agreed: bool) -> LoadRecord:
+        """The commit decision over this rank's restore: all or nothing. Not committed, the cause is this
+        rank's own, else the commit rule (another rank or group was invalid)."""
+        self.agreed = bool(agreed)
+        self.committed = self.agreed and all(self.valid_per_group)
+        if self.committed:
+            self.cause = None
+        elif self.cause is None:
+            self.error, self.cause = self.error or "another rank or group was invalid (commit rule)", \
+                FailureCause.COMMIT_RULE
+        return self
 
     @property
     def exposed_tokens(self) -> int:
         """External tokens the engine may count as computed (0 unless committed)."""
-        return self.local.num_chunks * self.local.chunk_tokens if self.committed else 0
+        return self.num_chunks * self.chunk_tokens if self.committed else 0
 
     @property
     def served_by(self) -> str:
         """The tier whose objects are in the blocks, or LOCAL when nothing was committed."""
-        return self.local.served_by if self.committed else LOCAL
-
-    @property
-    def block_ids(self) -> tuple[frozenset[int], ...]:
-        """Per group, every destination block of the request."""
-        return self.local.block_ids
+        return self.restored_from if self.committed else LOCAL
 
     @property
     def invalid_block_ids(self) -> tuple[frozenset[int], ...]:
-        """Per group; every block of the request if not committed."""
+        """Per group; every block of the request unless committed."""
         return tuple(frozenset() for _ in self.block_ids) if self.committed else self.block_ids
-
-    @property
-    def valid_per_group(self) -> list[bool]:
-        """This rank's q[r][.]."""
-        return list(self.local.valid_per_group)
-
-    @property
-    def attempts(self) -> list[Attempt]:
-        return self.local.attempts
 
     @property
     def outcome(self) -> str:
@@ -199,12 +186,12 @@ class RetrieveOutcome:
         return [a.tier for a in self.attempts]
 
     def to_dict(self) -> dict:
-        return {"request_id": self.request_id, "num_chunks": self.num_chunks, "committed": self.committed,
+        return {"request_id": self.request_id, "num_chunks": self.num_chunks, "committed": bool(self.committed),
                 "exposed_tokens": self.exposed_tokens, "served_by": self.served_by,
                 "invalid_block_ids": [sorted(s) for s in self.invalid_block_ids],
-                "block_ids": [sorted(s) for s in self.block_ids], "valid_per_group": self.valid_per_group,
+                "block_ids": [sorted(s) for s in self.block_ids], "valid_per_group": list(self.valid_per_group),
                 "agreed": self.agreed, "attempts": [a.to_dict() for a in self.attempts], "error": self.error,
-                "cause": self.cause, "outcome": self.outcome}
+                "cause": self.cause, "outcome": self.outcome, "cancelled": self.cancelled, "timings": self.timings}
 
 
 AgreeFn = Callable[..., bool]  # agree(valid_per_group, *, timeout_s, tag) -> bool
@@ -323,16 +310,16 @@ class Retriever:
         return self.tier_set.plan(tokens, keyspace, max_chunks)
 
     # -- restore on this rank ----------------------------------------------------------------
-    def restore_local(self, req: RestoreRequest, num_chunks: int, plan_tier: int | None = 0) -> LocalResult:
+    def restore_local(self, req: RestoreRequest, num_chunks: int, plan_tier: int | None = 0) -> LoadRecord:
         """Restore chunks 0..num_chunks-1 of `req` on this rank: the plan tier first (already
         probed by the caller), then every other tier that probes the complete prefix. Does not
-        commit: see `finalize` / `retrieve`."""
+        commit: see `commit_local` / `retrieve`."""
         reg = self.reg
         num_chunks = check_int("num_chunks", num_chunks, lo=0)
         if plan_tier is not None:
             plan_tier = check_int("plan_tier", plan_tier, lo=0, hi=len(self.tiers) - 1)
         block_ids = request_block_ids(reg, req.block_tables, num_chunks)
-        res = LocalResult(req.request_id, num_chunks, reg.chunk_tokens, [True] * reg.num_groups, LOCAL, block_ids)
+        res = LoadRecord(req.request_id, num_chunks, reg.chunk_tokens, [True] * reg.num_groups, LOCAL, block_ids)
         if num_chunks == 0:
             return res
         order = list(range(len(self.tiers)))
@@ -347,7 +334,7 @@ class Retriever:
             att, raised = self._attempt(req, self.tiers[i], num_chunks, probe=pos > 0 or plan_tier is None)
             res.attempts.append(att)
             if att.ok:
-                res.served_by = att.tier
+                res.restored_from = att.tier
                 return res
             failures.append((f"{att.tier}: {att.error}", att.cause or FailureCause.OTHER))
             if raised:
@@ -386,26 +373,16 @@ class Retriever:
         return Attempt.from_report(rep, probed, time.perf_counter() - t0), False
 
     # -- commit ----------------------------------------------------------------------------
-    @staticmethod
-    def finalize(local: LocalResult, agreed: bool) -> RetrieveOutcome:
-        """Apply the commit decision to one rank's result: all or nothing. Not committed, the cause is
-        this rank's own, else the commit rule (another rank or group was invalid)."""
-        committed = bool(agreed) and all(local.valid_per_group)
-        error, cause = local.error, local.cause
-        if not committed and cause is None:
-            error, cause = error or "another rank or group was invalid (commit rule)", FailureCause.COMMIT_RULE
-        return RetrieveOutcome(local, committed, bool(agreed), error, None if committed else cause)
-
     def retrieve(self, req: RestoreRequest, num_chunks: int, plan_tier: int | None = 0, *,
-                 tag: int | None = None) -> RetrieveOutcome:
-        """restore_local, then the commit rule over every rank (self.agree_fn), then finalize.
+                 tag: int | None = None) -> LoadRecord:
+        """restore_local, then the commit rule over every rank (self.agree_fn), then its decision.
         Every rank of the TP group must call it for the same requests in the same order."""
         local = self.restore_local(req, num_chunks, plan_tier)
         return self.commit_local(local, tag)
 
-    def commit_local(self, local: LocalResult, tag: int | None = None) -> RetrieveOutcome:
+    def commit_local(self, local: LoadRecord, tag: int | None = None) -> LoadRecord:
         """The commit rule over every rank (self.agree_fn) for one rank's local result, then
-        finalize. A rank whose restore raised takes part with an all-invalid vector."""
+        the decision (LoadRecord.decide). A rank whose restore raised takes part with an all-invalid vector."""
         tag = commit.make_tag(local.request_id, "commit") if tag is None else tag
         try:
             agreed = self.agree_fn(local.valid_per_group, timeout_s=self.agree_timeout_s, tag=tag)
@@ -413,4 +390,4 @@ class Retriever:
             local.error = (local.error + "; " if local.error else "") + f"agree: {type(e).__name__}: {e}"
             local.cause = local.cause or FailureCause.AGREEMENT  # this rank's own failure came first
             agreed = False
-        return self.finalize(local, agreed)
+        return local.decide(agreed)

@@ -48,7 +48,7 @@ def _run(rank: int, world: int, outdir: Path) -> dict:
     from bsr_kernels import presets
     from bsr_runtime import commit
     from bsr_runtime.loader import Loader
-    from bsr_runtime.planner import LoadSpec
+    from bsr_runtime.plan import LoadSpec
     from bsr_runtime.restore import RestoreConfig
     from bsr_runtime.tiers import FilesystemTier
 
@@ -83,8 +83,8 @@ def _run(rank: int, world: int, outdir: Path) -> dict:
         while time.monotonic() < end:
             ld.wait_finished(0.1)
             for r in ld.take_finished():
-                if r.spec.request_id == name:
-                    o = r.outcome
+                if r.request_id == name:
+                    o = r
                     return {"finished": True, "committed": o.committed, "agreed": o.agreed, "error": o.error,
                             "cause": None if o.cause is None else o.cause.value}
         return {"finished": False}

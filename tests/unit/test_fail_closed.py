@@ -38,7 +38,7 @@ from bsr_runtime import commit
 from bsr_runtime.markers import ForceLocalMarkers
 from bsr_runtime.plan import plan_windows
 from bsr_runtime.restore import RestoreConfig
-from bsr_runtime.retrieve import LOCAL, LocalResult, Retriever, request_block_ids
+from bsr_runtime.retrieve import LOCAL, LoadRecord, Retriever, request_block_ids
 from bsr_runtime.state_hash import state_hash
 from bsr_runtime.tiers import FilesystemTier
 
@@ -348,10 +348,10 @@ def test_hma_collapse_one_invalid_group_invalidates_every_group():
     blocks = request_block_ids(reg, tables, 1)
     assert blocks == (frozenset({3, 5}), frozenset({7, 9}), frozenset({0}), frozenset({11, 12}),
                       frozenset(range(20, 36)))  # -1: not resident
-    local = LocalResult("r", 1, 256, [True, False, True, True, True], "mooncake", blocks)
-    out = Retriever.finalize(local, agreed=True)  # even if every other rank agreed
+    local = LoadRecord("r", 1, 256, [True, False, True, True, True], "mooncake", blocks)
+    out = local.decide(True)  # even if every other rank agreed
     assert not out.committed and out.exposed_tokens == 0 and out.invalid_block_ids == blocks
-    ok = Retriever.finalize(LocalResult("r", 1, 256, [True] * 5, "mooncake", blocks), agreed=False)
+    ok = LoadRecord("r", 1, 256, [True] * 5, "mooncake", blocks).decide(False)
     assert not ok.committed and ok.invalid_block_ids == blocks  # another rank failed
 
 
@@ -365,14 +365,14 @@ def test_the_outcome_carries_the_ranks_own_cause_else_the_commit_rules():
     reg = presets.dsv4_flash(scale=1 / 64)
     blocks = request_block_ids(reg, [torch.tensor([g + 2]) for g in range(reg.num_groups)], 1)
 
-    def local(valid: bool = True) -> LocalResult:
-        return LocalResult("r", 1, 256, [valid] * reg.num_groups, "mooncake", blocks)
+    def local(valid: bool = True) -> LoadRecord:
+        return LoadRecord("r", 1, 256, [valid] * reg.num_groups, "mooncake", blocks)
 
     own = local()
     own.fail("mooncake: CorruptObjectError: crc", FailureCause.CORRUPT)
-    assert Retriever.finalize(own, agreed=False).cause is FailureCause.CORRUPT
-    assert Retriever.finalize(local(), agreed=False).cause is FailureCause.COMMIT_RULE
-    assert Retriever.finalize(local(), agreed=True).cause is None
+    assert own.decide(False).cause is FailureCause.CORRUPT
+    assert local().decide(False).cause is FailureCause.COMMIT_RULE
+    assert local().decide(True).cause is None
 
     def broken(valid, *, timeout_s, tag):
         raise commit.AgreementFailed("the reduction timed out")

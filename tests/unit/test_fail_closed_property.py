@@ -73,7 +73,7 @@ def test_outcome_is_all_or_nothing(case):
 
         locals_ = [ret.restore_local(req, n, plan_tier=0) for ret, req in zip(retrievers, requests)]
         agreed = commit.agree_local([loc.valid_per_group for loc in locals_])
-        outs = [Retriever.finalize(loc, agreed) for loc in locals_]
+        outs = [loc.decide(agreed) for loc in locals_]
 
         committed = {o.committed for o in outs}
         event(f"world={world} fault={'none' if fault is None else fault.phase} lower={lower} "

@@ -21,7 +21,7 @@ from bsr_kernels import presets
 from bsr_kernels.staging_arena import StagingArena
 from bsr_runtime.admission import ArenaAdmission
 from bsr_runtime.loader import Loader
-from bsr_runtime.planner import LoadSpec
+from bsr_runtime.plan import LoadSpec
 from bsr_runtime.restore import RestoreConfig
 from bsr_runtime.state_hash import state_hash
 from bsr_runtime.tiers import FilesystemTier
@@ -215,13 +215,13 @@ def test_concurrent_loads_interleave_within_the_budget(tmp_path):
         for i in range(8):
             loader.submit(scene.spec(i))
         results = _wait_all(loader, 8)
-        assert sorted(r.spec.request_id for r in results) == [f"req-{i}" for i in range(8)]
-        assert all(r.outcome.committed for r in results), [r.outcome.error for r in results]
+        assert sorted(r.request_id for r in results) == [f"req-{i}" for i in range(8)]
+        assert all(r.committed for r in results), [r.error for r in results]
         assert all(scene.restored(i) for i in range(8))
         b = 4 * 2 * scene.reg.chunk_bytes
         assert loader.arena.peak_bytes <= b
         assert loader.arena.peak_bytes > 2 * scene.reg.chunk_bytes  # several loads' windows live at once
-        assert all(r.outcome.attempts[-1].peak_staging_bytes <= 2 * scene.reg.chunk_bytes for r in results)
+        assert all(r.attempts[-1].peak_staging_bytes <= 2 * scene.reg.chunk_bytes for r in results)
         assert loader.arena.live_bytes == 0
         for r in results:  # where the time went, per phase
             t = r.timings
@@ -241,8 +241,8 @@ def test_a_short_load_is_not_stuck_behind_a_long_one(tmp_path):
         time.sleep(0.1)  # the long one is well under way
         loader.submit(scene.spec(1))
         results = _wait_all(loader, 2)
-        assert [r.spec.request_id for r in results] == ["req-1", "req-0"]
-        assert all(r.outcome.committed for r in results) and scene.restored(0) and scene.restored(1)
+        assert [r.request_id for r in results] == ["req-1", "req-0"]
+        assert all(r.committed for r in results) and scene.restored(0) and scene.restored(1)
         assert loader.arena.peak_bytes == 2 * scene.reg.chunk_bytes
     finally:
         assert loader.close(30)
@@ -258,10 +258,10 @@ def test_cancel_stops_at_a_window_boundary_and_nothing_lands_after_the_result(tm
         time.sleep(0.15)
         assert loader.cancel("req-0")
         (result,) = _wait_all(loader, 1)
-        assert result.cancelled and not result.outcome.committed and result.outcome.exposed_tokens == 0
-        att = result.outcome.attempts[-1]
+        assert result.cancelled and not result.committed and result.exposed_tokens == 0
+        att = result.attempts[-1]
         assert 0 < att.windows_installed < 20
-        assert result.outcome.invalid_blocks == result.outcome.total_blocks  # fail closed: all of them
+        assert result.invalid_blocks == result.total_blocks  # fail closed: all of them
         poison(scene.kv)  # the engine frees the blocks once the result is reported: nothing may land now
         time.sleep(20 * 0.03 + 0.3)  # longer than the windows left would have taken
         assert scene.untouched(0)
@@ -283,7 +283,7 @@ def test_close_with_loads_in_flight_is_bounded_and_returns_every_byte(tmp_path):
     assert time.monotonic() - t0 < 5  # each stops at its next window boundary
     assert loader.arena.live_bytes == 0 and loader.in_flight == 0
     results = loader.take_finished()
-    assert len(results) == 3 and not any(r.outcome.committed for r in results)
+    assert len(results) == 3 and not any(r.committed for r in results)
     time.sleep(0.2)
     assert not [t for t in threading.enumerate() if t.name.startswith("bsr-restore")]
     with pytest.raises(RuntimeError, match="closed"):
@@ -315,8 +315,8 @@ def test_tp_agreements_run_in_submission_order_on_every_rank(tmp_path):
         loader.submit(scene.spec(1))
         results = _wait_all(loader, 2)
         assert [tags[t] for t in order] == ["req-0", "req-1"]
-        assert [r.spec.request_id for r in results] == ["req-0", "req-1"]
-        assert all(r.outcome.committed and r.outcome.agreed for r in results)
+        assert [r.request_id for r in results] == ["req-0", "req-1"]
+        assert all(r.committed and r.agreed for r in results)
     finally:
         assert loader.close(30)
         scene.close()
@@ -343,7 +343,7 @@ def _late_read_fails_closed(scene: Scene, loader: Loader, gate: threading.Event,
     loader.submit(scene.spec(i))
     (first,) = _wait_all(loader, 1, timeout=10)
     scene.tier.plan.read_gate = None
-    assert not first.outcome.committed and "FetchTimeoutError" in (first.outcome.error or "")
+    assert not first.committed and "FetchTimeoutError" in (first.error or "")
     assert arena.quarantined_chunks == 2  # the whole budget: one window of W = 2
     return arena
 
@@ -367,7 +367,7 @@ def test_a_late_read_gives_its_quarantined_staging_back_when_it_lands(tmp_path):
         _settled(arena)
         loader.submit(scene.spec(1))
         (second,) = _wait_all(loader, 1, timeout=10)
-        assert second.outcome.committed and scene.restored(1), second.outcome.error
+        assert second.committed and scene.restored(1), second.error
         assert loader.arena is arena and arena.live_bytes == 0
     finally:
         gate.set()
@@ -397,8 +397,8 @@ def test_a_wait_for_staging_ends_on_cancel(tmp_path):
         assert loader.cancel("req-1")
         (cancelled,) = _wait_all(loader, 1, timeout=5)
         assert time.monotonic() - t0 < 1.0
-        assert cancelled.cancelled and not cancelled.outcome.committed and scene.untouched(1)
-        assert "cancelled" in (cancelled.outcome.error or "")
+        assert cancelled.cancelled and not cancelled.committed and scene.untouched(1)
+        assert "cancelled" in (cancelled.error or "")
     finally:
         held.release()
         loader.close(5)
@@ -418,7 +418,7 @@ def test_a_wait_for_staging_is_bounded(tmp_path):
         loader.submit(scene.spec(1))
         (bounded,) = _wait_all(loader, 1, timeout=10)
         assert time.monotonic() - t0 < 3
-        assert not bounded.outcome.committed and "no staging" in (bounded.outcome.error or "")
+        assert not bounded.committed and "no staging" in (bounded.error or "")
         assert scene.untouched(1)
         unbounded = Loader(scene.reg, [scene.tier], scene.kv, dataclasses.replace(cfg, admission_timeout_s=None))
         from bsr_runtime.loader import DEFAULT_STAGING_WAIT_S
@@ -465,7 +465,7 @@ def test_a_read_that_never_lands_does_not_fail_every_later_load(tmp_path):
             t0 = time.monotonic()
             loader.submit(scene.spec(i))
             (later,) = _wait_all(loader, 1, timeout=10)
-            assert later.outcome.committed and scene.restored(i), later.outcome.error
+            assert later.committed and scene.restored(i), later.error
             assert time.monotonic() - t0 < 1.5  # not after a wait for staging
         assert loader.arena is not stuck and loader.staging_retirements == 1
         assert stuck.buffer.data_ptr() in scene.tier.registered  # its read may still land: kept registered
@@ -498,14 +498,14 @@ def test_staging_replacements_are_bounded_then_loads_fail_at_once_with_the_reaso
         loader.submit(scene.spec(2))
         (refused,) = _wait_all(loader, 1, timeout=10)
         assert time.monotonic() - t0 < 5  # far below the 20 s bound
-        assert not refused.outcome.committed and scene.untouched(2)
-        assert refused.outcome.cause == "staging"
-        assert "never landed" in refused.outcome.error and "max_staging_retirements" in refused.outcome.error
+        assert not refused.committed and scene.untouched(2)
+        assert refused.cause == "staging"
+        assert "never landed" in refused.error and "max_staging_retirements" in refused.error
         gates[1].set()
         _settled(last)
         loader.submit(scene.spec(2))
         (ok,) = _wait_all(loader, 1, timeout=10)
-        assert ok.outcome.committed and scene.restored(2), ok.outcome.error
+        assert ok.committed and scene.restored(2), ok.error
     finally:
         for g in gates:
             g.set()
@@ -524,9 +524,9 @@ def test_a_base_exception_in_a_fetch_is_reported_as_a_failed_load(tmp_path):
         scene.tier.plan.raise_in_fetch = SystemExit("a library exited")
         loader.submit(scene.spec(0))
         (failed,) = _wait_all(loader, 1, timeout=5)
-        assert not failed.outcome.committed and failed.outcome.exposed_tokens == 0
-        assert "SystemExit" in (failed.outcome.error or "")
-        assert failed.outcome.invalid_blocks == failed.outcome.total_blocks
+        assert not failed.committed and failed.exposed_tokens == 0
+        assert "SystemExit" in (failed.error or "")
+        assert failed.invalid_blocks == failed.total_blocks
         assert loader.arena.live_bytes == 0 and loader.in_flight == 0
         with pytest.raises(SystemExit):
             loader.run(scene.spec(2))
@@ -534,7 +534,7 @@ def test_a_base_exception_in_a_fetch_is_reported_as_a_failed_load(tmp_path):
         scene.tier.plan.raise_in_fetch = None
         loader.submit(scene.spec(1))
         (ok,) = _wait_all(loader, 1, timeout=5)
-        assert ok.outcome.committed and scene.restored(1)
+        assert ok.committed and scene.restored(1)
     finally:
         assert loader.close(5)
         scene.close()
@@ -569,7 +569,7 @@ def test_a_load_reaches_the_backend_in_at_most_ten_frames(tmp_path, monkeypatch)
     loader = Loader(reg, [tier], kv, RestoreConfig(window_chunks=2, backend="torch"))
     try:
         result = loader.run(LoadSpec("r", src.tokens, 4, 0, [t.tolist() for t in tables[0]]))
-        assert result.outcome.committed and state_hash(reg, kv, tables[0], 4) == expected
+        assert result.committed and state_hash(reg, kv, tables[0], 4) == expected
     finally:
         loader.close()
         tier.close()

@@ -19,7 +19,7 @@ from bsr_runtime.integrations.vllm.registration import (  # noqa: E402
     destinations,
     registration_from_kv_cache_config,
 )
-from bsr_runtime.planner import LoadSpec  # noqa: E402
+from bsr_runtime.plan import LoadSpec  # noqa: E402
 
 
 def test_config_parsing_and_errors():

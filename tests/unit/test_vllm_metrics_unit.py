@@ -27,7 +27,7 @@ from bsr_runtime.integrations.vllm.metrics import LoadSaveStats  # noqa: E402
 from bsr_runtime.integrations.vllm.worker import WorkerSide  # noqa: E402
 from bsr_runtime.keys import KeySpace  # noqa: E402
 from bsr_runtime.loader import Loader  # noqa: E402
-from bsr_runtime.planner import LoadSpec  # noqa: E402
+from bsr_runtime.plan import LoadSpec  # noqa: E402
 from bsr_runtime.restore import RestoreConfig  # noqa: E402
 from bsr_runtime.saver import Saver  # noqa: E402
 from bsr_runtime.tiers import FilesystemTier  # noqa: E402

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from ...planner import LoadSpec
+from ...plan import LoadSpec
 
 
 @dataclass

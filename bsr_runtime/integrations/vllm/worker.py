@@ -27,7 +27,8 @@ from bsr_kernels.prepared import prepare
 
 from ...connector_config import ConnectorConfig, write_report
 from ...keys import KeySpace
-from ...loader import Loader, LoadResult
+from ...loader import Loader
+from ...retrieve import LoadRecord
 from ...saver import Saver
 from ...tiers.base import Tier
 from .metadata import BSRConnectorMetadata
@@ -96,11 +97,11 @@ class WorkerSide:
             if self.load_async:
                 self.loader.submit(spec)
                 continue
-            result = self.loader.run(spec)
-            self._report_load(result)
-            if not result.outcome.committed:
+            record = self.loader.run(spec)
+            self._report_load(record)
+            if not record.committed:
                 self._failed_this_step.add(spec.request_id)
-                for ids in result.outcome.invalid_block_ids:
+                for ids in record.invalid_block_ids:
                     self._load_errors.update(ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -123,41 +124,41 @@ class WorkerSide:
         if idle and self.loader.in_flight:
             self.loader.wait_finished(IDLE_WAIT_S)
         done, failed = set(), set()
-        for result in self.loader.take_finished():
-            self._report_load(result)
-            done.add(result.spec.request_id)
-            if not result.outcome.committed:
-                failed.add(result.spec.request_id)
+        for record in self.loader.take_finished():
+            self._report_load(record)
+            done.add(record.request_id)
+            if not record.committed:
+                failed.add(record.request_id)
         return done, failed
 
-    def _report_load(self, result: LoadResult) -> None:
-        outcome = result.outcome
-        att = outcome.attempts[-1] if outcome.attempts else None
-        rec = {"role": "worker", "rank": self.tp_rank, "event": "load", "request_id": outcome.request_id,
-               "committed": outcome.committed, "cancelled": result.cancelled, "num_chunks": outcome.num_chunks,
-               "local_tokens": result.spec.local_tokens,
-               "exposed_tokens": min(outcome.exposed_tokens, result.spec.num_tokens or outcome.exposed_tokens),
-               "partial_tokens": result.spec.partial_tokens,
+    def _report_load(self, record: LoadRecord) -> None:
+        """The load's record, with this worker's context, to the report, the metrics and the log."""
+        spec = record.spec
+        last = record.attempts[-1] if record.attempts else None
+        rec = {"role": "worker", "rank": self.tp_rank, "event": "load", "request_id": record.request_id,
+               "committed": bool(record.committed), "cancelled": record.cancelled, "num_chunks": record.num_chunks,
+               "local_tokens": spec.local_tokens,
+               "exposed_tokens": min(record.exposed_tokens, spec.num_tokens or record.exposed_tokens),
+               "partial_tokens": spec.partial_tokens,
                # prompt tokens prefilled after the restored prefix (vLLM's own prefix cache leaves 1 to 63)
-               "recomputed_tokens": len(result.spec.tokens) - (result.spec.num_tokens or
-                                                               outcome.num_chunks * self.reg.chunk_tokens),
-               "served_by": outcome.served_by,
-               "tiers_tried": outcome.tiers_tried, "invalid_blocks": outcome.invalid_blocks,
-               "total_blocks": outcome.total_blocks,
-               "peak_staging_bytes": max((a.peak_staging_bytes for a in outcome.attempts), default=0),
+               "recomputed_tokens": len(spec.tokens) - (spec.num_tokens or record.num_chunks * self.reg.chunk_tokens),
+               "served_by": record.served_by,
+               "tiers_tried": record.tiers_tried, "invalid_blocks": record.invalid_blocks,
+               "total_blocks": record.total_blocks,
+               "peak_staging_bytes": max((a.peak_staging_bytes for a in record.attempts), default=0),
                "budget_bytes": self.loader.arena.capacity_bytes, "budget_peak_bytes": self.loader.arena.peak_bytes,
                "window_chunks": self.cfg.window_chunks, "pipeline_depth": self.restore_config.pipeline_depth,
                "chunk_bytes": self.reg.chunk_bytes, "load_mode": self.cfg.load_mode,
-               "seconds": result.timings.get("restore_s", 0.0), "windows": att.windows if att else 0,
-               "valid_per_group": outcome.valid_per_group, "agreed": outcome.agreed,
-               "fingerprint": self.reg.fingerprint, "model": self.keyspace.model, "error": outcome.error,
-               "cause": None if outcome.cause is None else outcome.cause.value, "timings": result.timings}
+               "seconds": record.timings.get("restore_s", 0.0), "windows": last.windows if last else 0,
+               "valid_per_group": record.valid_per_group, "agreed": record.agreed,
+               "fingerprint": self.reg.fingerprint, "model": self.keyspace.model, "error": record.error,
+               "cause": None if record.cause is None else record.cause.value, "timings": record.timings}
         self.loads.append(rec)
         self.stats.record_load(rec)
         write_report(self.cfg.report_path, rec)
-        if not outcome.committed and not result.cancelled:
-            log.warning("BSR: load of %s failed closed (%d blocks invalid): %s", outcome.request_id,
-                        outcome.invalid_blocks, outcome.error)
+        if not record.committed and not record.cancelled:
+            log.warning("BSR: load of %s failed closed (%d blocks invalid): %s", record.request_id,
+                        record.invalid_blocks, record.error)
 
     def levels(self) -> dict[str, int]:
         """What this worker holds now (vLLM's metrics: gauges): restore staging of the budget B, save
