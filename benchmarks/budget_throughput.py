@@ -2,11 +2,12 @@
 
 The workload of tests/unit/test_concurrent_budget.py, healthy requests only: `--requests` requests
 (threads) of random length (1..`--max-chunks` chunks, seeded), each with its own BoundedRestorer
-at W chunks and pipeline depth `--depth`, all sharing ONE ByteBudget B, restoring from a
-filesystem tier (page cache warm). B = W*c admits one full window at a time, which is what the
-serial lock (SerialAdmission) gives; B = 4*W*c lets up to four windows be in flight. The serial
-lock is measured as a third row for reference. Each configuration runs `--rounds` rounds (all
-requests at once per round) after one warm-up round; requests/s and GB/s are over all rounds.
+at W chunks and pipeline depth `--depth`, all leasing their staging from ONE StagingArena of B bytes,
+restoring from a filesystem tier (page cache warm). B = W*c admits one full window at a time, which is
+what the serial lock gives (each restorer with its own W chunks, one restore at a time); B = 4*W*c lets up
+to four windows be in flight. The serial lock is measured as a third row for reference. Each configuration
+runs `--rounds` rounds (all requests at once per round) after one warm-up round; requests/s and GB/s are
+over all rounds.
 Every restore's state hash is checked. Appends a record to benchmarks/results/budget_throughput.jsonl.
 
     .venv/bin/python benchmarks/budget_throughput.py [--rounds 10]
@@ -28,10 +29,11 @@ from bsr_cli.args import add_window_chunks
 from bsr_harness.experiments import Destinations, make_source, store_source
 from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import presets
-from bsr_runtime.admission import ByteBudget, SerialAdmission
+from bsr_kernels.staging_arena import StagingArena
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig, RestoreRequest
 from bsr_runtime.state_hash import state_hash
 from bsr_runtime.tiers import FilesystemTier
+from bsr_runtime.tiers.base import FETCH_HEADROOM
 
 
 def build(reg, tier, args):
@@ -46,9 +48,10 @@ def build(reg, tier, args):
     return jobs
 
 
-def run_round(reg, tier, jobs, admission, args) -> tuple[float, int]:
+def run_round(reg, tier, jobs, staging: dict, args) -> tuple[float, int]:
+    """One round; `staging`: the restorers' keyword (a shared `arena`, or a `serial` lock over their own)."""
     restorers = [BoundedRestorer(reg, RestoreConfig(window_chunks=args.window, pipeline_depth=args.depth),
-                                 admission=admission) for _ in jobs]
+                                 **staging) for _ in jobs]
     for j in jobs:
         j["dst"].poison()
     reports: list = [None] * len(jobs)
@@ -78,15 +81,20 @@ def run_round(reg, tier, jobs, admission, args) -> tuple[float, int]:
     return elapsed, moved
 
 
-def measure(reg, tier, jobs, make_admission, args) -> dict:
-    run_round(reg, tier, jobs, make_admission(), args)  # warm-up
+def measure(reg, tier, jobs, make_staging, args) -> dict:
     total_s, total_b, peak = 0.0, 0, 0
-    for _ in range(args.rounds):
-        adm = make_admission()
-        s, b = run_round(reg, tier, jobs, adm, args)
-        total_s += s
-        total_b += b
-        peak = max(peak, getattr(adm, "peak_bytes", 0))
+    for r in range(args.rounds + 1):  # a warm-up round first
+        staging = make_staging()
+        arena = staging.get("arena")
+        if arena is not None:  # a shared arena is its owner's to register
+            tier.register_staging(arena.buffer)
+        s, b = run_round(reg, tier, jobs, staging, args)
+        if arena is not None:
+            tier.unregister_staging(arena.buffer)
+            peak = max(peak, arena.peak_bytes)
+        if r:
+            total_s += s
+            total_b += b
     n = len(jobs) * args.rounds
     return dict(rps=n / total_s, gbps=total_b / total_s / 1e9, seconds=total_s, peak=peak)
 
@@ -124,10 +132,10 @@ def main(argv=None) -> int:
             emit(f"workload: {sum(j['n'] for j in jobs)} chunks per round "
                  f"({sum(j['n'] for j in jobs) * c / 1e6:.1f} MB)")
             w_c = args.window * c
-            configs = [  # (label, budget B, admission factory)
-                ("serial lock", None, lambda: SerialAdmission(threading.Lock())),
-                ("B = W*c", w_c, lambda: ByteBudget(w_c)),
-                ("B = 4*W*c", 4 * w_c, lambda: ByteBudget(4 * w_c)),
+            configs = [  # (label, budget B, the restorers' staging)
+                ("serial lock", None, lambda: {"serial": threading.Lock()}),
+                ("B = W*c", w_c, lambda: {"arena": StagingArena(c, args.window, headroom=FETCH_HEADROOM)}),
+                ("B = 4*W*c", 4 * w_c, lambda: {"arena": StagingArena(c, 4 * args.window, headroom=FETCH_HEADROOM)}),
             ]
             results, rows = {}, []
             emit(f"{'admission':<28}{'req/s':>10}{'GB/s':>10}{'seconds':>10}{'peak reserved B':>18}")

@@ -3,7 +3,7 @@
     python benchmarks/fs_tier_throughput.py --root /path/on/ssd --objects 256 --mib 1 --conc 1 4
 
 Cold reads drop the object files from the page cache first (FilesystemTier.drop_page_cache,
-which fdatasyncs then POSIX_FADV_DONTNEED). Fetches go window by window into one StagingPool
+which fdatasyncs then POSIX_FADV_DONTNEED). Fetches go window by window into one StagingArena
 slot of `--window-chunks` chunks, like a bounded restore. Also reports the checksum cost. Appends a record
 to benchmarks/results/fs_tier_throughput.jsonl (bsr_harness.records).
 """
@@ -19,7 +19,7 @@ import torch
 
 from bsr_cli.args import add_window_chunks
 from bsr_harness.records import add_record_options, record_script
-from bsr_kernels import StagingPool
+from bsr_kernels import StagingArena
 from bsr_runtime.tiers import FilesystemTier
 from bsr_runtime.tiers import _common as checksums
 
@@ -47,7 +47,7 @@ def run(root: str, n: int, chunk: int, conc: int, window: int, checksum: str) ->
     g = torch.Generator().manual_seed(conc)
     src = torch.randint(1, 256, (n, chunk), dtype=torch.uint8, generator=g)
     keys = [f"bench-{conc}-{checksum}-{i}" for i in range(n)]
-    pool = StagingPool(chunk, window, num_slots=1)
+    pool = StagingArena(chunk, window)
     res = {}
     with FilesystemTier(root, chunk, "b" * 32, load_concurrency=conc, checksum=checksum) as t:
         t0 = time.perf_counter()

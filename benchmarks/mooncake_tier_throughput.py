@@ -11,7 +11,7 @@ Two placements per object size, in one run (ratios are of medians over interleav
 registered buffer, called on the benchmark's thread ("raw_thread": the same call on a worker
 thread while the caller waits, as a tier fetch runs; on this 2-vCPU host that alone is slower);
 "tier" = MooncakeTier.fetch(..., headroom=FETCH_HEADROOM).wait() into a registered staging slot
-laid out as a restore's (StagingPool(headroom=FETCH_HEADROOM): 128 bytes of header room before each
+laid out as a restore's (StagingArena(headroom=FETCH_HEADROOM): 128 bytes of header room before each
 chunk): objects in the client's own segment by one checksumming copy (mooncake_local.py), others
 whole where their payload goes, header in the room, one get, CRC-32C in place; headers checked.
 Called directly on the fetching thread, without the local path (what a client without local
@@ -41,7 +41,7 @@ from bsr_harness.mooncake_launcher import MooncakeMaster, free_port
 from bsr_harness.mooncake_store_host import MooncakeStoreHost
 from bsr_harness.records import add_record_options, record_script
 from bsr_kernels import host_crc
-from bsr_kernels.staging_pool import StagingPool
+from bsr_kernels.staging_arena import StagingArena
 from bsr_runtime.tiers.base import FETCH_HEADROOM, TierError
 from bsr_runtime.tiers.mooncake import MooncakeTier
 from bsr_runtime.tiers.mooncake_object import HEADER_SIZE
@@ -85,8 +85,8 @@ def plugin_for(m: MooncakeMaster):
 def one_size(tier: MooncakeTier, plugin, c: int, window: int, reps: int) -> dict:
     n = max(1, window // c)
     ob = HEADER_SIZE + c
-    pool = StagingPool(c, capacity_chunks=n, num_slots=1, headroom=FETCH_HEADROOM)  # as a restore's
-    flat = StagingPool(c, capacity_chunks=n, num_slots=1)  # adjacent views, no room
+    pool = StagingArena(c, n, headroom=FETCH_HEADROOM)  # as a restore's
+    flat = StagingArena(c, n)  # adjacent views, no room
     for b in (pool.buffer, flat.buffer):
         tier.register_staging(b)
     src = torch.randint(0, 256, (n * c,), dtype=torch.uint8)
@@ -219,7 +219,7 @@ def crc_overlap(tier: MooncakeTier, c: int, window: int, reps: int) -> dict:
     k gets with each get's CRCs on a second thread while the next get lands; ratios to the same raw
     get alone."""
     n = max(1, window // c)
-    pool = StagingPool(c, capacity_chunks=n, num_slots=1, headroom=FETCH_HEADROOM)
+    pool = StagingArena(c, n, headroom=FETCH_HEADROOM)
     tier.register_staging(pool.buffer)
     src = torch.randint(0, 256, (n * c,), dtype=torch.uint8)
     tier.register_staging(src)

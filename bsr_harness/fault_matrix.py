@@ -332,7 +332,7 @@ def _nothing(scene: Scene) -> None:
 
 
 def _live_staging(conn: StandaloneConnector) -> int:
-    pool = conn.retriever.restorer.pool
+    pool = conn.retriever.restorer.staging
     return pool.live_bytes if pool is not None else 0
 
 

@@ -287,7 +287,7 @@ _SECTIONS = [
         "Fresh-process import times with and without the schemas, and per-call cost of parsing a tier spec, "
         "the connector's config and the LMCache knobs."), "Reliability"),
     Section("budget_throughput", "Concurrent restores under one byte budget", (
-        "Concurrent restores (threads) sharing one ByteBudget B: B = W*c against B = 4*W*c, and the serial "
+        "Concurrent restores (threads) sharing one staging arena of B bytes: B = W*c against B = 4*W*c, and the serial "
         "lock; every state hash checked."), "Reliability"),
 ]
 SECTIONS = {s.benchmark: s for s in _SECTIONS}

@@ -184,7 +184,7 @@ def _device_staging(kind: str, a: WindowArgs, device: torch.device, zero_copy: b
     if staging.device.type == "cpu" and zero_copy:
         if not staging.is_pinned():
             raise ValueError(
-                "zero_copy=True needs pinned host staging (torch.Tensor.pin_memory() or a StagingPool on "
+                "zero_copy=True needs pinned host staging (torch.Tensor.pin_memory() or a StagingArena on "
                 "a CUDA machine); this staging is pageable. Pin it or pass zero_copy=False to copy it "
                 "to the device first."
             )

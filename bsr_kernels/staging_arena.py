@@ -1,17 +1,23 @@
-"""StagingArena: staging shared by concurrent restores (or saves) under one byte budget B.
+"""StagingArena: the one staging of BSR, for restores and stores alike.
 
 One buffer of `capacity_chunks` chunks, allocated once; a window leases a contiguous run of chunks
-from it and gives the run back after the work that read it completed (synchronize-then-release,
-as StagingPool's slots). Live staging can therefore never exceed the buffer: the budget B is the
-buffer itself, not a counter beside it.
+from it and gives the run back after the work that read it completed (synchronize-then-release).
+Live staging can therefore never exceed the buffer: the bound is the buffer itself, not a counter
+beside it. A restorer's own staging is an arena of W chunks (at pipeline depth 2 its windows of
+ceil(W/2) and floor(W/2) chunks are two runs of it), concurrent restores share one of B bytes (the
+byte budget), a whole plan's is one of N chunks, a store's and the saver's their own.
 
 Leases are granted first come, first served: a waiter is never overtaken by a later request, so
 the windows of a short restore interleave with those of a long one instead of queueing behind
 all of them. `try_acquire` never waits and never jumps the queue (a restore holding a staged window
 uses it for its next window: waiting there could deadlock two restores on each other's windows).
 
-`headroom` > 0 leaves that many bytes of scratch before each chunk, as in StagingPool (a tier lands
-an object with its header there in one transfer).
+`headroom` > 0 leaves that many bytes of scratch before each chunk: chunk i of a run starts at
+headroom + i * chunk_stride (chunk_stride = headroom + chunk_bytes), and a lease's `view` is then a 2-D
+(num_chunks, chunk_bytes) view with row stride chunk_stride, which every install backend takes. A tier
+whose objects carry a header lands each object whole there, header in the scratch, by one transfer
+(tiers/mooncake.py). The meters count chunk bytes (the paper's W*c); the room, `room_bytes` = capacity *
+headroom, is auxiliary state (the A of RWS <= W*c + A, docs/design.md).
 
 Every wait has a way out: `acquire` waits at most `timeout` and, given `should_stop`, ends as soon as
 it answers True (a cancelled request must not wait for staging it no longer needs). A run quarantined
@@ -40,13 +46,53 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .staging_pool import CompletionEvent, LeasedChunks, StagingBuffer, StagingWaitTimeout
-
 log = logging.getLogger(__name__)
 
 STOP_POLL_S = 0.02  # how often a waiter given `should_stop` asks it (the cancel latency of a staging wait)
 SETTLE_POLL_S = 0.5  # how often a quarantine watcher checks whether the arena closed
 _FREE, _LIVE, _QUARANTINED = 1, 0, 2  # a chunk's state (`_state`)
+
+
+class StagingWaitTimeout(TimeoutError):
+    """No staging for a window within the wait's bound."""
+
+
+class CompletionEvent:
+    """Completion of the work that reads or writes a leased run.
+
+    On a GPU a CUDA event recorded on the install stream. On CPU the kernels are synchronous,
+    so recording marks completion, unless the work ran on a host stream: any object with a
+    `synchronize()` that returns once the work submitted to it is done (a CPU worker thread).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = torch.cuda.Event() if device.type == "cuda" else None
+        self._host_stream = None
+        self._recorded = False
+
+    def record(self, stream=None) -> None:
+        if self._cuda is not None:
+            self._cuda.record(stream if stream is not None else torch.cuda.current_stream())
+        else:
+            self._host_stream = stream if hasattr(stream, "synchronize") else None
+        self._recorded = True
+
+    def query(self) -> bool:
+        if self._cuda is not None and self._recorded:
+            return self._cuda.query()
+        return self._host_stream is None
+
+    def synchronize(self) -> None:
+        if self._cuda is not None and self._recorded:
+            self._cuda.synchronize()
+        elif self._host_stream is not None:
+            self._host_stream.synchronize()
+            self._host_stream = None
+
+
+def _check_count(name: str, value: object, *, multiple: int, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or value % multiple:
+        raise ValueError(f"{name} must be an integer >= {least}, a multiple of {multiple}, got {value!r}")
 
 
 class StagingWaitCancelled(RuntimeError):
@@ -63,11 +109,12 @@ class StagingExhausted(RuntimeError):
 
 
 @dataclass
-class ArenaLease(LeasedChunks):
-    """A run of `num_chunks` chunks of an arena; a SlotLease's interface (LeasedChunks, release), so
-    the window loop's sources and sinks take either."""
+class ArenaLease:
+    """A run of `num_chunks` chunks of an arena: its chunks' views, and the completion of the work on
+    them (`record(stream)` after launching the install or gather that uses them, `synchronize()` before
+    anything else reads or reuses them, then `release()`)."""
 
-    pool: StagingArena
+    arena: StagingArena
     first: int  # first chunk of the run in the arena
     num_chunks: int
     view: torch.Tensor = field(repr=False)
@@ -76,23 +123,56 @@ class ArenaLease(LeasedChunks):
     synchronized: bool = False
     released: bool = False
 
+    def chunk(self, i: int) -> torch.Tensor:
+        if self.view.dim() == 2:
+            return self.view[i]
+        c = self.arena.chunk_bytes
+        return self.view[i * c : (i + 1) * c]
+
+    def chunks(self) -> list[torch.Tensor]:
+        return [self.chunk(i) for i in range(self.num_chunks)]
+
+    def record(self, stream=None) -> None:
+        """Record the completion of the work just launched on this lease's bytes."""
+        self.event.record(stream)
+        self.recorded, self.synchronized = True, False
+
+    def synchronize(self) -> None:
+        """Wait until the recorded work completed."""
+        self.event.synchronize()
+        self.synchronized = True
+
     def release(self) -> None:
         """Give the run back (idempotent). Recorded work must have been synchronized first."""
-        self.pool.release(self)
+        self.arena.release(self)
 
     def quarantine(self, settled: Callable[[float], bool] | None = None) -> None:
         """A writer that never settled may still land in this run: not handed out again until
         `settled(timeout)` returns True (the writer stopped); without `settled`, never."""
-        self.pool.quarantine(self, settled)
+        self.arena.quarantine(self, settled)
 
 
-class StagingArena(StagingBuffer):
-    """`capacity_chunks` chunks of `chunk_bytes` (plus `headroom` before each), leased as runs."""
+class StagingArena:
+    """`capacity_chunks` chunks of `chunk_bytes` (plus `headroom` before each), leased as runs; host
+    memory is pinned on a CUDA machine so the install can read it directly."""
 
     def __init__(self, chunk_bytes: int, capacity_chunks: int, *, headroom: int = 0,
                  device: str | torch.device = "cpu", pin_memory: bool | None = None) -> None:
-        super().__init__("staging arena", chunk_bytes, capacity_chunks, headroom, device, pin_memory)
-        self.prefault()  # shared by every restore of a worker for its lifetime
+        _check_count("chunk_bytes", chunk_bytes, multiple=16, least=16)
+        if isinstance(capacity_chunks, bool) or not isinstance(capacity_chunks, int) or capacity_chunks < 1:
+            raise ValueError(f"a staging arena needs at least one chunk, got {capacity_chunks!r}")
+        _check_count("headroom", headroom, multiple=16, least=0)
+        self.device = torch.device(device)
+        self.chunk_bytes = chunk_bytes
+        self.headroom = headroom
+        self.chunk_stride = headroom + chunk_bytes
+        self.capacity_chunks = capacity_chunks
+        if pin_memory is None:
+            pin_memory = self.device.type == "cpu" and torch.cuda.is_available()
+        self.pinned = bool(pin_memory)
+        self.buffer = torch.empty(capacity_chunks * self.chunk_stride, dtype=torch.uint8, device=self.device,
+                                  pin_memory=self.pinned)
+        self.prefault()  # touched before any restore that uses it is timed
         self._state = bytearray([_FREE]) * capacity_chunks
         self._quarantined = 0
         self._live = 0
@@ -107,7 +187,22 @@ class StagingArena(StagingBuffer):
         self.on_quarantine: Callable[[StagingArena], None] | None = None
         self.stuck_reason: str | None = None  # set by the owner: why no replacement comes (StagingExhausted)
 
+    def prefault(self) -> None:
+        """Touch host memory now: else the first restore that uses it pays a page fault per page. Pinned and
+        device memory are resident already."""
+        if self.device.type == "cpu" and not self.pinned:
+            self.buffer.zero_()
+
     # -- meters ----------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_chunks * self.chunk_bytes
+
+    @property
+    def room_bytes(self) -> int:
+        """The header room before the chunks (allocated with them, never counted as staged bytes)."""
+        return self.capacity_chunks * self.headroom
+
     @property
     def live_bytes(self) -> int:
         with self._cond:

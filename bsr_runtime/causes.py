@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import enum
 
-from bsr_kernels.staging_arena import StagingArenaRetired, StagingExhausted, StagingWaitCancelled
-from bsr_kernels.staging_pool import StagingWaitTimeout
+from bsr_kernels.staging_arena import StagingArenaRetired, StagingExhausted, StagingWaitCancelled, StagingWaitTimeout
 
 from .commit import AgreementFailed
 from .tiers.base import CorruptObjectError, FetchTimeoutError, MissingObjectError, TierUnavailableError

@@ -1,19 +1,20 @@
 """The windowed retrieve: restore a confirmed prefix window by window with bounded staging.
 
-Per window: lease a staging slot, fetch the window's objects straight into it (each chunk has
+Per window: lease a run of staging, fetch the window's objects straight into it (each chunk has
 FETCH_HEADROOM bytes of scratch before it, where a tier lands the object's header, so an object
 arrives whole in one transfer; that room, W * FETCH_HEADROOM bytes, is auxiliary state beside
 the W * c of staging and is reported as header_room_bytes), wait for
 complete presence (a missing key or timeout fails the restore), install into the window's
-destination blocks with one kernel launch, record the slot's event, and release the slot
+destination blocks with one kernel launch, record the run's event, and release the run
 only after that install completed (synchronize-then-release). W = 0 keeps the legacy
 whole-plan path (the whole plan staged at once) as the baseline. A tier that offers its own
 WindowSource (`Tier.window_source`: LMCache's L1) is restored from it instead: its windows are
-installed from where the tier holds them, no staging slot is leased, and the report's staging
-figures are what that source pinned.
+installed from where the tier holds them (each window still reserves its run, the bound), and the
+report's staging figures are what that source pinned.
 
-Concurrent restores (an engine's background loader) share one StagingArena of B bytes: each
-window leases its staging from it (ArenaAdmission), so all their live staging stays within B.
+Staging is a StagingArena, leased window by window (admission.py): the restorer's own of W chunks (one
+restore at a time over the `serial` lock, process-wide by default), or one of B bytes that concurrent
+restores (an engine's background loader) share, so all their live staging stays within B.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from bsr_kernels import Registration, StagingPool, WindowInstaller
+from bsr_kernels import Registration, WindowInstaller
 from bsr_kernels.backends import backend_names
 from bsr_kernels.staging_arena import StagingArena
 
-from .admission import ArenaAdmission, ByteBudget, SerialAdmission
+from .admission import SERIAL, Admission
 from .causes import FailureCause, cause_of
 from .keys import KeySpace, PrefixKeys
 from .plan import count_windows, plan_windows, slot_sizes
@@ -131,79 +132,74 @@ class RestoreReport:
 class BoundedRestorer:
     """Restores confirmed prefixes with staging bounded by W chunks (or the whole plan at W = 0).
 
-    Owns the staging pool (allocated once for W > 0) and the install stream; `admission`
-    decides how concurrent restores share staging (default: one at a time per process).
-
-    With its own pool it is not thread-safe, by choice: one restore at a time per restorer (its
-    pool holds W chunks for one restore). A second concurrent `restore()` on the same restorer
-    raises RuntimeError at once instead of competing for the first one's slots (which ended in
-    slot timeouts). For concurrent restores give it a shared `arena` (a StagingArena of B bytes,
-    the byte budget): then any number of threads may restore through it at once, each window
-    leasing its staging from the arena first come first served; the caller registers the arena's
-    buffer with the tiers (register_staging) and owns it.
+    Its staging is its own arena of W chunks (allocated once for W > 0), taken one restore at a time
+    over the `serial` lock (default: process-wide, as the paper's prototype), or a shared `arena` (a
+    StagingArena of B bytes, the byte budget): then any number of threads may restore through it at once,
+    each window leasing its staging from the arena first come first served; the caller registers the
+    arena's buffer with the tiers (register_staging) and owns it. With its own arena a restorer is not
+    thread-safe, by choice: a second concurrent `restore()` on it raises RuntimeError at once instead of
+    competing for the first one's staging.
     """
 
     def __init__(self, reg: Registration, config: RestoreConfig | None = None, *,
-                 admission: SerialAdmission | ByteBudget | None = None,
                  stream: torch.cuda.Stream | None = None, staging_device: str = "cpu",
                  make_installer: Callable[..., WindowInstaller] = WindowInstaller,
-                 arena: StagingArena | None = None) -> None:
+                 arena: StagingArena | None = None, serial: threading.Lock | None = SERIAL) -> None:
         self.reg = reg
         # how installers are made (WindowInstaller's signature); the fault harness wraps it
         self.make_installer = make_installer
         self.config = config or RestoreConfig()
         self.arena = arena
-        if arena is not None:
-            if admission is not None:
-                raise ValueError("a restorer over a shared staging arena takes its admission from it")
-            if arena.chunk_bytes != reg.chunk_bytes:
-                raise ValueError(f"staging arena of {arena.chunk_bytes:,} B chunks for a registration of "
-                                 f"{reg.chunk_bytes:,} B chunks")
-            admission = ArenaAdmission(arena)
-        self.admission = admission or SerialAdmission()
+        self.serial = None if arena is not None else serial
         self.stream = stream
         self.staging_device = staging_device
         w = self.config.window_chunks
         cap = self.config.max_staging_bytes
         if cap is not None and w * reg.chunk_bytes > cap:
             raise ValueError(f"W = {w} chunks of {reg.chunk_bytes:,} B exceeds the staging capacity {cap:,} B")
-        if isinstance(self.admission, ByteBudget) and w * reg.chunk_bytes > self.admission.budget_bytes:
-            raise ValueError(
-                f"W = {w} chunks of {reg.chunk_bytes:,} B exceeds the byte budget B = "
-                f"{self.admission.budget_bytes:,} B"
-            )
+        self._window_chunks = max(slot_sizes(max(w, 1), self.config.pipeline_depth))  # the largest window
         if arena is not None:
+            if arena.chunk_bytes != reg.chunk_bytes:
+                raise ValueError(f"staging arena of {arena.chunk_bytes:,} B chunks for a registration of "
+                                 f"{reg.chunk_bytes:,} B chunks")
             if w <= 0:
                 raise ValueError("a restorer over a shared staging arena needs W > 0")
-            slot = max(slot_sizes(w, self.config.pipeline_depth))
-            if slot > arena.capacity_chunks:
-                raise ValueError(f"a window of {slot} chunks ({slot * reg.chunk_bytes:,} B) exceeds the staging "
+            if self._window_chunks > arena.capacity_chunks:
+                raise ValueError(f"a window of {self._window_chunks} chunks "
+                                 f"({self._window_chunks * reg.chunk_bytes:,} B) exceeds the staging "
                                  f"budget B = {arena.capacity_bytes:,} B")
-        self.pool = None
+        self.staging: StagingArena | None = None  # the restorer's own arena (None: a shared one)
         if arena is None and w > 0:
-            self.pool = self._new_pool(w, self.config.pipeline_depth)
+            self.staging = self._new_arena(w)
         elif arena is None and cap is not None and cap >= reg.chunk_bytes:
             # the whole plan as a real system runs it: staging for the largest prefix it accepts, allocated
             # once (LMCache's L1 at start-up), not per restore; each restore leases the run it needs
-            self.pool = self._new_pool(cap // reg.chunk_bytes)
-        if self.pool is not None:
-            self.pool.prefault()  # the restorer's for its lifetime, touched before any restore is timed
+            self.staging = self._new_arena(cap // reg.chunk_bytes)
         self._registered: dict[tuple[int, int], tuple[Tier, torch.Tensor]] = {}
         self._busy = threading.Lock()  # taken without blocking by restore(): one restore at a time
 
-    def _new_pool(self, chunks: int, slots: int = 1) -> StagingPool:
-        return StagingPool(self.reg.chunk_bytes, chunks, num_slots=slots, device=self.staging_device,
-                           headroom=FETCH_HEADROOM)
+    def _new_arena(self, chunks: int) -> StagingArena:
+        """An arena of the restorer's own, touched before any restore is timed; one whose quarantined runs
+        leave no room for a window is replaced (`_on_quarantine`)."""
+        arena = StagingArena(self.reg.chunk_bytes, chunks, device=self.staging_device, headroom=FETCH_HEADROOM)
+        arena.on_quarantine = self._on_quarantine
+        return arena
+
+    def _on_quarantine(self, arena: StagingArena) -> None:
+        """A late read may still land in a run of `arena`: if what is left cannot hold a window, replace it."""
+        if arena is self.staging and not arena.can_hold(min(self._window_chunks, arena.capacity_chunks)):
+            arena.retire()
+            self.staging = self._new_arena(arena.capacity_chunks)
 
     @property
     def staging_capacity_bytes(self) -> int:
-        return self.pool.capacity_bytes if self.pool else 0
+        return self.staging.capacity_bytes if self.staging else 0
 
     def close(self) -> None:
-        """Unregister the staging pool from every tier it was registered with."""
+        """Unregister the restorer's own staging from every tier it was registered with."""
         for tier, buffer in list(self._registered.values()):
             self._unregister(tier, buffer)
-        self.pool = None
+        self.staging = None
 
     def __enter__(self) -> BoundedRestorer:
         return self
@@ -219,8 +215,8 @@ class BoundedRestorer:
         returns a report with ok=False (committed_tokens = 0) after every slot, lease and
         reservation is released; the caller fails the request closed.
 
-        Raises RuntimeError when another thread is in restore() on this restorer (not thread-safe:
-        one restorer per thread, sharing a ByteBudget)."""
+        Raises RuntimeError when another thread is in restore() on this restorer with its own staging (not
+        thread-safe: one restorer per thread, or restorers sharing an arena)."""
         num_chunks = check_int("num_chunks", num_chunks, lo=0)
         with self._exclusive():
             self._check(req, tier, num_chunks)
@@ -264,14 +260,14 @@ class BoundedRestorer:
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
-        """Held around a restore through the restorer's own pool (one at a time, by choice: see the class
+        """Held around a restore through the restorer's own staging (one at a time, by choice: see the class
         docstring); windows from a shared arena lease from it, any number at once."""
         if self.arena is not None:
             yield
             return
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("BoundedRestorer is not thread-safe: one restore at a time per restorer; "
-                               "make one per thread, sharing a ByteBudget")
+                               "make one per thread, sharing a StagingArena")
         try:
             yield
         finally:
@@ -298,30 +294,35 @@ class BoundedRestorer:
 
     def _run(self, req: RestoreRequest, tier: Tier, num_chunks: int, installer: WindowInstaller,
              report: RestoreReport) -> RestoreReport:
-        """The one restore driver: the windows through the loop from the tier's own source (Tier.window_source:
-        installed from where the tier holds them, no staging of ours leased; the admission still reserves each
-        window's W*c) or from staging (the shared arena, the restorer's own pool, or for a whole plan without
-        one a pool of the plan's size). Every failure becomes a fail-closed report."""
+        """The one restore driver: the windows through the loop, each leasing its run of staging (the shared
+        arena, the restorer's own, or for a whole plan without one an arena of the plan's size), fetched from
+        the tier into it, or from the tier's own source (Tier.window_source: installed from where the tier
+        holds them; the run is still reserved, the bound). Every failure becomes a fail-closed report."""
         reg, cfg = self.reg, self.config
         t0 = time.perf_counter()
         first = req.local_tokens // reg.chunk_tokens
         keys = req.prefix_keys(reg.chunk_tokens)
         source = tier.window_source(keys, cfg.fetch_timeout_s)
-        staging = None
-        if source is None:
-            staging = self.arena or self.pool or self._new_pool(num_chunks - first)
-            if isinstance(staging, StagingPool):
-                staging.reset_peak()
-            source = TierSource(tier, keys, staging, cfg.fetch_timeout_s, on_unsettled=lambda: self._retire(staging))
-        own = isinstance(staging, StagingPool)  # registered with the tier here (an arena is its owner's to register)
-        loop = WindowLoop(self._admission_of(req), reg.chunk_bytes, self.stream,
-                          depth=len(staging.slots) if own else cfg.pipeline_depth,
-                          admission_timeout_s=cfg.admission_timeout_s, should_stop=req.should_stop)
+        in_place = source is not None
+        if not in_place:
+            source = TierSource(tier, keys, cfg.fetch_timeout_s)
+        arena = self.arena or self.staging
+        if arena is None and not in_place:
+            arena = self._new_arena(num_chunks - first)
+        # a shared arena is the restorer's at each window (its owner may have replaced a retired one); an own
+        # arena retired during a restore fails that restore (a read of it never settled: it was failing)
+        current = (lambda: self.arena) if self.arena is not None else arena
+        admission = Admission(current, serial=self.serial, should_stop=req.should_stop)
+        # a tier's own source pins what it installs from and bounds that itself: its windows lease no staging
+        # of ours, except from a shared arena, where they reserve their runs of the budget B all restores share
+        loop = WindowLoop(None if in_place and self.arena is None else admission, self.stream,
+                          depth=cfg.pipeline_depth, admission_timeout_s=cfg.admission_timeout_s,
+                          should_stop=req.should_stop)
         try:
-            with self.admission.admitted(cfg.admission_timeout_s):
+            with admission.admitted(cfg.admission_timeout_s):
                 try:
-                    if own:
-                        self._register(tier, staging)
+                    if self.arena is None and not in_place:  # the restorer's own: registered here (a shared
+                        self._register(tier, arena)  # one by its owner)
                     loop.restore(plan_windows(num_chunks, cfg.window_chunks, cfg.pipeline_depth, first), source,
                                  installer.install)
                     report.ok = True
@@ -329,40 +330,25 @@ class BoundedRestorer:
                 except Exception as e:  # noqa: BLE001 - any failure fails the restore closed
                     _failed(report, e, loop.stats)
                 finally:
-                    if own and staging is not self.pool:
-                        self._unregister(tier, staging.buffer)
+                    if arena is not None and arena is not self.staging and arena is not self.arena:
+                        self._unregister(tier, arena.buffer)  # a whole plan's, for this restore only
         finally:
             _copy_stats(report, loop.stats, reg.chunk_bytes)
-            if staging is None:  # what the tier's source pinned for this restore
+            if in_place:  # what the tier's source pinned for this restore
                 report.peak_staging_bytes, report.header_room_bytes = source.peak_bytes, source.peak_room_bytes
-            elif own:
-                staging.drain()
-                report.peak_staging_bytes, report.header_room_bytes = staging.peak_bytes, staging.room_bytes
-            else:
+            else:  # the room: all of an own arena's (allocated for it), of a shared one what its windows held
                 report.peak_staging_bytes = loop.stats.peak_bytes
-                report.header_room_bytes = (loop.stats.peak_bytes // reg.chunk_bytes) * staging.headroom
+                report.header_room_bytes = arena.room_bytes if arena is not self.arena else \
+                    (loop.stats.peak_bytes // reg.chunk_bytes) * arena.headroom
             report.total_s = time.perf_counter() - t0
         return report
 
-    def _admission_of(self, req: RestoreRequest):
-        """The admission of one restore: over a shared arena, one that ends the restore's wait for staging
-        when the request is cancelled (its loop asks only at window boundaries, and a wait is not one)."""
-        if self.arena is None:
-            return self.admission
-        # the arena leased from is the restorer's at each window: its owner may have replaced a retired one
-        return ArenaAdmission(self.arena, should_stop=req.should_stop, current=lambda: self.arena)
-
-    def _retire(self, pool: StagingPool) -> None:
-        """A late read may still land in `pool`: never hand it out again."""
-        if pool is self.pool:
-            self.pool = self._new_pool(pool.capacity_chunks, len(pool.slots))
-
     # -- tier buffer registration (Mooncake registers staging for zero-copy gets) -----------
-    def _register(self, tier: Tier, pool: StagingPool) -> None:
-        key = (id(tier), pool.buffer.data_ptr())
+    def _register(self, tier: Tier, arena: StagingArena) -> None:
+        key = (id(tier), arena.buffer.data_ptr())
         if key not in self._registered:
-            tier.register_staging(pool.buffer)
-            self._registered[key] = (tier, pool.buffer)
+            tier.register_staging(arena.buffer)
+            self._registered[key] = (tier, arena.buffer)
 
     def _unregister(self, tier: Tier, buffer: torch.Tensor) -> None:
         if self._registered.pop((id(tier), buffer.data_ptr()), None) is not None:

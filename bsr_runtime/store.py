@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from bsr_kernels import Registration, SlotLease, StagingPool, gather_window
+from bsr_kernels import Registration, gather_window
+from bsr_kernels.staging_arena import ArenaLease, StagingArena
 from bsr_kernels.validate import check_destinations
 
-from .admission import Admission, SerialAdmission, WindowReservation
+from .admission import Admission, WindowReservation
 from .keys import KeySpace, PrefixKeys
 from .plan import Window, plan_windows
 from .state_hash import ChunkHasher
@@ -33,20 +34,20 @@ class StoreReport:
 
 
 class TierSink:
-    """A store's bytes to a tier, window by window through a StagingPool (the loop's WindowSink).
-    Making one starts nothing; `stage` leases one window's staging."""
+    """A store's bytes to a tier, window by window through its reservation's staging (the loop's WindowSink).
+    Making one starts nothing."""
 
-    def __init__(self, tier: Tier, keys: PrefixKeys, pool: StagingPool, hasher: ChunkHasher) -> None:
-        self.tier, self.keys, self.pool, self.hasher = tier, keys, pool, hasher
+    def __init__(self, tier: Tier, keys: PrefixKeys, hasher: ChunkHasher) -> None:
+        self.tier, self.keys, self.hasher = tier, keys, hasher
 
     def stage(self, window: Window, reservation: WindowReservation) -> TierStoreWindow:
-        return TierStoreWindow(self, self.pool.acquire(window.num_chunks), window)
+        return TierStoreWindow(self, reservation.lease, window)
 
 
 class TierStoreWindow:
     """A store window: its staging lease, gathered into, then put to the tier (the loop's StoreWindow)."""
 
-    def __init__(self, sink: TierSink, lease: SlotLease, window: Window) -> None:
+    def __init__(self, sink: TierSink, lease: ArenaLease, window: Window) -> None:
         self.sink, self.lease = sink, lease
         self.keys = sink.keys.window(window.first_chunk, window.num_chunks)
         self._released = False
@@ -60,7 +61,7 @@ class TierStoreWindow:
 
     def put(self) -> None:
         self.sink.hasher.update(self.lease.view)
-        put_replacing(self.sink.tier, self.keys, self.lease.chunks(), headroom=self.lease.pool.headroom)
+        put_replacing(self.sink.tier, self.keys, self.lease.chunks(), headroom=self.lease.arena.headroom)
 
     def release(self) -> None:
         if not self._released:
@@ -76,11 +77,11 @@ class TierStoreWindow:
 def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequence[int],
                  kv: Sequence[torch.Tensor], block_tables: Sequence[torch.Tensor], num_chunks: int | None = None,
                  window_chunks: int = 32, backend: str = "auto", progress: Callable[[int], None] | None = None,
-                 *, stream=None, admission: Admission | None = None, first_chunk: int = 0) -> StoreReport:
+                 *, stream=None, first_chunk: int = 0) -> StoreReport:
     """Write chunks first_chunk..num_chunks-1 (default: every whole chunk of `tokens`) to `tier`
     (first_chunk > 0: the tier already holds the chunks before it).
 
-    Staging holds at most `window_chunks` chunks. Returns the canonical state hash of what
+    Staging holds at most `window_chunks` chunks (an arena of its own). Returns the canonical state hash of what
     was written (see state_hash.py)."""
     if keyspace.fingerprint != reg.fingerprint:
         raise ValueError("keyspace was built for another registration")
@@ -93,8 +94,8 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
     if not 0 <= first_chunk <= n_total:
         raise ValueError(f"first_chunk {first_chunk} outside 0..{n_total}")
     # header room before each chunk: a tier that stores a header with each object writes it there
-    pool = StagingPool(reg.chunk_bytes, max(1, min(window_chunks, n_total - first_chunk)), headroom=FETCH_HEADROOM)
-    loop = WindowLoop(admission or SerialAdmission(), reg.chunk_bytes, stream)
+    arena = StagingArena(reg.chunk_bytes, max(1, min(window_chunks, n_total - first_chunk)), headroom=FETCH_HEADROOM)
+    loop = WindowLoop(Admission(arena), stream)
     hasher = ChunkHasher()
 
     def gather(view: torch.Tensor, first: int, n: int) -> str:
@@ -104,16 +105,16 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
         return backend_used
 
     t0 = time.perf_counter()
-    tier.register_staging(pool.buffer)
+    tier.register_staging(arena.buffer)
     try:
         windows = (dataclasses.replace(w, first_chunk=first_chunk + w.first_chunk)
-                   for w in plan_windows(n_total - first_chunk, pool.capacity_chunks))
-        loop.store(windows, TierSink(tier, keys, pool, hasher), gather)
+                   for w in plan_windows(n_total - first_chunk, arena.capacity_chunks))
+        loop.store(windows, TierSink(tier, keys, hasher), gather)
     except WindowFailed as e:
         raise e.cause from e  # a store raises what failed it (the loop's clean-up already ran)
     finally:
-        tier.unregister_staging(pool.buffer)
+        tier.unregister_staging(arena.buffer)
     stored = n_total - first_chunk
     return StoreReport(tier.name, stored, stored * reg.chunk_bytes, time.perf_counter() - t0,
-                       pool.peak_bytes, hasher.hexdigest())
+                       arena.peak_bytes, hasher.hexdigest())
 

@@ -82,8 +82,8 @@ class WindowSource(Protocol):
     """Where a restore's bytes come from."""
 
     def submit(self, window: Window, reservation: WindowReservation) -> SubmittedWindow:
-        """Submit the fetch of the window's objects (into `reservation.lease` when the admission hands
-        staging out); on failure nothing of the window is held."""
+        """Submit the fetch of the window's objects (into `reservation.lease`, its staging); on failure
+        nothing of the window is held."""
 
 
 class InPlaceSource(WindowSource, Protocol):
@@ -119,6 +119,19 @@ class WindowSink(Protocol):
     """Where a store's bytes go."""
 
     def stage(self, window: Window, reservation: WindowReservation) -> StoreWindow: ...
+
+
+class _NoStaging:
+    """The reservation of a window that leases no staging (WindowLoop.admission None)."""
+
+    lease = None
+    num_chunks = nbytes = 0
+
+    def release(self) -> None:
+        pass
+
+
+NO_STAGING = _NoStaging()
 
 
 class RestoreCancelled(Exception):
@@ -183,8 +196,9 @@ def map_onto_destination(window: Window, runs: Sequence[StagedRun]) -> Iterator[
 class WindowLoop:
     """The loop's fixed parts: admission, the stream transfers run on, the pipeline depth."""
 
-    admission: Admission
-    chunk_bytes: int
+    # None: the windows lease no staging of the loop's (a source that pins what it installs from and bounds
+    # that itself: LMCache's L1 in its server, integrations/lmcache/server_retrieve.py)
+    admission: Admission | None
     stream: object = None
     depth: int = 1  # 2: window j+1 is fetched while window j is transferred
     admission_timeout_s: float | None = None
@@ -258,16 +272,17 @@ class WindowLoop:
 
     # -- shared -----------------------------------------------------------------------------
     def _admit(self, window: Window, in_flight: deque[_Held], transfer: TransferFn) -> WindowReservation:
-        """The window's bytes. Never block on the admission while holding a fetched window
-        (a shared budget would deadlock): finish the held windows first."""
-        nbytes = window.num_chunks * self.chunk_bytes
+        """The window's staging. Never block on the admission while holding a fetched window
+        (a shared arena would deadlock): finish the held windows first."""
+        if self.admission is None:
+            return NO_STAGING
         while in_flight:
-            reservation = self.admission.try_window(nbytes)
+            reservation = self.admission.try_window(window.num_chunks)
             if reservation is not None:
                 return reservation
             self._restore_window(in_flight.popleft(), transfer)
         with self._failing(window), self.stats.time("admit"):
-            return self.admission.window(nbytes, self.admission_timeout_s)
+            return self.admission.window(window.num_chunks, self.admission_timeout_s)
 
     def _advance(self, window: Window) -> None:
         self.stats.windows_done += 1

@@ -11,7 +11,7 @@ import time
 import torch
 
 from bsr_harness.testdata import POISON
-from bsr_kernels.staging_pool import StagingPool
+from bsr_kernels.staging_arena import StagingArena
 
 
 def as_new(tier) -> None:
@@ -52,7 +52,7 @@ def assert_same(got: list[torch.Tensor], data: list[torch.Tensor]) -> None:
         assert torch.equal(g, d), f"view {i} differs from what was stored"
 
 
-def fetch(tier, keys: list[str], pool: StagingPool) -> list[torch.Tensor]:
+def fetch(tier, keys: list[str], pool: StagingArena) -> list[torch.Tensor]:
     """tier.fetch of `keys` into poisoned views of one lease of `pool`; copies of what landed."""
     lease = pool.acquire(len(keys))
     lease.view.fill_(POISON)

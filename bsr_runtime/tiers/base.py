@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..keys import PrefixKeys
     from ..window_loop import InPlaceSource
 
-# Scratch a restore's staging leaves before each chunk (StagingPool headroom): a tier whose objects
+# Scratch a restore's staging leaves before each chunk (StagingArena headroom): a tier whose objects
 # carry a header of up to this size (Mooncake's is 128 B) lands each object whole, by one transfer.
 FETCH_HEADROOM = 128
 
@@ -118,7 +118,7 @@ class Tier(ABC):
               headroom: int = 0) -> FetchHandle:
         """Start reading each key's object into the matching view (uint8, chunk_bytes each).
         `headroom`: the bytes before each view are scratch the tier may overwrite until the handle
-        completes (a StagingPool with headroom; FETCH_HEADROOM fits a Mooncake object's header)."""
+        completes (a StagingArena with headroom; FETCH_HEADROOM fits a Mooncake object's header)."""
 
     # Whether put() replaces an object already present under a key (intact, damaged, another
     # writer's): the repair of a damaged object (the overwrite-save after a failed load) relies on it.

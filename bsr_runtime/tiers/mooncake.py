@@ -13,7 +13,7 @@ A window is read by one of three paths:
   CRC of each piece computed as it lands; one pass over memory instead of a get plus a CRC pass;
 - in place: each object lands whole, by one transfer, where its payload goes, its header in the
   128 bytes before the payload. A restore's staging leaves that room before every chunk
-  (fetch(headroom=FETCH_HEADROOM), StagingPool(headroom=...)): the whole window then lands in one
+  (fetch(headroom=FETCH_HEADROOM), StagingArena(headroom=...)): the whole window then lands in one
   get (or gets of `in_place_batch_bytes`), CRCs computed in place after it; no copy. For adjacent
   views without room (a caller's own buffers) those bytes belong to the view before, so the read
   lands in two phases (even positions, then odd ones; the tails the second phase borrows are

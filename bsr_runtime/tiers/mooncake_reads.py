@@ -9,7 +9,7 @@ tiers/mooncake.py for why each exists and which one a read takes):
   sub-batch on a verifier thread while the next lands in the other buffer;
 - in place: each object whole, by one transfer, where its payload goes, its header in the H bytes
   before the payload, CRCs in place. With `headroom` >= H (the caller's staging leaves scratch
-  before each view, StagingPool(headroom=...); or, per view, the alignment padding of the object
+  before each view, StagingArena(headroom=...); or, per view, the alignment padding of the object
   before it, as LMCache's L1 objects have) every object lands so in one get; otherwise those
   bytes are the tail of the view before it, borrowed and put back (_in_place).
 Nothing outside the views and this object's own buffers is ever written.

@@ -186,7 +186,7 @@ def test_damaged_object_fails_closed(tmp_path, damage, depth):
             rep = r.restore(req, tier, N)
             assert not rep.ok and rep.committed_tokens == 0
             assert "CorruptObjectError" in rep.error or "MissingObjectError" in rep.error, rep.error
-            assert r.pool.live_bytes == 0
+            assert r.staging.live_bytes == 0
         if before is not None:  # the symlink target outside the root was never opened
             assert os.stat(outside).st_atime_ns == before
         # the undamaged tier still restores a healthy prefix

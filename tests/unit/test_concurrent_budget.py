@@ -1,16 +1,14 @@
 """Concurrent restores under one global byte budget B (issue 7, item 1).
 
 16 requests restore at once, each on its own thread with its own BoundedRestorer (random
-length, W in {1..4}, depth in {1, 2}), all sharing ONE ByteBudget. Some requests carry a
-fault on their own keys only (a missing object or a corrupt one). A sampler thread reads the
-budget and the sum of every restorer's live staging while holding the budget's lock, so the
-sample is one consistent cut: a pool's lease is taken after its window's reservation and given
-back before it, hence sum(live) <= used <= B must hold in every sample.
+length, W in {1..4}, depth in {1, 2}), all leasing their windows' staging from ONE StagingArena
+of B bytes. Some requests carry a fault on their own keys only (a missing object or a corrupt
+one). A sampler thread reads the arena's live staging under its lock (one consistent cut).
 
 Asserted: the aggregate never exceeds B; healthy requests commit with the stored state hash;
 faulted ones fail closed (ok=False, committed_tokens == 0); every thread finishes within a
-generous bound (no deadlock); the budget and pools end empty. ByteBudget is FIFO: a large
-reservation queued first is served before a later small one that would fit.
+generous bound (no deadlock); the arena ends empty. The arena is FIFO: a large lease queued
+first is served before a later small one that would fit.
 """
 
 from __future__ import annotations
@@ -24,11 +22,12 @@ import pytest
 from bsr_harness.experiments import Destinations, make_source, store_source
 from bsr_harness.faulty_tier import FaultyTier
 from bsr_kernels import presets
-from bsr_runtime.admission import ByteBudget
+from bsr_kernels.staging_arena import StagingArena
 from bsr_runtime.keys import PrefixKeys
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig, RestoreRequest
 from bsr_runtime.state_hash import state_hash
 from bsr_runtime.tiers import FilesystemTier
+from bsr_runtime.tiers.base import FETCH_HEADROOM
 
 NUM_REQUESTS = 16
 MAX_CHUNKS = 12
@@ -36,20 +35,21 @@ BUDGET_CHUNKS = 6  # B = 6 chunks: W <= 4, so at most ~2 requests hold staging a
 JOIN_BOUND_S = 120.0  # generous: the whole run takes a few seconds
 
 
-class TimedBudget(ByteBudget):
-    """A ByteBudget that records how long each blocking reservation waited, per thread."""
+class TimedArena(StagingArena):
+    """A StagingArena that records how long each blocking lease waited, per thread."""
 
-    def __init__(self, budget_bytes: int) -> None:
-        super().__init__(budget_bytes)
+    def __init__(self, chunk_bytes: int, chunks: int) -> None:
+        super().__init__(chunk_bytes, chunks, headroom=FETCH_HEADROOM)
         self.waits: dict[str, list[float]] = {}
         self._waits_lock = threading.Lock()
 
-    def reserve(self, nbytes: int, timeout: float | None = None) -> None:
+    def acquire(self, num_chunks: int, timeout: float | None = None, should_stop=None):
         t0 = time.monotonic()
-        super().reserve(nbytes, timeout)
+        lease = super().acquire(num_chunks, timeout, should_stop)
         waited = time.monotonic() - t0
         with self._waits_lock:
             self.waits.setdefault(threading.current_thread().name, []).append(waited)
+        return lease
 
 
 def _reg():
@@ -73,7 +73,8 @@ def run_concurrent(inner, seed: int):
     c = reg.chunk_bytes
     plans = _plan(seed)
     rng = random.Random(seed + 1)
-    budget = TimedBudget(BUDGET_CHUNKS * c)
+    budget = TimedArena(c, BUDGET_CHUNKS)
+    tier.register_staging(budget.buffer)  # a shared arena is its owner's to register
     jobs = []
     corrupt: set[str] = set()
     for i, (n, w, depth, fault) in enumerate(plans):
@@ -90,20 +91,17 @@ def run_concurrent(inner, seed: int):
         dst.poison()
         req = RestoreRequest(f"req-{i}", src.tokens, src.keyspace, dst.kv, dst.tables)
         restorer = BoundedRestorer(reg, RestoreConfig(window_chunks=w, pipeline_depth=depth,
-                                                      fetch_timeout_s=60.0), admission=budget)
+                                                      fetch_timeout_s=60.0), arena=budget)
         jobs.append(dict(i=i, n=n, w=w, depth=depth, fault=fault, expected=expected, dst=dst, req=req,
                          restorer=restorer, report=None, error=None))
     tier.plan.corrupt_keys = corrupt
 
-    samples: list[tuple[int, int]] = []
+    samples: list[int] = []
     stop = threading.Event()
 
     def sampler() -> None:
         while not stop.is_set():
-            with budget._cond:  # a consistent cut: no reservation changes while we read
-                used = budget.used_bytes
-                live = sum(j["restorer"].pool.live_bytes for j in jobs)
-            samples.append((used, live))
+            samples.append(budget.live_bytes)  # under the arena's lock: one consistent cut
             time.sleep(0.0005)
 
     start = threading.Barrier(NUM_REQUESTS)
@@ -143,26 +141,26 @@ def run_concurrent(inner, seed: int):
                 assert rep.committed_tokens == 0
                 expect = "MissingObjectError" if j["fault"] == "missing" else "CorruptObjectError"
                 assert expect in (rep.error or ""), rep.error
-            assert j["restorer"].pool.live_bytes == 0
+            assert j["restorer"].staging is None  # nothing of its own: every window leased from the arena
         assert samples, "the sampler took no sample"
-        max_used = max(u for u, _ in samples)
-        max_live = max(v for _, v in samples)
-        assert max_live <= max_used <= budget.budget_bytes
-        assert budget.peak_bytes <= budget.budget_bytes
-        assert budget.used_bytes == 0
+        max_live = max(samples)
+        assert 0 < max_live <= budget.capacity_bytes
+        assert budget.peak_bytes <= budget.capacity_bytes
+        assert budget.live_bytes == 0
         waits = [w for ws in budget.waits.values() for w in ws]
-        assert len(budget.waits) == NUM_REQUESTS  # every request reserved at least once
-        print(f"\n[{tier.name}] B = {budget.budget_bytes:,} B ({BUDGET_CHUNKS} chunks of {c:,} B); "
-              f"{len(samples)} samples: max aggregate live staging {max_live:,} B, max reserved {max_used:,} B, "
-              f"budget peak {budget.peak_bytes:,} B; max admission wait {max(waits):.3f} s over {len(waits)} "
-              f"blocking reservations; {sum(j['fault'] is None for j in jobs)} healthy committed, "
+        assert len(budget.waits) == NUM_REQUESTS  # every request waited for a lease at least once
+        print(f"\n[{tier.name}] B = {budget.capacity_bytes:,} B ({BUDGET_CHUNKS} chunks of {c:,} B); "
+              f"{len(samples)} samples: max aggregate live staging {max_live:,} B, "
+              f"arena peak {budget.peak_bytes:,} B; max admission wait {max(waits):.3f} s over {len(waits)} "
+              f"blocking leases; {sum(j['fault'] is None for j in jobs)} healthy committed, "
               f"{sum(j['fault'] is not None for j in jobs)} faulted failed closed; {elapsed:.2f} s")
-        return dict(max_live=max_live, max_used=max_used, budget=budget.budget_bytes, max_wait=max(waits))
+        return dict(max_live=max_live, budget=budget.capacity_bytes, max_wait=max(waits))
     finally:
         tier.clear()
-        tier.close()
         for j in jobs:
             j["restorer"].close()
+        tier.unregister_staging(budget.buffer)
+        tier.close()
 
 
 @pytest.mark.parametrize("seed", [7, 8])
@@ -185,23 +183,24 @@ def test_concurrent_restores_mooncake(mooncake_master):
         tier.close()
 
 
-def test_byte_budget_is_fifo():
-    """A large reservation queued first is served before a later small one that would fit;
-    try_reserve does not jump the queue either."""
-    budget = ByteBudget(4)
-    budget.reserve(3)
+def test_the_arena_is_fifo():
+    """A large lease queued first is served before a later small one that would fit; try_acquire does
+    not jump the queue either."""
+    arena = StagingArena(16, 4)
+    first = arena.acquire(3)
     order: list[str] = []
     granted = {"big": threading.Event(), "small": threading.Event()}
+    leases = {}
 
-    def take(name: str, nbytes: int) -> None:
-        budget.reserve(nbytes, timeout=60)
+    def take(name: str, n: int) -> None:
+        leases[name] = arena.acquire(n, timeout=60)
         order.append(name)
         granted[name].set()
 
     def queued(k: int) -> None:
         end = time.monotonic() + 30
-        while len(budget._queue) < k:
-            assert time.monotonic() < end, "reservation never queued"
+        while arena.waiters < k:
+            assert time.monotonic() < end, "lease never queued"
             time.sleep(0.001)
 
     big = threading.Thread(target=take, args=("big", 4))
@@ -211,17 +210,17 @@ def test_byte_budget_is_fifo():
         queued(1)
         small.start()  # 3 + 1 <= 4 would fit, but "big" is ahead of it
         queued(2)
-        assert not budget.try_reserve(1)  # no queue jumping
+        assert arena.try_acquire(1) is None  # no queue jumping
         assert not granted["big"].is_set() and not granted["small"].is_set()
-        budget.release(3)
+        first.release()
         assert granted["big"].wait(30)
-        assert not granted["small"].is_set()  # 4 + 1 > 4: still waiting behind the budget
-        assert budget.used_bytes == 4
-        budget.release(4)
+        assert not granted["small"].is_set()  # 4 + 1 > 4: still waiting behind the arena
+        assert arena.live_bytes == 4 * 16
+        leases["big"].release()
         assert granted["small"].wait(30)
         assert order == ["big", "small"]
-        budget.release(1)
-        assert budget.used_bytes == 0 and budget.peak_bytes == 4
+        leases["small"].release()
+        assert arena.live_bytes == 0 and arena.peak_bytes == 4 * 16
     finally:
         for t in (big, small):
             t.join(30)

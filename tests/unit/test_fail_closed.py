@@ -289,7 +289,7 @@ def test_marker_suppresses_lookup_until_running(fs_setup):
     assert out.committed and state_hash(reg, kv, tables, 3) == src.state_hash
     assert conn.request_finished(req, [t.tolist() for t in tables]) == (False, None)
     assert conn.outcome("r1") is None
-    assert conn.retriever.restorer.pool.live_bytes == 0
+    assert conn.retriever.restorer.staging.live_bytes == 0
 
 
 def test_marker_cleared_on_teardown(fs_setup):

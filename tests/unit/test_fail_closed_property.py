@@ -100,7 +100,7 @@ def test_outcome_is_all_or_nothing(case):
                 elif lower == "partial":  # probed, found short of the prefix, never restored from
                     assert [a.probed_chunks for a in o.attempts] == [None, n - 1]
                     assert o.attempts[1].windows == 0 and not o.attempts[1].ok
-            pool = ret.restorer.pool
+            pool = ret.restorer.staging
             assert pool is None or pool.live_bytes == 0
     finally:
         for ret in retrievers:

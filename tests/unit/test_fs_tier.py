@@ -1,4 +1,4 @@
-"""FilesystemTier: real files under tmp_path, fetched into real StagingPool slots. The Tier contract
+"""FilesystemTier: real files under tmp_path, fetched into real StagingArena slots. The Tier contract
 and every FaultyTier fault run against it in tests/unit/test_tier_contract.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bsr_kernels import StagingPool
+from bsr_kernels import StagingArena
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.tiers import (
     CorruptObjectError,
@@ -39,7 +39,7 @@ def payloads(n: int, chunk_bytes: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(1, 256, (chunk_bytes,), dtype=torch.uint8, generator=g) for _ in range(n)]
 
 
-def lease_views(pool: StagingPool, n: int, fill: int = 0):
+def lease_views(pool: StagingArena, n: int, fill: int = 0):
     lease = pool.acquire(n)
     lease.view.fill_(fill)
     return lease, [lease.chunk(i) for i in range(n)]
@@ -89,7 +89,7 @@ def test_roundtrip_into_staging_pool(root, chunk_bytes, conc):
     n = 6 if chunk_bytes == MIB else 9
     data = payloads(n, chunk_bytes, seed=chunk_bytes + conc)
     keys = [f"chunk-{i}" for i in range(n)]
-    pool = StagingPool(chunk_bytes, capacity_chunks=n + 1, num_slots=1)
+    pool = StagingArena(chunk_bytes, n + 1)
     with FilesystemTier(root, chunk_bytes, FP, load_concurrency=conc) as t:
         t.put(keys, data)
         assert t.probe(keys) == [True] * n

@@ -19,7 +19,7 @@ from bsr_harness.faulty_tier import FaultyTier
 from bsr_harness.testdata import POISON, block_tables, poison
 from bsr_kernels import presets
 from bsr_kernels.staging_arena import StagingArena
-from bsr_runtime.admission import ArenaAdmission
+from bsr_runtime.admission import Admission
 from bsr_runtime.loader import Loader
 from bsr_runtime.plan import LoadSpec
 from bsr_runtime.restore import RestoreConfig
@@ -137,15 +137,15 @@ def test_a_wait_on_a_retired_arena_goes_on_on_its_replacement():
     old, new = StagingArena(16, 2), StagingArena(16, 2)
     current = [old]
     held = old.acquire(2)
-    admission = ArenaAdmission(old, current=lambda: current[0])
+    admission = Admission(lambda: current[0])
     got: list = []
-    t = threading.Thread(target=lambda: got.append(admission.window(32, timeout=10)))
+    t = threading.Thread(target=lambda: got.append(admission.window(2, timeout=10)))
     t.start()
     _queued(old, 1)
     current[0] = new
     old.retire()
     t.join(10)
-    assert got and got[0].lease.pool is new
+    assert got and got[0].lease.arena is new
     assert old.try_acquire(1) is None and not old.drained  # retired; its lease is still out
     held.release()
     got[0].release()

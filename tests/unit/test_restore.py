@@ -9,7 +9,7 @@ from restore_util import fresh_request, store_random_prefix
 from bsr_harness.faulty_tier import FaultyTier
 from bsr_harness.memory_tier import MemoryTier
 from bsr_kernels import presets
-from bsr_runtime.admission import ByteBudget
+from bsr_kernels.staging_arena import StagingArena
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.plan import count_windows, plan_windows, slot_sizes
 from bsr_runtime.probe import probe_prefix
@@ -49,8 +49,8 @@ def test_restore_bound_and_state(stored, w, depth, n):
     else:  # a shorter confirmed prefix restores exactly that many chunks
         got = state_hash(reg, req.kv, req.block_tables, n)
         assert got != sp.state_hash
-    if restorer.pool is not None:
-        assert restorer.pool.live_bytes == 0
+    if restorer.staging is not None:
+        assert restorer.staging.live_bytes == 0
 
 
 def test_plan_windows_cover_the_prefix_once():
@@ -79,11 +79,11 @@ def test_probe_holds_no_staging_and_counts_the_prefix(stored):
     tier, sp = stored
     restorer = BoundedRestorer(sp.reg, RestoreConfig(window_chunks=4))
     keys = PrefixKeys(sp.keyspace, sp.tokens + [1] * sp.reg.chunk_tokens, sp.reg.chunk_tokens)
-    restorer.pool.reset_peak()
+    restorer.staging.reset_peak()
     res = probe_prefix(tier, keys)
     assert res.prefix_chunks == sp.num_chunks and res.hits == sp.num_chunks
     assert res.bitmap == b"\1" * sp.num_chunks + b"\0"
-    assert restorer.pool.live_bytes == 0 and restorer.pool.peak_bytes == 0
+    assert restorer.staging.live_bytes == 0 and restorer.staging.peak_bytes == 0
 
 
 def test_probe_bitmap_has_holes_and_prefix_stops_at_first_miss(stored):
@@ -120,7 +120,7 @@ def test_missing_key_fails_and_releases_everything(stored, depth):
         assert not rep.ok and rep.committed_tokens == 0
         assert "MissingObjectError" in rep.error
         assert rep.failed_window == (2 if depth == 1 else 5)  # chunk 5: window 2 of [2,2,2,1], 5 of [1,1,..]
-        assert restorer.pool.live_bytes == 0
+        assert restorer.staging.live_bytes == 0
     finally:
         tier._store[victim] = saved
 
@@ -142,34 +142,34 @@ def test_bad_destinations_rejected_before_any_fetch(stored):
 
 def test_budget_must_hold_one_window():
     reg = REGS["llama"]()
-    with pytest.raises(ValueError, match="exceeds the byte budget"):
-        BoundedRestorer(reg, RestoreConfig(window_chunks=4), admission=ByteBudget(3 * reg.chunk_bytes))
+    with pytest.raises(ValueError, match="exceeds the staging budget"):
+        BoundedRestorer(reg, RestoreConfig(window_chunks=4), arena=StagingArena(reg.chunk_bytes, 3))
 
 
 def test_byte_budget_restore_respects_b(stored):
     tier, sp = stored
-    budget = ByteBudget(3 * sp.reg.chunk_bytes)
-    restorer = BoundedRestorer(sp.reg, RestoreConfig(window_chunks=3, pipeline_depth=2), admission=budget)
+    budget = StagingArena(sp.reg.chunk_bytes, 3)
+    restorer = BoundedRestorer(sp.reg, RestoreConfig(window_chunks=3, pipeline_depth=2), arena=budget)
     req = fresh_request(sp, seed=4)
     rep = restorer.restore(req, tier, sp.num_chunks)
     assert rep.ok, rep.error
-    assert budget.used_bytes == 0 and budget.peak_bytes <= budget.budget_bytes
+    assert budget.live_bytes == 0 and 0 < budget.peak_bytes <= budget.capacity_bytes
     assert state_hash(sp.reg, req.kv, req.block_tables, sp.num_chunks) == sp.state_hash
 
 
 def test_staging_bytes_never_above_capacity_in_flight(stored):
-    """Sample the pool meter from inside the fetch of every window."""
+    """Sample the staging meter from inside the fetch of every window."""
     tier, sp = stored
     restorer = BoundedRestorer(sp.reg, RestoreConfig(window_chunks=3, pipeline_depth=2))
     seen = []
-    tier.plan.fail_fetch = lambda keys: seen.append(restorer.pool.live_bytes)
+    tier.plan.fail_fetch = lambda keys: seen.append(restorer.staging.live_bytes)
     try:
         rep = restorer.restore(fresh_request(sp, seed=5), tier, sp.num_chunks)
     finally:
         tier.clear()
     assert rep.ok
     assert seen and max(seen) <= 3 * sp.reg.chunk_bytes
-    assert torch.tensor(seen).max().item() == 3 * sp.reg.chunk_bytes  # both slots live at once
+    assert torch.tensor(seen).max().item() == 3 * sp.reg.chunk_bytes  # both windows live at once
 
 
 def test_the_whole_plan_moves_the_same_bytes_through_the_same_calls_as_one_window(tmp_path):
@@ -199,12 +199,12 @@ def test_the_whole_plan_moves_the_same_bytes_through_the_same_calls_as_one_windo
             cfg = RestoreConfig(window_chunks=w, max_staging_bytes=cap)
             with BoundedRestorer(reg, cfg, make_installer=CountedInstaller) as restorer:
                 assert restorer.staging_capacity_bytes == n * reg.chunk_bytes  # allocated before any restore
-                buffer = restorer.pool.buffer.data_ptr()
+                buffer = restorer.staging.buffer.data_ptr()
                 for rep_i in range(2):
                     calls.clear()
                     req = fresh_request(sp, seed=rep_i)
                     rep = restorer.restore(req, tier, n)
                     assert rep.ok and state_hash(reg, req.kv, req.block_tables, n) == sp.state_hash
-                    assert restorer.pool.buffer.data_ptr() == buffer  # not a fresh pool per restore
+                    assert restorer.staging.buffer.data_ptr() == buffer  # not a fresh pool per restore
                 seen[w] = (list(calls), rep.bytes_moved, rep.peak_staging_bytes)
         assert seen[0] == seen[n], "the whole plan took another path than one window of N chunks"

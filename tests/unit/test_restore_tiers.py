@@ -32,8 +32,8 @@ def _restore_and_check(tier, sp, w, depth, n, seed):
     req = fresh_request(sp, seed)
     with BoundedRestorer(sp.reg, RestoreConfig(window_chunks=w, pipeline_depth=depth)) as restorer:
         rep = restorer.restore(req, tier, n)
-        if restorer.pool is not None:
-            assert restorer.pool.live_bytes == 0
+        if restorer.staging is not None:
+            assert restorer.staging.live_bytes == 0
     assert rep.ok, rep.error
     assert rep.tier == tier.name
     assert rep.committed_tokens == n * sp.reg.chunk_tokens <= probe.prefix_chunks * sp.reg.chunk_tokens

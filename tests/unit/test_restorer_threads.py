@@ -1,7 +1,7 @@
 """One BoundedRestorer is one restore at a time: a concurrent restore() on the same restorer is
 refused at once with a clear RuntimeError (it used to compete for the first restore's staging
 slots and fail with slot timeouts). Concurrent restores use one restorer per thread, sharing a
-ByteBudget (tests/unit/test_concurrent_budget.py)."""
+staging arena of B bytes (tests/unit/test_concurrent_budget.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from restore_util import fresh_request, store_random_prefix
 from bsr_harness.faulty_tier import FaultyTier
 from bsr_harness.memory_tier import MemoryTier
 from bsr_kernels import presets
-from bsr_runtime.admission import ByteBudget
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig
 from bsr_runtime.state_hash import state_hash
 
@@ -37,9 +36,8 @@ def test_second_concurrent_restore_is_refused(stored):
         entered.set()
         release.wait(30)
 
-    budget = ByteBudget(8 * REG.chunk_bytes)
     result = {}
-    with BoundedRestorer(REG, RestoreConfig(window_chunks=2, pipeline_depth=2), admission=budget) as r:
+    with BoundedRestorer(REG, RestoreConfig(window_chunks=2, pipeline_depth=2)) as r:
         first_req = fresh_request(sp, seed=62, request_id="first")
         tier.plan.fail_fetch = hold
         t = threading.Thread(target=lambda: result.setdefault("rep", r.restore(first_req, tier, N)))
@@ -56,7 +54,7 @@ def test_second_concurrent_restore_is_refused(stored):
         assert not t.is_alive()
         rep = result["rep"]
         assert rep.ok and state_hash(REG, first_req.kv, first_req.block_tables, N) == sp.state_hash
-        assert r.pool.live_bytes == 0 and budget.used_bytes == 0
+        assert r.staging.live_bytes == 0
         # the restorer is usable again once the first restore returned
         again = fresh_request(sp, seed=64, request_id="again")
         assert r.restore(again, tier, N).ok
@@ -64,16 +62,14 @@ def test_second_concurrent_restore_is_refused(stored):
 
 
 def test_four_threads_on_one_restorer_never_time_out(stored):
-    """The reported scenario: 4 threads share one restorer under a ByteBudget. Each restore
+    """The reported scenario: 4 threads share one restorer with its own staging. Each restore
     either completes with the right state or is refused with the clear error (no slot timeout)."""
     tier, sp = stored
-    budget = ByteBudget(4 * REG.chunk_bytes)
     reqs = [fresh_request(sp, seed=70 + i, request_id=f"t{i}") for i in range(4)]
     results: list[list] = [[] for _ in range(4)]
     start = threading.Barrier(4)
     tier.plan.fail_fetch = lambda keys: time.sleep(0.01)  # slow fetches: the restores overlap
-    with BoundedRestorer(REG, RestoreConfig(window_chunks=2, pipeline_depth=2, fetch_timeout_s=2),
-                         admission=budget) as r:
+    with BoundedRestorer(REG, RestoreConfig(window_chunks=2, pipeline_depth=2, fetch_timeout_s=2)) as r:
         def work(i: int) -> None:
             start.wait(30)
             for _ in range(10):
@@ -87,7 +83,7 @@ def test_four_threads_on_one_restorer_never_time_out(stored):
         for t in threads:
             t.join(60)
         assert not any(t.is_alive() for t in threads)
-        assert r.pool.live_bytes == 0 and budget.used_bytes == 0
+        assert r.staging.live_bytes == 0
     for i, runs in enumerate(results):
         assert len(runs) == 10
         for res in runs:

@@ -123,7 +123,7 @@ def test_soak_restore_fail_cycles(tmp_path):
                                                         fetch_timeout_s=timeout),
                                      make_installer=make_installer) as restorer:
                     rep = restorer.restore(req, tier, n)
-                    assert restorer.pool.live_bytes == 0
+                    assert restorer.staging.live_bytes == 0
                 tier.clear()
                 if fault in ("missing", "drop_after_probe"):
                     store_source(src, tier, window_chunks=4)  # put the evicted object back

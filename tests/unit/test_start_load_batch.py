@@ -101,7 +101,7 @@ def test_one_bad_load_does_not_drop_the_batch(setup, breaker, bad_index):
         assert not conn.markers.is_set(out.request_id)
         tables = [__import__("torch").tensor(b) for b in specs[i].block_ids]
         assert state_hash(REG, kv, tables, N) == hashes[i]
-    assert conn.retriever.restorer.pool.live_bytes == 0
+    assert conn.retriever.restorer.staging.live_bytes == 0
     assert conn.stats.loads == 3 and conn.stats.failed == 1 and conn.stats.committed == 2
     # the marker suppresses the next lookup of the failed request, as for any failed load
     assert conn.get_num_new_matched_tokens(ConnectorRequest(bad.request_id, srcs[bad_index].tokens + [1]), 0) == \

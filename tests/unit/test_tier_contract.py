@@ -19,7 +19,7 @@ import toy_tier
 
 from bsr_harness.faulty_tier import FaultyTier
 from bsr_harness.memory_tier import MemoryTier
-from bsr_kernels import StagingPool
+from bsr_kernels import StagingArena
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.tiers import (
     FETCH_HEADROOM,
@@ -164,7 +164,7 @@ def test_roundtrip_into_staging_pool(store, chunk_bytes, headroom):
     t = store.tier(chunk_bytes)
     data = payloads(n, chunk_bytes, seed=chunk_bytes)
     keys = store.keys(n)
-    pool = StagingPool(chunk_bytes, capacity_chunks=n + 1, num_slots=1, headroom=headroom)
+    pool = StagingArena(chunk_bytes, n + 1, headroom=headroom)
     t.register_staging(pool.buffer)
     try:
         t.put(keys, data)
@@ -190,7 +190,7 @@ def test_put_from_a_staging_pool(store, headroom):
     t = store.tier(C)
     data = payloads(n, C, seed=77)
     keys = store.keys(n)
-    pool = StagingPool(C, capacity_chunks=n, num_slots=1, headroom=headroom)
+    pool = StagingArena(C, n, headroom=headroom)
     t.register_staging(pool.buffer)
     try:
         lease = pool.acquire(n)

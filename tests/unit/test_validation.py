@@ -2,7 +2,7 @@
 
 - timeouts (every knob that ends in Event.wait / Lock.acquire): finite, positive and at most
   threading.TIMEOUT_MAX; `inf` or 1e10 used to pass and then overflow inside a wait;
-- numeric bounds: NaN used to disable a bound (ByteBudget(nan) granted 1e15 B; a whole-plan
+- numeric bounds: NaN used to disable a bound (a byte budget of nan granted 1e15 B; a whole-plan
   restore under max_staging_bytes=nan restored any size);
 - entry-point inputs of the connector and the key space: negative num_computed_tokens, float
   token ids (truncated into another token's keys), float chunk counts, unencodable salts;
@@ -24,8 +24,9 @@ from restore_util import fresh_request, store_random_prefix
 from bsr_harness.memory_tier import MemoryTier
 from bsr_harness.standalone_connector import ConnectorRequest, StandaloneConnector
 from bsr_kernels import presets
+from bsr_kernels.staging_arena import StagingArena
 from bsr_runtime import commit
-from bsr_runtime.admission import ByteBudget, SerialAdmission
+from bsr_runtime.admission import Admission
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig
 from bsr_runtime.retrieve import Retriever
@@ -57,12 +58,12 @@ def test_timeout_knobs_refused(make, value):
 
 @pytest.mark.parametrize("value", [math.inf, 1e10, math.nan, -1, 0, "1"])
 def test_admission_wait_timeouts_refused(value):
-    with pytest.raises(ValueError, match="timeout"), SerialAdmission(threading.Lock()).admitted(value):
+    arena = StagingArena(16, 10)
+    with pytest.raises(ValueError, match="timeout"), Admission(arena, serial=threading.Lock()).admitted(value):
         pass
-    budget = ByteBudget(10)
     with pytest.raises(ValueError, match="timeout"):
-        budget.reserve(1, value)
-    assert budget.used_bytes == 0
+        Admission(arena).window(1, value)
+    assert arena.live_bytes == 0
 
 
 def test_largest_timeout_accepted_and_used():
@@ -71,25 +72,28 @@ def test_largest_timeout_accepted_and_used():
     sp = store_random_prefix(REG, tier, 3, seed=3)
     cfg = RestoreConfig(window_chunks=1, fetch_timeout_s=threading.TIMEOUT_MAX,
                         admission_timeout_s=threading.TIMEOUT_MAX)
-    with BoundedRestorer(REG, cfg, admission=SerialAdmission(threading.Lock())) as r:
+    with BoundedRestorer(REG, cfg, serial=threading.Lock()) as r:
         assert r.restore(fresh_request(sp, seed=4), tier, 3).ok
 
 
 @pytest.mark.parametrize("value", BAD_BYTES)
-def test_byte_budget_refuses_non_integers(value):
-    with pytest.raises(ValueError, match="byte budget"):
-        ByteBudget(value)
+def test_a_staging_arena_refuses_non_integer_sizes(value):
+    with pytest.raises(ValueError, match="staging arena|chunk_bytes"):
+        StagingArena(16, value)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        StagingArena(value, 1)
 
 
-@pytest.mark.parametrize("value", [math.nan, math.inf, 1.5, -1, True, "1"])
-def test_byte_budget_reservations_are_integers(value):
-    budget = ByteBudget(100)
-    for op in (budget.reserve, budget.try_reserve, budget.release):
-        with pytest.raises(ValueError, match="reservation size"):
+@pytest.mark.parametrize("value", [math.nan, math.inf, 1.5, -1, 0, True, "1"])
+def test_window_reservations_are_whole_positive_chunk_counts(value):
+    arena = StagingArena(16, 100)
+    admission = Admission(arena)
+    for op in (admission.window, admission.try_window):
+        with pytest.raises(ValueError, match="window chunks"):
             op(value)
-    assert budget.used_bytes == 0
-    with pytest.raises(ValueError, match="exceeds the byte budget"):
-        budget.reserve(10**15)  # the bound holds
+    assert arena.live_bytes == 0
+    with pytest.raises(ValueError, match="exceed the staging budget"):
+        admission.window(10**15)  # the bound holds
 
 
 @pytest.mark.parametrize("value", [v for v in BAD_BYTES if v is not None])
@@ -168,7 +172,7 @@ def test_num_chunks_validated(n):
     with BoundedRestorer(REG, RestoreConfig(window_chunks=2)) as r:
         with pytest.raises(ValueError, match="num_chunks"):
             r.restore(fresh_request(sp, seed=22), tier, n)
-        assert r.pool.live_bytes == 0
+        assert r.staging.live_bytes == 0
     with Retriever(REG, [tier], RestoreConfig(window_chunks=2)) as ret:
         with pytest.raises(ValueError, match="num_chunks"):
             ret.retrieve(fresh_request(sp, seed=23), n)

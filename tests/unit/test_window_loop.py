@@ -18,9 +18,9 @@ from kernel_util import POISON, random_kv
 from restore_util import fresh_request, random_tables, store_random_prefix
 
 from bsr_harness.memory_tier import MemoryTier
-from bsr_kernels import StagingPool, WindowInstaller, gather_window, presets
+from bsr_kernels import StagingArena, WindowInstaller, gather_window, presets
 from bsr_runtime import store as store_mod
-from bsr_runtime.admission import ByteBudget, SerialAdmission
+from bsr_runtime.admission import Admission
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.plan import Window, plan_windows
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig
@@ -83,7 +83,7 @@ class _Boom(Exception):
 @pytest.mark.parametrize("where", ["install", "fetch"])
 def test_any_exception_fails_closed_and_leaks_nothing(exc, where):
     tier, stored = _stored()
-    budget = ByteBudget(8 * REG.chunk_bytes)
+    budget = StagingArena(REG.chunk_bytes, 8)
 
     def make_installer(*a, **kw):
         inner = WindowInstaller(*a, **kw)
@@ -110,18 +110,18 @@ def test_any_exception_fails_closed_and_leaks_nothing(exc, where):
         make = make_installer
     cfg = RestoreConfig(window_chunks=4, pipeline_depth=2)
     for _ in range(5):  # a leak would exhaust the budget and block (the timeout turns that into a failure)
-        restorer = BoundedRestorer(REG, cfg, admission=budget, make_installer=make)
+        restorer = BoundedRestorer(REG, cfg, arena=budget, make_installer=make)
         rep = restorer.restore(fresh_request(stored, seed=5), tier, stored.num_chunks)
         assert not rep.ok and rep.committed_tokens == 0
         assert type(exc).__name__ in rep.error
-        assert budget.used_bytes == 0 and restorer.pool.live_bytes == 0
+        assert budget.live_bytes == 0
         if where == "fetch":
             calls.clear()
 
 
 def test_keyboard_interrupt_is_reraised_after_cleanup():
     tier, stored = _stored()
-    budget = ByteBudget(8 * REG.chunk_bytes)
+    budget = StagingArena(REG.chunk_bytes, 8)
 
     class Interrupting:
         def __init__(self, *a, **kw):
@@ -130,13 +130,13 @@ def test_keyboard_interrupt_is_reraised_after_cleanup():
         def install(self, staging, first, n):
             raise KeyboardInterrupt
 
-    restorer = BoundedRestorer(REG, RestoreConfig(window_chunks=4, pipeline_depth=2), admission=budget,
+    restorer = BoundedRestorer(REG, RestoreConfig(window_chunks=4, pipeline_depth=2), arena=budget,
                                make_installer=Interrupting)
     with pytest.raises(KeyboardInterrupt):
         restorer.restore(fresh_request(stored, seed=6), tier, stored.num_chunks)
-    assert budget.used_bytes == 0 and restorer.pool.live_bytes == 0
-    # the restorer still works afterwards
-    ok = BoundedRestorer(REG, RestoreConfig(window_chunks=4), admission=budget)
+    assert budget.live_bytes == 0
+    # the staging still works afterwards
+    ok = BoundedRestorer(REG, RestoreConfig(window_chunks=4), arena=budget)
     assert ok.restore(fresh_request(stored, seed=7), tier, stored.num_chunks).ok
 
 
@@ -177,22 +177,22 @@ def _windows(n):
 
 def test_loop_order_at_depth_two_and_abandon_on_failure():
     log: list = []
-    budget = ByteBudget(4)
-    loop = WindowLoop(budget, chunk_bytes=1, depth=2)
+    budget = StagingArena(16, 4)
+    loop = WindowLoop(Admission(budget), depth=2)
     loop.restore(_windows(3), _Source(log), lambda v, first, n: log.append(("install", first)) or "x")
     assert [e for e in log if e[1] == 0] == [("submit", 0), ("fetched", 0), ("install", 0),
                                              ("synchronize", 0), ("release", 0)]
     # depth 2: window 1 is submitted before window 0 is fetched; installs at each window's first chunk
     assert log.index(("submit", 1)) < log.index(("fetched", 0))
     assert [e for e in log if e[0] == "install"] == [("install", 0), ("install", 2), ("install", 4)]
-    assert loop.stats.windows_done == 3 and loop.stats.chunks_done == 6 and budget.used_bytes == 0
+    assert loop.stats.windows_done == 3 and loop.stats.chunks_done == 6 and budget.live_bytes == 0
 
     log.clear()
-    loop = WindowLoop(budget, chunk_bytes=1, depth=2, stats=LoopStats())
+    loop = WindowLoop(Admission(budget), depth=2, stats=LoopStats())
     with pytest.raises(WindowFailed) as ei:
         loop.restore(_windows(3), _Source(log, "fetched"), lambda v, first, n: "x")
     assert ei.value.window == 1 and loop.stats.failed_window == 1
-    assert ("abandon", 1) in log and ("release", 1) not in log and budget.used_bytes == 0
+    assert ("abandon", 1) in log and ("release", 1) not in log and budget.live_bytes == 0
 
 
 def test_a_tier_source_fetches_only_when_the_loop_asks():
@@ -207,12 +207,12 @@ def test_a_tier_source_fetches_only_when_the_loop_asks():
         return tier_fetch(keys, views, deadline, **kw)
 
     tier.fetch = fetch
-    pool = StagingPool(REG.chunk_bytes, 4, headroom=FETCH_HEADROOM)
-    source = TierSource(tier, PrefixKeys(stored.keyspace, stored.tokens, REG.chunk_tokens), pool, 5.0)
+    pool = StagingArena(REG.chunk_bytes, 4, headroom=FETCH_HEADROOM)
+    source = TierSource(tier, PrefixKeys(stored.keyspace, stored.tokens, REG.chunk_tokens), 5.0)
     assert asked == [] and pool.live_bytes == 0 and pool.peak_bytes == 0
 
     installed = []
-    loop = WindowLoop(SerialAdmission(), REG.chunk_bytes)
+    loop = WindowLoop(Admission(pool))
     loop.restore(plan_windows(8, 4), source, lambda staged, first, n: installed.append((first, n)) or "x")
     all_keys = PrefixKeys(stored.keyspace, stored.tokens, REG.chunk_tokens).window(0, 8)
     assert asked == [all_keys[:4], all_keys[4:]] and installed == [(0, 4), (4, 4)]
@@ -222,10 +222,10 @@ def test_a_tier_source_fetches_only_when_the_loop_asks():
         raise _Boom("refused")
 
     tier.fetch = refuse
-    source = TierSource(tier, PrefixKeys(stored.keyspace, stored.tokens, REG.chunk_tokens), pool, 5.0)
-    with pytest.raises(_Boom):
-        source.submit(Window(0, 0, 4, 0), SerialAdmission().window(4 * REG.chunk_bytes))
-    assert pool.live_bytes == 0
+    source = TierSource(tier, PrefixKeys(stored.keyspace, stored.tokens, REG.chunk_tokens), 5.0)
+    with pytest.raises(WindowFailed) as failed:
+        WindowLoop(Admission(pool)).restore(plan_windows(8, 4), source, lambda staged, first, n: "x")
+    assert isinstance(failed.value.cause, _Boom) and pool.live_bytes == 0
 
 
 @pytest.mark.parametrize("depth, threads", [(1, 0), (2, 1)])

@@ -45,7 +45,8 @@ from lmcache.v1.multiprocess.object_group_transfer import (
 from lmcache.v1.multiprocess.request_handler import HandlerType, request_handler
 from lmcache.v1.platform.stream import synchronize_stream
 
-from ...admission import SerialAdmission
+from bsr_kernels.staging_arena import StagingWaitTimeout
+
 from ...markers import ForceLocalMarkers
 from ...plan import Window, plan_windows
 from ...tiers.base import CorruptObjectError, FetchTimeoutError, MissingObjectError
@@ -279,7 +280,7 @@ class WindowedRetrieveModule:
         self.admission_timeout_s = admission_timeout_s
         self._late = LatePrefetches(ctx.storage_manager, lambda: fetch_timeout_s)
         # one restore at a time in the server: the L1 all restores hold is at most W chunks' objects
-        self._admission = SerialAdmission(threading.Lock())
+        self._serial = threading.Lock()
 
     @property
     def context(self) -> MPCacheServerContext:
@@ -331,12 +332,16 @@ class WindowedRetrieveModule:
         self._wait_for_producer(entry, instance_id, event_ipc_handle)
         num_chunks = len(plan.groups[0].keys) if plan.groups else 0
         source = ServerL1Source(self._ctx.storage_manager, plan, self._late, self.fetch_timeout_s, self._stats)
-        loop = WindowLoop(self._admission, chunk_bytes=1, stream=cc.stream, depth=self.depth,
-                          admission_timeout_s=self.fetch_timeout_s)
+        # no staging of BSR's: the windows are installed from the objects L1 holds, which the source pins
+        loop = WindowLoop(None, stream=cc.stream, depth=self.depth)
         try:
-            with self._admission.admitted(self.admission_timeout_s):
+            if not self._serial.acquire(timeout=self.admission_timeout_s):
+                raise StagingWaitTimeout(f"retrieve not admitted within {self.admission_timeout_s}s")
+            try:
                 loop.restore(plan_windows(num_chunks, self.window_chunks * self.depth, self.depth), source,
                              lambda staged, first, n: transfer_window(plan, staged, first, n))
+            finally:
+                self._serial.release()
         except Exception as e:  # noqa: BLE001 - every failure fails the retrieve closed
             cause = failure_cause(e)
             logger.warning("BSR retrieve of request %s failed closed (%s): %s", key.request_id, cause, e)

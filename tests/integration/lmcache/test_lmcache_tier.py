@@ -26,7 +26,7 @@ from restore_util import random_tables  # noqa: E402
 
 from bsr_harness.testdata import POISON  # noqa: E402
 from bsr_kernels import WindowInstaller, gather_window, presets  # noqa: E402
-from bsr_runtime.admission import ByteBudget  # noqa: E402
+from bsr_kernels.staging_arena import StagingArena  # noqa: E402
 from bsr_runtime.integrations.lmcache import (  # noqa: E402
     LMCacheTier,
     build_storage_manager,
@@ -285,19 +285,19 @@ def test_unexpected_install_error_fails_closed_and_releases_everything(stored, s
                 raise KeyError("no such tensor")
             return super().install(view, first, count)
 
-    budget = ByteBudget(8 * C)
+    budget = StagingArena(C, 8)
     base = small.sm.get_l1_usage()[0]
     req = stored.request(seed=67, rid="keyerror")
     cfg = RestoreConfig(window_chunks=8, pipeline_depth=1)
-    with BoundedRestorer(REG, cfg, admission=budget, make_installer=Flaky) as restorer, Sampler(small.sm) as s:
+    with BoundedRestorer(REG, cfg, arena=budget, make_installer=Flaky) as restorer, Sampler(small.sm) as s:
         rep = restorer.restore(req, small, N)
     assert not rep.ok and rep.committed_tokens == 0 and "KeyError" in rep.error
     assert rep.failed_window == 1 and rep.windows_installed == 1
     assert small.sm.get_l1_usage()[0] == base and s.peak - base <= 8 * OBJ_4K
-    assert budget.used_bytes == 0 and budget.peak_bytes == 8 * C
-    with BoundedRestorer(REG, cfg, admission=budget) as restorer:
+    assert budget.live_bytes == 0 and budget.peak_bytes == 8 * C
+    with BoundedRestorer(REG, cfg, arena=budget) as restorer:
         ok = restorer.restore(stored.request(seed=68, rid="after"), small, N)
-    assert ok.ok and budget.used_bytes == 0 and small.sm.get_l1_usage()[0] == base
+    assert ok.ok and budget.live_bytes == 0 and small.sm.get_l1_usage()[0] == base
 
 
 def test_put_that_fails_midway_aborts_its_reservations(stored, tmp_path):
@@ -377,16 +377,16 @@ def _restore_at_once(tier, reqs, restore_one):
 
 
 def test_admission_serializes_concurrent_restores(stored):
-    """Two requests at once on an L1 of one window: the byte budget B = W*c admits one window at a
-    time, so both restore (without it the second prefetch would find L1 full)."""
+    """Two requests at once on an L1 of one window: the staging arena of B = W*c bytes they share admits
+    one window at a time, so both restore (without it the second prefetch would find L1 full)."""
     w = 8
-    budget = ByteBudget(w * C)
+    budget = StagingArena(C, w)
     cfg = RestoreConfig(window_chunks=w, pipeline_depth=1)
     with LMCacheTier.create(REG, w * OBJ_4K, [fs_l2_config(stored.base)], config()) as tier:
         reqs = [stored.request(seed=90 + i, rid=f"c{i}") for i in range(2)]
 
         def restore_one(req):
-            with BoundedRestorer(REG, cfg, admission=budget) as restorer:
+            with BoundedRestorer(REG, cfg, arena=budget) as restorer:
                 return restorer.restore(req, tier, N)
 
         reps, l1_peak = _restore_at_once(tier, reqs, restore_one)
@@ -549,7 +549,7 @@ def test_restore_installs_straight_from_l1(stored, w, monkeypatch):
         with BoundedRestorer(REG, cfg, make_installer=RecordingInstaller) as restorer:
             rep = restorer.restore(req, tier, N)
             assert rep.ok, rep.error
-            assert restorer.pool is None or restorer.pool.peak_bytes == 0  # no staging slot ever leased
+            assert restorer.staging is None or restorer.staging.peak_bytes == 0  # no staging ever leased
         assert state_hash(REG, req.kv, req.block_tables, N) == stored.hash[N]
         reads = RecordingInstaller.reads
         assert len(reads) >= (-(-N // w) if w else 1)  # one install or more per window
@@ -569,13 +569,13 @@ def test_damaged_l2_object_fails_closed_with_nothing_installed(stored, small):
         original = f.read()
     damaged = bytearray(original)
     damaged[HEADER_SIZE + C // 2] ^= 0xFF
-    budget = ByteBudget(8 * C)
+    budget = StagingArena(C, 8)
     base = small.sm.get_l1_usage()[0]
     req = stored.request(seed=140, rid="damaged-l2")
     try:
         with open(path, "wb") as f:
             f.write(damaged)
-        with BoundedRestorer(REG, RestoreConfig(window_chunks=8, pipeline_depth=1), admission=budget) as restorer:
+        with BoundedRestorer(REG, RestoreConfig(window_chunks=8, pipeline_depth=1), arena=budget) as restorer:
             rep = restorer.restore(req, small, N)
     finally:
         with open(path, "wb") as f:
@@ -583,7 +583,7 @@ def test_damaged_l2_object_fails_closed_with_nothing_installed(stored, small):
     assert not rep.ok and rep.committed_tokens == 0 and "MissingObjectError" in rep.error
     assert rep.failed_window == 0 and rep.windows_installed == 0
     assert all(bool((t.view(torch.uint8) == POISON).all()) for t in req.kv)  # nothing installed
-    assert small.sm.get_l1_usage()[0] == base and budget.used_bytes == 0
+    assert small.sm.get_l1_usage()[0] == base and budget.live_bytes == 0
 
 
 class ShortObject:

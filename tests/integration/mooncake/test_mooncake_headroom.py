@@ -1,4 +1,4 @@
-"""Reads into views with header room (StagingPool(headroom=...), Tier.fetch(headroom=...)) from a
+"""Reads into views with header room (StagingArena(headroom=...), Tier.fetch(headroom=...)) from a
 real master and a real holder client: every object lands whole, by one transfer, its header in the
 scratch before its view, all of a window in one get, CRCs in place, no landing copy. Checked on
 poisoned views laid out as a pool lays them out, between guard bytes: the right bytes in every view,
@@ -17,7 +17,7 @@ from mooncake_util import stored as put_payloads
 
 from bsr_harness.testdata import POISON
 from bsr_kernels import host_crc
-from bsr_kernels.staging_pool import StagingPool
+from bsr_kernels.staging_arena import StagingArena
 from bsr_runtime.tiers.base import FETCH_HEADROOM, CorruptObjectError, FetchTimeoutError, MissingObjectError
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300),
@@ -92,9 +92,9 @@ def test_each_object_lands_whole_in_one_get(holder, reader, views, slots):
 
 
 def test_a_staging_pool_with_headroom(holder, reader):
-    """Through a StagingPool(headroom=FETCH_HEADROOM) lease, as the restore does: 2-D rows of C bytes
+    """Through a StagingArena(headroom=FETCH_HEADROOM) lease, as the restore does: 2-D rows of C bytes
     FETCH_HEADROOM + C apart, one get."""
-    pool = StagingPool(C, 5, headroom=ROOM)
+    pool = StagingArena(C, 5, headroom=ROOM)
     assert pool.chunk_stride == STRIDE and pool.capacity_bytes == 5 * C and pool.room_bytes == 5 * ROOM
     assert pool.buffer.numel() == 5 * STRIDE
     reader.register_staging(pool.buffer)

@@ -13,7 +13,7 @@ import torch
 from mooncake_util import assert_same, fetch, flipped
 
 from bsr_kernels import host_crc
-from bsr_kernels.staging_pool import StagingPool
+from bsr_kernels.staging_arena import StagingArena
 from bsr_runtime.tiers.base import CorruptObjectError, MissingObjectError
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300),
@@ -37,7 +37,7 @@ def segment_address(tier, key: str) -> int:
 
 @pytest.fixture
 def pool():
-    return StagingPool(C, capacity_chunks=32, num_slots=1)
+    return StagingArena(C, 32)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bsr_kernels import presets
-from bsr_kernels.staging_pool import StagingPool
+from bsr_kernels.staging_arena import StagingArena
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig
 from bsr_runtime.tiers.base import CorruptObjectError
@@ -72,7 +72,7 @@ def tier(mooncake_master):
 
 
 def fetch_into(tier: MooncakeTier, keys: list[str]) -> list[torch.Tensor]:
-    return fetch(tier, keys, StagingPool(C, capacity_chunks=len(keys), num_slots=1))
+    return fetch(tier, keys, StagingArena(C, len(keys)))
 
 
 def test_swapped_objects_are_refused(tier):

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from bsr_kernels.staging_pool import StagingPool
+from bsr_kernels.staging_arena import StagingArena
 from bsr_runtime.keys import KeySpace, PrefixKeys
 from bsr_runtime.tiers.base import (
     CorruptObjectError,
@@ -57,7 +57,7 @@ def native_threads() -> int:
 
 @pytest.fixture
 def pool():
-    return StagingPool(C, capacity_chunks=8, num_slots=2)
+    return StagingArena(C, 8)
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,7 @@ def test_master_restart_between_restores(w, depth):
 def test_master_restart_while_restore_in_flight(w, depth):
     """The master restarts while a restore has a fetch in flight (the fetch worker is held at its
     second window until the restart completed). The restore fails closed and leaks nothing: the
-    byte budget and the staging pool are back to zero. A restore right after the restart works
+    restorer's staging is back to zero. A restore right after the restart works
     (state hash equal) or fails closed; once the prefix is stored again it restores."""
     import threading
 
@@ -126,7 +126,6 @@ def test_master_restart_while_restore_in_flight(w, depth):
     _require_mooncake()
     from bsr_harness.faulty_tier import FaultyTier
     from bsr_harness.mooncake_launcher import MooncakeMaster
-    from bsr_runtime.admission import ByteBudget
     from bsr_runtime.tiers.mooncake import MooncakeTier
 
     reg = presets.dsv4_flash(scale=1 / 64)
@@ -134,11 +133,10 @@ def test_master_restart_while_restore_in_flight(w, depth):
     src = make_source(reg, n, seed=91 + w)
     keys = PrefixKeys(src.keyspace, src.tokens, reg.chunk_tokens)
     dst = Destinations(reg, n, seed=92)
-    budget = ByteBudget(4 * reg.chunk_bytes)
     master = MooncakeMaster().start()
     tier = None
     restorer = BoundedRestorer(reg, RestoreConfig(window_chunks=w, pipeline_depth=depth,
-                                                  fetch_timeout_s=20.0), admission=budget)
+                                                  fetch_timeout_s=20.0))
     try:
         tier = MooncakeTier(reg.chunk_bytes, reg.fingerprint, master.master_address, master.metadata_server,
                             global_segment_size=64 << 20, rpc_timeout_s=3)
@@ -170,14 +168,13 @@ def test_master_restart_while_restore_in_flight(w, depth):
         assert not rep.ok and rep.committed_tokens == 0, f"committed across a master restart: {rep}"
         assert rep.error, rep
         print(f"\nW={w} depth={depth}: restore in flight across the restart: {rep.error}")
-        assert budget.used_bytes == 0, "byte budget leaked"
-        assert restorer.pool.live_bytes == 0, "staging leaked"
+        assert restorer.staging.live_bytes == 0, "staging leaked"
 
         dst.poison()  # right after the restart: works (hash equal) or fails closed
         rep = restorer.restore(RestoreRequest("after", src.tokens, src.keyspace, dst.kv, dst.tables), faulty, n)
         assert (rep.ok and state_hash(reg, dst.kv, dst.tables, n) == expected) or \
             (not rep.ok and rep.committed_tokens == 0)
-        assert budget.used_bytes == 0 and restorer.pool.live_bytes == 0
+        assert restorer.staging.live_bytes == 0
 
         _retry(lambda: store_source(src, tier, window_chunks=4), "put")
         assert _retry(lambda: probe_prefix(tier, keys), "probe").prefix_chunks == n
@@ -185,7 +182,7 @@ def test_master_restart_while_restore_in_flight(w, depth):
         rep = restorer.restore(RestoreRequest("re-stored", src.tokens, src.keyspace, dst.kv, dst.tables), faulty, n)
         assert rep.ok, rep.error
         assert state_hash(reg, dst.kv, dst.tables, n) == expected
-        assert budget.used_bytes == 0 and restorer.pool.live_bytes == 0
+        assert restorer.staging.live_bytes == 0
     finally:
         restorer.close()
         if tier is not None:
