@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import sys
 import threading
@@ -24,7 +25,8 @@ MAX_WINDOW = 1 << 16  # = bsr_runtime.restore.MAX_WINDOW_CHUNKS (kept import-fre
 MAX_COUNT = 1 << 20  # --repeat, --rounds, --load-concurrency: anything above is a typo
 
 
-# = bsr_harness.tier_setup.TIER_NAMES (kept import-free for --help)
+# = bsr_harness.tier_setup.TIER_NAMES, the tiers the harness starts (kept import-free for --help); any other
+# registered tier type is accepted too (tier_names, at run time)
 TIER_CHOICES = ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
 # = ("auto", *bsr_kernels.backends.backend_names()), kept import-free for --help (test_config_schemas keeps them equal)
 BACKEND_CHOICES = ("auto", "torch", "triton", "cuda", "cpu")
@@ -144,13 +146,28 @@ def writable_dir(path: str) -> bool:
 
 
 def tier_list(text: str) -> str:
-    """--tier: auto, or a comma-separated list of tier names."""
-    names = text.split(",")
-    if text != "auto":
-        for n in names:
-            if n not in TIER_CHOICES:
-                raise argparse.ArgumentTypeError(f"unknown tier {n!r}; choose from {', '.join(TIER_CHOICES)} or auto")
+    """--tier: auto, or a comma-separated list of tier names: the harness's four, or any registered tier type
+    (the registry is looked at only for a name not among the four: --help and the common case stay fast)."""
+    if text == "auto" or all(n in TIER_CHOICES for n in text.split(",")):
+        return text
+    from bsr_harness.tier_setup import known_tier_names
+
+    known = known_tier_names()
+    for n in text.split(","):
+        if n not in known:
+            raise argparse.ArgumentTypeError(f"unknown tier {n!r}; choose from {', '.join(known)} or auto")
     return text
+
+
+def tier_option(text: str) -> tuple[str, object]:
+    """--tier-option KEY=VALUE: VALUE as JSON when it parses (numbers, true, lists), else as text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"a tier option is KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
 
 
 def scale_type(text: str) -> float:
@@ -206,8 +223,11 @@ def add_common(p: argparse.ArgumentParser, *, tier_default: str = "filesystem") 
                         "1 = the real widths); ignored for registration files")
     g.add_argument("--tier", type=tier_list, default=tier_default,
                    metavar="filesystem|mooncake|lmcache-filesystem|lmcache-mooncake",
-                   help=f"where the state is stored and restored from, a comma-separated list (default "
-                        f"{tier_default})")
+                   help=f"where the state is stored and restored from, a comma-separated list, or any tier type "
+                        f"registered (bsr_runtime.tiers.registry) (default {tier_default})")
+    g.add_argument("--tier-option", type=tier_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of a registered tier type's spec (repeatable; the four above take the flags "
+                        "below instead)")
     g.add_argument("--root", help="filesystem tiers: keep the objects in this existing directory (default: a "
                                   "temporary directory, removed afterwards)")
     g.add_argument("--load-concurrency", type=count_int, default=None,
@@ -249,9 +269,10 @@ def tier_names(args) -> list[str]:
             import mooncake.store  # noqa: F401
 
             names.append("mooncake")
-    from bsr_harness.tier_setup import TIER_NAMES
+    from bsr_harness.tier_setup import known_tier_names
 
+    known = known_tier_names()
     for n in names:
-        if n not in TIER_NAMES:
-            raise CliError(f"unknown tier {n!r}; choose from {', '.join(TIER_NAMES)}")
+        if n not in known:
+            raise CliError(f"unknown tier {n!r}; choose from {', '.join(known)}")
     return names

@@ -47,7 +47,8 @@ def _tier_options(args, name: str):
     from bsr_harness.tier_setup import TierOptions
 
     return TierOptions(name=name, root=args.root, load_concurrency=args.load_concurrency,
-                       mooncake_master=args.mooncake_master, metadata_server=args.metadata_server)
+                       mooncake_master=args.mooncake_master, metadata_server=args.metadata_server,
+                       options=dict(getattr(args, "tier_option", None) or ()))
 
 
 def _store(progress: Progress, src, tier, window_chunks: int = 32) -> None:
@@ -97,7 +98,7 @@ def _open_target(args, name: str, reg, src, windows, progress: Progress):
     with open_tier(_tier_options(args, name), reg, capacity_bytes=capacity, l1_bytes=l1_bytes) as tier:
         _store(progress, src, tier, store_window)
         yield TierTarget(tier, reg, windows, depth=args.depth, fetch_timeout_s=args.timeout, backend=args.backend,
-                         name=name if name.startswith("lmcache-") else None, whole_plan_chunks=src.num_chunks)
+                         name=name, whole_plan_chunks=src.num_chunks)
 
 
 def cmd_demo(args) -> int:

@@ -7,6 +7,9 @@
 - lmcache-filesystem / lmcache-mooncake: LMCache's own storage stack (StorageManager with a DRAM L1 and
   the filesystem or Mooncake L2 adapter) as a tier: bsr_runtime.integrations.lmcache's LMCacheTier,
   opened from its tier spec as the vLLM connector opens it (open_lmcache_tier).
+- any other registered tier type (bsr_runtime/tiers/registry.py): opened from its spec, {"type": name} and
+  the options given (`bsr --tier NAME --tier-option KEY=VALUE`), as the connector opens it; nothing is
+  started for it.
 
 Result records keep the tier name they were written with (fs and lmcache-fs before 2026-12-03).
 """
@@ -18,16 +21,22 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bsr_kernels import Registration
+from bsr_runtime.tiers import registry
 from bsr_runtime.tiers.base import Tier, TierUnavailableError
 from bsr_runtime.tiers.factory import make_tier
 
 from .native_log import redirected
 
-TIER_NAMES = ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
+TIER_NAMES = ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")  # what the harness starts
+
+
+def known_tier_names() -> tuple[str, ...]:
+    """Every tier the harness opens: its own four, then the other registered tier types."""
+    return (*TIER_NAMES, *(n for n in registry.tier_type_names() if n not in TIER_NAMES))
 
 
 @dataclass
@@ -39,6 +48,7 @@ class TierOptions:
     metadata_server: str | None = None  # its metadata server URL (default http://HOST:8080/metadata)
     segment_bytes: int = 1 << 30  # store-host segment when we start our own
     protocol: str = "tcp"
+    options: dict = field(default_factory=dict)  # another registered tier type's spec options
 
 
 def _check_reachable(address: str, timeout: float = 3.0) -> None:
@@ -57,6 +67,9 @@ def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0,
               l1_bytes: int | None = None) -> Iterator[Tier]:
     """Yield a ready tier; everything started or written here is stopped/removed on exit. `l1_bytes`:
     LMCache's L1 (lmcache-*; default the tier spec's)."""
+    if opts.options and opts.name in TIER_NAMES:
+        raise ValueError(f"tier options {sorted(opts.options)} are for registered tier types without options of "
+                         f"their own here; {opts.name} takes the command's flags")
     if opts.name.startswith("lmcache-"):
         with _lmcache_tier(opts, reg, l1_bytes, capacity_bytes) as tier:
             yield tier
@@ -85,8 +98,9 @@ def open_tier(opts: TierOptions, reg: Registration, *, capacity_bytes: int = 0,
             finally:
                 with redirected():
                     tier.close()
-    else:
-        raise ValueError(f"unknown tier {opts.name!r}; choose one of {', '.join(TIER_NAMES)}")
+    else:  # another registered type (the registry's one-line error for an unknown one)
+        with registry.open_tier(reg, {**opts.options, "type": opts.name}) as tier:
+            yield tier
 
 
 @contextlib.contextmanager

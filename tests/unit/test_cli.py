@@ -247,3 +247,27 @@ def test_mooncake_native_log_lines_go_to_the_native_log(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "mooncake" in proc.stdout and proc.stderr.strip() == "", proc.stderr[-2000:]
     assert "client" in log.read_text().lower()  # what used to reach the terminal
+
+
+def test_a_tier_type_registered_in_one_place_is_a_cli_tier(tmp_path, capsys):
+    """tests/toy_tier.py registers a tier type once (registry.register_tier_type): `bsr --tier` then knows it,
+    and the harness opens it from its spec (`--tier-option`), as the connector does; stores and restores go
+    through it with the state hash checked. Unregistered, the name is an unknown tier again."""
+    import toy_tier
+
+    js = tmp_path / "rows.json"
+    with toy_tier.registered():
+        rc, _, err = run(["sweep", "--tier", "toy", "--tier-option", "store=cli", "--tokens", "1024",
+                          "--window-chunks", "2", "--registration", "llama-like", "--quiet", "--json", str(js)], capsys)
+        assert rc == 0, err
+        (row,) = json.loads(js.read_text())
+        assert row["tier"] == "toy" and row["state_hash_ok"] and row["peak_staging_bytes"] > 0
+        assert toy_tier.STORES["cli"]  # the objects went to the store the option named
+        rc, _, err = run(["sweep", "--tier", "toy", "--tokens", "1024", "--quiet"], capsys)
+        assert rc == 2 and "store" in err and len(err.strip().splitlines()) == 1  # its schema checked the spec
+        rc, _, err = run(["sweep", "--tier", "filesystem", "--tier-option", "store=cli", "--tokens", "1024",
+                          "--quiet"], capsys)
+        assert rc == 2 and "registered tier types" in err
+    with pytest.raises(SystemExit):
+        main(["sweep", "--tier", "toy", "--quiet"])
+    assert "unknown tier 'toy'" in capsys.readouterr().err

@@ -230,11 +230,13 @@ def test_json_output_that_is_a_fifo_is_refused_not_blocked_on(tmp_path, capsys):
         write_json(str(fifo), [{"a": 1}])
 
 
-def test_cli_tier_names_are_the_harness_tiers():
+def test_cli_tier_names_are_the_harness_tiers_and_the_registry():
     from bsr_cli.args import TIER_CHOICES
-    from bsr_harness.tier_setup import TIER_NAMES
+    from bsr_harness.tier_setup import TIER_NAMES, known_tier_names
+    from bsr_runtime.tiers.registry import tier_type_names
 
     assert TIER_CHOICES == TIER_NAMES == ("filesystem", "mooncake", "lmcache-filesystem", "lmcache-mooncake")
+    assert set(known_tier_names()) == set(tier_type_names()) >= set(TIER_NAMES)
 
 
 def test_the_harness_opens_tiers_by_their_names_only():
@@ -244,10 +246,10 @@ def test_the_harness_opens_tiers_by_their_names_only():
     reg = presets.llama_like()
     with open_tier(TierOptions(name="filesystem"), reg) as tier:
         assert type(tier).__name__ == "FilesystemTier"
-    with pytest.raises(ValueError, match="unknown tier 'fs'; choose one of filesystem, mooncake"):
+    with pytest.raises(ValueError, match="unknown tier type 'fs'; choose one of filesystem, mooncake"):
         with open_tier(TierOptions(name="fs"), reg):
             pass
-    with pytest.raises(ValueError, match="unknown tier 'filesytem'; choose one of filesystem, mooncake"):
+    with pytest.raises(ValueError, match="unknown tier type 'filesytem'; choose one of filesystem, mooncake"):
         with open_tier(TierOptions(name="filesytem"), reg):
             pass
 
