@@ -269,7 +269,10 @@ class Loader:
         job.started = time.perf_counter()
         escaped: BaseException | None = None
         try:
-            job.record = self._restore_local(job.spec, job.stop)
+            job.record = self.retriever.restore_local(self._request(job.spec, job.stop), job.spec.num_chunks,
+                                                      job.spec.plan_tier)
+        except Exception as e:  # noqa: BLE001 - this load fails closed; the others go on
+            job.record = failed_record(self.reg, job.spec, e)
         except BaseException as e:  # the window loop already gave back every window's staging
             log.error("BSR: load of %s raised %s; failed closed", job.spec.request_id, type(e).__name__, exc_info=e)
             job.record = failed_record(self.reg, job.spec, e)
@@ -327,27 +330,27 @@ class Loader:
         the caller's: it propagates, after the restore gave back its staging."""
         job = _Job(next(self._seq), spec, time.perf_counter())
         job.started = job.submitted
-        job.record = self._restore_local(spec, job.stop)
+        try:
+            job.record = self.retriever.restore_local(self._request(spec, job.stop), spec.num_chunks, spec.plan_tier)
+        except Exception as e:  # noqa: BLE001 - this load fails closed
+            job.record = failed_record(self.reg, spec, e)
         job.restored = time.perf_counter()
         return _close_record(self._commit(job, background=False), job, queued_s=0.0, now=time.perf_counter(),
                              cancelled=False)
 
     # -- the restore -----------------------------------------------------------------------
-    def _restore_local(self, spec: LoadSpec, stop: threading.Event) -> LoadRecord:
-        """This rank's restore of one load; any exception fails it closed (every block invalid)."""
+    def _request(self, spec: LoadSpec, stop: threading.Event) -> RestoreRequest:
+        """This rank's restore request of one load (its callers fail the load closed on any exception:
+        every block invalid)."""
         self._sweep_retired()
-        try:
-            if self.kv is None:
-                raise RuntimeError("load before register_kv_caches: no destination tensors")
-            tables = [torch.tensor(b, dtype=torch.int64) for b in spec.block_ids]
-            keyspace = dataclasses.replace(self.keyspace, salt=self.keyspace.salt if spec.salt is None else spec.salt,
-                                           features=tuple(spec.features))
-            req = RestoreRequest(spec.request_id, spec.tokens, keyspace, self.kv, tables,
-                                 should_stop=lambda: stop.is_set() or self._closed, local_tokens=spec.local_tokens,
-                                 end_tokens=spec.num_tokens or None, partial_tokens=spec.partial_tokens)
-            return self.retriever.restore_local(req, spec.num_chunks, spec.plan_tier)
-        except Exception as e:  # noqa: BLE001 - this load fails closed; the others go on
-            return failed_record(self.reg, spec, e)
+        if self.kv is None:
+            raise RuntimeError("load before register_kv_caches: no destination tensors")
+        tables = [torch.tensor(b, dtype=torch.int64) for b in spec.block_ids]
+        keyspace = dataclasses.replace(self.keyspace, salt=self.keyspace.salt if spec.salt is None else spec.salt,
+                                       features=tuple(spec.features))
+        return RestoreRequest(spec.request_id, spec.tokens, keyspace, self.kv, tables,
+                              should_stop=lambda: stop.is_set() or self._closed, local_tokens=spec.local_tokens,
+                              end_tokens=spec.num_tokens or None, partial_tokens=spec.partial_tokens)
 
     # -- shutdown --------------------------------------------------------------------------
     def close(self, timeout_s: float = 30.0) -> bool:

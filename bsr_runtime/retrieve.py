@@ -331,7 +331,18 @@ class Retriever:
             if req.should_stop is not None and req.should_stop():
                 failures.append(("cancelled", FailureCause.CANCELLED))
                 break
-            att, raised = self._attempt(req, self.tiers[i], num_chunks, probe=pos > 0 or plan_tier is None)
+            tier, raised = self.tiers[i], False
+            att, probed = self._before_restore(req, tier, num_chunks, probe=pos > 0 or plan_tier is None)
+            if att is None:  # restored here (not in a helper: one frame fewer between a load and its install)
+                t0 = time.perf_counter()
+                try:
+                    rep = self.restorer.restore(req, tier, num_chunks)
+                    self.tier_set.note_failure(tier, rep.cause)
+                    att = Attempt.from_report(rep, probed, time.perf_counter() - t0)
+                except Exception as e:  # noqa: BLE001 - bad destinations or a bug: fail closed, no retry
+                    att = Attempt(tier.name, False, probed, error=f"{type(e).__name__}: {e}", cause=cause_of(e),
+                                  seconds=time.perf_counter() - t0)
+                    raised = True
             res.attempts.append(att)
             if att.ok:
                 res.restored_from = att.tier
@@ -345,32 +356,25 @@ class Retriever:
         res.fail("; ".join(text for text, _ in failures), failures[0][1])  # the first tier tried names the cause
         return res
 
-    def _attempt(self, req: RestoreRequest, tier: Tier, num_chunks: int, probe: bool) -> tuple[Attempt, bool]:
-        """One tier tried: skipped in its cooldown, probed (a fallback tier must hold the SAME complete
-        prefix), restored; each failure with its cause, set where it was caught. True with it when the
-        restore raised (no other tier is tried then)."""
+    def _before_restore(self, req: RestoreRequest, tier: Tier, num_chunks: int,
+                        probe: bool) -> tuple[Attempt | None, int | None]:
+        """A tier about to be tried: (its failed attempt, None) when it is skipped in its cooldown or its probe
+        fails (a fallback tier must hold the SAME complete prefix), each with its cause, set where it was
+        caught; else (None, the chunks it probed, None when not probed here)."""
         if not self.tier_available(tier):
             return Attempt(tier.name, False, error="skipped: unavailable (cooldown)",
-                           cause=FailureCause.UNAVAILABLE), False
-        probed = None
-        if probe:
-            try:
-                probed = probe_prefix(tier, req.prefix_keys(self.reg.chunk_tokens),
-                                      num_chunks).prefix_chunks
-            except TierError as e:
-                self.tier_set.note_failure(tier, cause_of(e))
-                return Attempt(tier.name, False, error=f"probe: {type(e).__name__}: {e}", cause=cause_of(e)), False
-            if probed < num_chunks:
-                return Attempt(tier.name, False, probed, error=f"holds {probed}/{num_chunks} chunks",
-                               cause=FailureCause.MISSING), False
-        t0 = time.perf_counter()
+                           cause=FailureCause.UNAVAILABLE), None
+        if not probe:
+            return None, None
         try:
-            rep = self.restorer.restore(req, tier, num_chunks)
-        except Exception as e:  # noqa: BLE001 - bad destinations or a bug: fail closed, no retry
-            return Attempt(tier.name, False, probed, error=f"{type(e).__name__}: {e}", cause=cause_of(e),
-                           seconds=time.perf_counter() - t0), True
-        self.tier_set.note_failure(tier, rep.cause)
-        return Attempt.from_report(rep, probed, time.perf_counter() - t0), False
+            probed = probe_prefix(tier, req.prefix_keys(self.reg.chunk_tokens), num_chunks).prefix_chunks
+        except TierError as e:
+            self.tier_set.note_failure(tier, cause_of(e))
+            return Attempt(tier.name, False, error=f"probe: {type(e).__name__}: {e}", cause=cause_of(e)), None
+        if probed < num_chunks:
+            return Attempt(tier.name, False, probed, error=f"holds {probed}/{num_chunks} chunks",
+                           cause=FailureCause.MISSING), None
+        return None, probed
 
     # -- commit ----------------------------------------------------------------------------
     def retrieve(self, req: RestoreRequest, num_chunks: int, plan_tier: int | None = 0, *,
