@@ -53,7 +53,7 @@ from bsr_kernels.staging_arena import StagingArena
 from . import commit
 from .causes import FailureCause, cause_of
 from .keys import KeySpace
-from .plan import LoadSpec, slot_sizes
+from .plan import LoadSpec, window_sizes
 from .restore import RESTORE_PHASES, BoundedRestorer, RestoreConfig, RestoreRequest
 from .retrieve import LOCAL, AgreeFn, LoadRecord, Retriever, TierSet, request_block_ids
 from .tiers.base import FETCH_HEADROOM, Tier
@@ -105,7 +105,7 @@ class Loader:
             budget_bytes = default_budget_bytes(reg, config)
         budget = check_int("budget_bytes", budget_bytes, lo=1)
         budget_chunks = budget // reg.chunk_bytes
-        window = max(slot_sizes(config.window_chunks, config.pipeline_depth))
+        window = max(window_sizes(config.window_chunks, config.pipeline_depth))
         if budget_chunks < window:
             raise ValueError(f"the restore budget B = {budget:,} B holds {budget_chunks} chunks of "
                              f"{reg.chunk_bytes:,} B; one window needs {window} (W = {config.window_chunks}, "

@@ -27,14 +27,16 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class Window:
+    """One window G_j: `num_chunks` chunks of the plan from `first_chunk`, fetched and installed together."""
+
     index: int
     first_chunk: int
     num_chunks: int
-    slot: int  # staging slot the window is fetched into
 
 
-def slot_sizes(window_chunks: int, depth: int) -> list[int]:
-    """Slot capacities of a W-chunk pool: [W] at depth 1, [ceil(W/2), floor(W/2)] at depth 2."""
+def window_sizes(window_chunks: int, depth: int) -> list[int]:
+    """The most chunks a window holds, in turn: [W] at depth 1; at depth 2 (two windows in flight)
+    [ceil(W/2), floor(W/2)], so two live windows never hold more than W, the staging of one restore."""
     if depth not in (1, 2):
         raise ValueError(f"pipeline_depth must be 1 or 2, got {depth}")
     if depth == 1 or window_chunks < 2:
@@ -46,8 +48,8 @@ def plan_windows(num_chunks: int, window_chunks: int, depth: int = 1, first_chun
     """Windows G_1..G_K over chunks first_chunk..N-1, generated lazily (no per-plan list).
 
     `first_chunk` > 0: the chunks before it are the engine's own (a local prefix-cache hit), not
-    restored. W = 0 is the whole-plan path: one window of every chunk restored. Slots alternate at
-    depth 2 and each window is at most its slot's size, so two live windows never exceed W chunks.
+    restored. W = 0 is the whole-plan path: one window of every chunk restored. At depth 2 the windows
+    alternate between window_sizes' two, so two live windows never exceed W chunks.
     """
     if num_chunks < 0:
         raise ValueError(f"num_chunks must be >= 0, got {num_chunks}")
@@ -58,14 +60,13 @@ def plan_windows(num_chunks: int, window_chunks: int, depth: int = 1, first_chun
     if num_chunks == first_chunk:
         return
     if window_chunks == 0:
-        yield Window(0, first_chunk, num_chunks - first_chunk, 0)
+        yield Window(0, first_chunk, num_chunks - first_chunk)
         return
-    sizes = slot_sizes(window_chunks, depth)
+    sizes = window_sizes(window_chunks, depth)
     first, index = first_chunk, 0
     while first < num_chunks:
-        slot = index % len(sizes)
-        n = min(sizes[slot], num_chunks - first)
-        yield Window(index, first, n, slot)
+        n = min(sizes[index % len(sizes)], num_chunks - first)
+        yield Window(index, first, n)
         first += n
         index += 1
 
@@ -75,7 +76,7 @@ def count_windows(num_chunks: int, window_chunks: int, depth: int = 1) -> int:
         return 0
     if window_chunks == 0:
         return 1
-    sizes = slot_sizes(window_chunks, depth)
+    sizes = window_sizes(window_chunks, depth)
     pair = sum(sizes)
     full, rest = divmod(num_chunks, pair)
     extra = 0 if rest == 0 else (1 if rest <= sizes[0] else 2)

@@ -34,7 +34,7 @@ from bsr_kernels.staging_arena import StagingArena
 from .admission import SERIAL, Admission
 from .causes import FailureCause, cause_of
 from .keys import KeySpace, PrefixKeys
-from .plan import count_windows, plan_windows, slot_sizes
+from .plan import count_windows, plan_windows, window_sizes
 from .tier_source import TierSource
 from .tiers.base import FETCH_HEADROOM, Tier
 from .validation import check_int, check_optional_int, check_timeout
@@ -61,7 +61,7 @@ class RestoreConfig:
         if w > MAX_WINDOW_CHUNKS:
             raise ValueError(f"window_chunks (W) = {w} is absurd (max {MAX_WINDOW_CHUNKS})")
         check_int("pipeline_depth", self.pipeline_depth, lo=1, hi=2)
-        slot_sizes(max(w, 1), self.pipeline_depth)  # validates depth
+        window_sizes(max(w, 1), self.pipeline_depth)  # validates depth
         # every timeout ends up in Event.wait / Lock.acquire: finite and <= threading.TIMEOUT_MAX
         check_timeout("fetch_timeout_s", self.fetch_timeout_s)
         check_timeout("admission_timeout_s", self.admission_timeout_s, allow_none=True)
@@ -157,7 +157,7 @@ class BoundedRestorer:
         cap = self.config.max_staging_bytes
         if cap is not None and w * reg.chunk_bytes > cap:
             raise ValueError(f"W = {w} chunks of {reg.chunk_bytes:,} B exceeds the staging capacity {cap:,} B")
-        self._window_chunks = max(slot_sizes(max(w, 1), self.config.pipeline_depth))  # the largest window
+        self._window_chunks = max(window_sizes(max(w, 1), self.config.pipeline_depth))  # the largest window
         if arena is not None:
             if arena.chunk_bytes != reg.chunk_bytes:
                 raise ValueError(f"staging arena of {arena.chunk_bytes:,} B chunks for a registration of "

@@ -11,7 +11,7 @@ from bsr_harness.memory_tier import MemoryTier
 from bsr_kernels import presets
 from bsr_kernels.staging_arena import StagingArena
 from bsr_runtime.keys import KeySpace, PrefixKeys
-from bsr_runtime.plan import count_windows, plan_windows, slot_sizes
+from bsr_runtime.plan import count_windows, plan_windows, window_sizes
 from bsr_runtime.probe import probe_prefix
 from bsr_runtime.restore import BoundedRestorer, RestoreConfig
 from bsr_runtime.state_hash import state_hash
@@ -61,10 +61,10 @@ def test_plan_windows_cover_the_prefix_once():
                 assert len(wins) == count_windows(n, w, depth)
                 covered = [c for win in wins for c in range(win.first_chunk, win.first_chunk + win.num_chunks)]
                 assert covered == list(range(n))
-                sizes = slot_sizes(max(w, 1), depth)
+                sizes = window_sizes(max(w, 1), depth)
                 for a, b in zip(wins, wins[1:]):  # two consecutive (possibly live) windows fit in W
                     assert w == 0 or a.num_chunks + b.num_chunks <= max(w, 1) or len(sizes) == 1
-                assert all(w == 0 or win.num_chunks <= sizes[win.slot] for win in wins)
+                assert all(w == 0 or win.num_chunks <= sizes[win.index % len(sizes)] for win in wins)
 
 
 @pytest.mark.parametrize("bad", [dict(window_chunks=-1), dict(window_chunks=1 << 20),

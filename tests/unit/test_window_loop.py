@@ -172,7 +172,7 @@ class _Source:
 
 
 def _windows(n):
-    return [Window(i, 2 * i, 2, i % 2) for i in range(n)]
+    return [Window(i, 2 * i, 2) for i in range(n)]
 
 
 def test_loop_order_at_depth_two_and_abandon_on_failure():
@@ -249,6 +249,6 @@ def test_installs_keep_to_one_thread_while_the_next_fetch_runs(depth, threads):
 
 def test_staged_runs_map_onto_their_destination_block_slices():
     a, b = torch.zeros(2), torch.ones(1)
-    slices = list(map_onto_destination(Window(3, 8, 4, 1), [(0, 2, a), (3, 1, b)]))
+    slices = list(map_onto_destination(Window(3, 8, 4), [(0, 2, a), (3, 1, b)]))
     assert [(s.first_chunk, s.num_chunks) for s in slices] == [(8, 2), (11, 1)]
     assert slices[0].staged is a and slices[1].staged is b
