@@ -24,13 +24,13 @@ P
 }
 status=0
 defect "restore: a rank whose group failed still commits" bsr_runtime/retrieve.py \
-  "committed = bool(agreed) and all(local.valid_per_group)" "committed = bool(agreed)" \
+  "self.committed = self.agreed and all(self.valid_per_group)" "self.committed = self.agreed" \
   tests/unit/test_fail_closed.py tests/unit/test_fail_closed_property.py tests/unit/test_restore.py tests/unit/test_restore_tiers.py tests/unit/test_bad_input.py
 defect "tiers: the filesystem tier accepts a checksum mismatch" bsr_runtime/tiers/filesystem.py \
   "if crc_at(algo, addr, self.chunk_bytes) != crc:" "if False and crc_at(algo, addr, self.chunk_bytes) != crc:" \
   tests/unit/test_fs_tier.py tests/unit/test_tier_contract.py tests/unit/test_fail_closed.py
 defect "connector: a failed background load is reported as received" bsr_runtime/integrations/vllm/worker.py \
-  "                failed.add(result.spec.request_id)" "                pass" \
+  "                failed.add(record.request_id)" "                pass" \
   tests/integration/vllm/test_vllm_engine.py tests/integration/vllm/test_vllm_repair.py
 # issue 36: BSR's LMCache server module
 defect "LMCache server module: a failed retrieve reports success (a rank's poisoned blocks served)" \
