@@ -157,7 +157,7 @@ class StagingArena:
     memory is pinned on a CUDA machine so the install can read it directly."""
 
     def __init__(self, chunk_bytes: int, capacity_chunks: int, *, headroom: int = 0,
-                 device: str | torch.device = "cpu", pin_memory: bool | None = None) -> None:
+                 device: str | torch.device = "cpu", pin_memory: bool | None = None, prefault: bool = True) -> None:
         _check_count("chunk_bytes", chunk_bytes, multiple=16, least=16)
         if isinstance(capacity_chunks, bool) or not isinstance(capacity_chunks, int) or capacity_chunks < 1:
             raise ValueError(f"a staging arena needs at least one chunk, got {capacity_chunks!r}")
@@ -172,7 +172,8 @@ class StagingArena:
         self.pinned = bool(pin_memory)
         self.buffer = torch.empty(capacity_chunks * self.chunk_stride, dtype=torch.uint8, device=self.device,
                                   pin_memory=self.pinned)
-        self.prefault()  # touched before any restore that uses it is timed
+        if prefault:  # a long-lived arena: touched before any restore that uses it is timed
+            self.prefault()
         self._state = bytearray([_FREE]) * capacity_chunks
         self._quarantined = 0
         self._live = 0

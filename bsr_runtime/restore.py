@@ -178,10 +178,11 @@ class BoundedRestorer:
         self._registered: dict[tuple[int, int], tuple[Tier, torch.Tensor]] = {}
         self._busy = threading.Lock()  # taken without blocking by restore(): one restore at a time
 
-    def _new_arena(self, chunks: int) -> StagingArena:
-        """An arena of the restorer's own, touched before any restore is timed; one whose quarantined runs
-        leave no room for a window is replaced (`_on_quarantine`)."""
-        arena = StagingArena(self.reg.chunk_bytes, chunks, device=self.staging_device, headroom=FETCH_HEADROOM)
+    def _new_arena(self, chunks: int, prefault: bool = True) -> StagingArena:
+        """An arena of the restorer's own (touched now unless it is for one restore only); one whose quarantined
+        runs leave no room for a window is replaced (`_on_quarantine`)."""
+        arena = StagingArena(self.reg.chunk_bytes, chunks, device=self.staging_device, headroom=FETCH_HEADROOM,
+                             prefault=prefault)
         arena.on_quarantine = self._on_quarantine
         return arena
 
@@ -308,7 +309,7 @@ class BoundedRestorer:
             source = TierSource(tier, keys, cfg.fetch_timeout_s)
         arena = self.arena or self.staging
         if arena is None and not in_place:
-            arena = self._new_arena(num_chunks - first)
+            arena = self._new_arena(num_chunks - first, prefault=False)  # a whole plan's, for this restore
         # a shared arena is the restorer's at each window (its owner may have replaced a retired one); an own
         # arena retired during a restore fails that restore (a read of it never settled: it was failing)
         current = (lambda: self.arena) if self.arena is not None else arena
