@@ -57,12 +57,25 @@ class StagingWaitTimeout(TimeoutError):
     """No staging for a window within the wait's bound."""
 
 
+def work_stream(tensors, stream=None):
+    """The stream work on `tensors` runs on: `stream`, else their CUDA device's current stream, else None (on
+    CPU the kernels are synchronous). What a run's completion is recorded on: a kernel launched on the current
+    stream that reads or writes host staging has not completed when the launch returns."""
+    if stream is not None:
+        return stream
+    first = next(iter(tensors), None)
+    if isinstance(first, torch.Tensor) and first.device.type == "cuda":
+        return torch.cuda.current_stream(first.device)
+    return None
+
+
 class CompletionEvent:
     """Completion of the work that reads or writes a leased run.
 
-    On a GPU a CUDA event recorded on the install stream. On CPU the kernels are synchronous,
-    so recording marks completion, unless the work ran on a host stream: any object with a
-    `synchronize()` that returns once the work submitted to it is done (a CPU worker thread).
+    On a GPU a CUDA event recorded on the stream the work ran on (`work_stream`), for staging on the
+    device and in (pinned) host memory alike. On CPU the kernels are synchronous, so recording marks
+    completion, unless the work ran on a host stream: any object with a `synchronize()` that returns
+    once the work submitted to it is done (a CPU worker thread).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -71,6 +84,8 @@ class CompletionEvent:
         self._recorded = False
 
     def record(self, stream=None) -> None:
+        if self._cuda is None and isinstance(stream, torch.cuda.Stream):
+            self._cuda = torch.cuda.Event()  # host staging, GPU work: wait for that work, not the whole stream
         if self._cuda is not None:
             self._cuda.record(stream if stream is not None else torch.cuda.current_stream())
         else:

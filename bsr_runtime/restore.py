@@ -29,7 +29,7 @@ import torch
 
 from bsr_kernels import Registration, WindowInstaller
 from bsr_kernels.backends import backend_names
-from bsr_kernels.staging_arena import StagingArena
+from bsr_kernels.staging_arena import StagingArena, work_stream
 
 from .admission import SERIAL, Admission
 from .causes import FailureCause, cause_of
@@ -316,7 +316,8 @@ class BoundedRestorer:
         admission = Admission(current, serial=self.serial, should_stop=req.should_stop)
         # a tier's own source pins what it installs from and bounds that itself: its windows lease no staging
         # of ours, except from a shared arena, where they reserve their runs of the budget B all restores share
-        loop = WindowLoop(None if in_place and self.arena is None else admission, self.stream,
+        # each window's staging goes back once the install that read it completed, on the stream it ran on
+        loop = WindowLoop(None if in_place and self.arena is None else admission, work_stream(req.kv, self.stream),
                           depth=cfg.pipeline_depth, admission_timeout_s=cfg.admission_timeout_s,
                           should_stop=req.should_stop)
         try:

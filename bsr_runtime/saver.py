@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bsr_kernels import Registration, gather_window
-from bsr_kernels.staging_arena import ArenaLease, StagingArena
+from bsr_kernels.staging_arena import ArenaLease, StagingArena, work_stream
 
 from .keys import KeySpace, PrefixKeys
 from .load_blocks import block_align, only_blocks_of
@@ -77,11 +77,13 @@ class _SaveJob:
 
 class Saver:
     def __init__(self, reg: Registration, tiers: Sequence[Tier], *, staging_chunks: int, keyspace: KeySpace,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", stream=None) -> None:
         self.reg = reg
         self.tiers = list(tiers)
         self.keyspace = keyspace
         self.backend = backend
+        # the gathers' stream (None: the destinations' current CUDA stream; on CPU they are synchronous)
+        self.stream = stream
         self.kv: list[torch.Tensor] | None = None
         self.arena = StagingArena(reg.chunk_bytes, staging_chunks, headroom=FETCH_HEADROOM)
         for tier in self.tiers:
@@ -144,10 +146,16 @@ class Saver:
                      overwrite: bool, lease: ArenaLease, rec: dict, partial_tokens: int = 0,
                      end_tokens: int | None = None) -> None:
         t0 = time.perf_counter()
+        stream = work_stream(self.kv, self.stream)
         try:
-            gather_window(lease.view, self.reg, self.kv, tables, first, n, backend=self.backend,
+            gather_window(lease.view, self.reg, self.kv, tables, first, n, backend=self.backend, stream=stream,
                           end_tokens=end_tokens)
+            # on a GPU the gather may still be writing the staging when it returns: the put thread waits for
+            # it (the step thread does not: it goes on with the next step)
+            lease.record(stream)
         except BaseException:
+            if lease.recorded:
+                lease.synchronize()
             lease.release()
             self._next[request_id] = -1
             raise
@@ -187,6 +195,7 @@ class Saver:
             if job is None:
                 return
             try:
+                job.lease.synchronize()  # the gather landed: the puts read what it wrote
                 self._put(job)
             except BaseException as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
                 error = f"{type(e).__name__}: {e}"
@@ -194,7 +203,10 @@ class Saver:
                                   failed_per_tier={t.name: error for t in self.tiers})
                 log.warning("BSR: save of %s failed: %s", job.request_id, job.record["error"])
             finally:
-                job.lease.release()
+                if not job.lease.synchronized:  # never hand the run out again while a gather may write it
+                    log.error("BSR: save staging of %s could not be synchronized; it stays leased", job.request_id)
+                else:
+                    job.lease.release()
                 with self._lock:
                     self._done.append(job.record)
                     self._pending -= 1

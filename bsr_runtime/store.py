@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from bsr_kernels import Registration, gather_window
-from bsr_kernels.staging_arena import ArenaLease, StagingArena
+from bsr_kernels.staging_arena import ArenaLease, StagingArena, work_stream
 from bsr_kernels.validate import check_destinations
 
 from .admission import Admission, WindowReservation
@@ -95,7 +95,7 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
         raise ValueError(f"first_chunk {first_chunk} outside 0..{n_total}")
     # header room before each chunk: a tier that stores a header with each object writes it there
     arena = StagingArena(reg.chunk_bytes, max(1, min(window_chunks, n_total - first_chunk)), headroom=FETCH_HEADROOM)
-    loop = WindowLoop(Admission(arena), stream)
+    loop = WindowLoop(Admission(arena), work_stream(kv, stream))  # each put waits for its window's gather
     hasher = ChunkHasher()
 
     def gather(view: torch.Tensor, first: int, n: int) -> str:

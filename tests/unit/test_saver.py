@@ -191,3 +191,52 @@ def test_a_save_larger_than_the_staging_takes_what_fits_and_skips_the_rest(scene
         assert inner.probe(keys) == [True] * 4 + [False] * 2
     finally:
         assert saver.close(10)
+
+
+class _LateHostStream:
+    """A host stream whose work lands only when it is synchronized (a GPU gather into pinned host staging has
+    not landed when its launch returns)."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+        self.synchronized_on = set()
+
+    def submit(self, fn) -> None:
+        self.pending.append(fn)
+
+    def synchronize(self) -> None:
+        self.synchronized_on.add(threading.current_thread().name)
+        while self.pending:
+            self.pending.pop(0)()
+
+
+def test_a_put_waits_for_its_gather_to_land_off_the_step_thread(scene, monkeypatch):
+    """The gather runs on a stream and lands later (on a GPU it does): the put thread waits for it before it
+    reads the staging, so the stored objects are the gathered bytes, never what the staging held before; the
+    step thread (save) does not wait. Fails if the put reads at once (it stores the poisoned staging)."""
+    import bsr_runtime.saver as saver_mod
+    from bsr_kernels import gather_window
+
+    reg, inner, tier, src = scene
+    expected = state_hash(reg, src.kv, src.block_tables, 6)
+    stream = _LateHostStream()
+
+    def late_gather(out, reg_, kv, tables, first, n, *, backend="auto", stream=None, end_tokens=None):
+        out.fill_(0xA5)  # what the staging holds until the gather lands
+        stream.submit(lambda: gather_window(out, reg_, kv, tables, first, n, backend="torch", end_tokens=end_tokens))
+        return "late"
+
+    monkeypatch.setattr(saver_mod, "gather_window", late_gather)
+    saver = Saver(reg, [tier], staging_chunks=8, keyspace=KeySpace(reg.fingerprint), backend="cpu", stream=stream)
+    saver.kv = src.kv
+    try:
+        assert saver.save("r", src.tokens, 0, 6, _tables(src), "") is None
+        assert threading.current_thread().name not in stream.synchronized_on  # the step did not wait
+        assert saver.wait_idle(30)
+        (rec,) = saver.take_finished()
+        assert rec["ok"] and rec["stored"] == 6, rec
+        assert stream.synchronized_on == {"bsr-save"}
+    finally:
+        saver.close(10)
+    assert saver.arena.live_bytes == 0
+    assert _restored_hash(reg, inner, src, 6) == expected
