@@ -5,6 +5,9 @@
    the scaled (1/64) and unscaled DeepSeek-V4-Flash presets with and without MTP: poisoned
    destinations, random staging (never zero), shuffled block tables with -1 holes, a window
    at a non-zero first chunk; install and gather.
+   And a save through the Saver and a restore through the window loop with the destinations on the GPU
+   and no stream given, behind a busy GPU (a kernel that spins first): the restored state hash equals the
+   source's (the put waits for its gather, the staging goes back after its install).
 2. Throughput per window size W in {1, 8, 16, 32, 64} on the unscaled preset (c = chunk
    bytes, W*c bytes per install): CUDA install zero-copy (kernel reads pinned host memory),
    CUDA with one H2D copy then the kernel, CUDA device-staged (kernel only), Triton (host
@@ -94,6 +97,58 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 # -- 1. correctness ----------------------------------------------------------------------------
+def check_save_restore(dev: torch.device, rep: Report, backend: str = "auto", n: int = 8) -> bool:
+    """Save n chunks from destinations on `dev` (the Saver: gather on this thread, put on its own), restore them
+    into other, poisoned blocks (the window loop, W = 2, depth 2), both with no stream given and each behind a
+    kernel that keeps the GPU busy first: the restored state hash must equal the source's."""
+    from bsr_harness.testdata import block_tables
+    from bsr_runtime.keys import KeySpace
+    from bsr_runtime.restore import BoundedRestorer, RestoreConfig, RestoreRequest
+    from bsr_runtime.saver import Saver
+    from bsr_runtime.state_hash import state_hash
+    from bsr_runtime.tiers import FilesystemTier
+
+    reg = presets.dsv4_flash(scale=1 / 64)
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 50_000, (n * reg.chunk_tokens,), generator=gen).tolist()
+    blocks, (src_tables,) = block_tables(reg, [n], 8, spare=0, holes="none")
+    src = [t.to(dev) for t in reg.allocate(blocks)]
+    for t in src:
+        flat = t.view(torch.uint8).view(-1)
+        flat.copy_(torch.randint(1, 256, (flat.numel(),), dtype=torch.uint8, generator=gen))
+    expected = state_hash(reg, src, src_tables, n)
+    dst_blocks, (dst_tables,) = block_tables(reg, [n], 9, spare=1, holes="none")
+    dst = [t.to(dev) for t in poisoned(reg, dst_blocks)]
+
+    def busy() -> None:
+        if dev.type == "cuda":
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued before the gather / install
+
+    space = KeySpace(reg.fingerprint)
+    with tempfile.TemporaryDirectory(prefix="bsr-gpu-check-") as root, \
+            FilesystemTier(root, reg.chunk_bytes, reg.fingerprint) as tier:
+        saver = Saver(reg, [tier], staging_chunks=n, keyspace=space, backend=backend)
+        saver.kv = src
+        try:
+            busy()
+            saver.save("gpu-check", tokens, 0, n, [t.tolist() for t in src_tables], "")
+            saved = saver.wait_idle(60)
+            recs = saver.take_finished()
+        finally:
+            saver.close(30)
+        saved = saved and len(recs) == 1 and recs[0].get("ok") and recs[0].get("stored") == n
+        with BoundedRestorer(reg, RestoreConfig(window_chunks=2, pipeline_depth=2, backend=backend)) as r:
+            busy()
+            out = r.restore(RestoreRequest("gpu-check", tokens, space, dst, dst_tables), tier, n)
+        restored = out.ok and state_hash(reg, dst, dst_tables, n) == expected
+    ok = bool(saved and restored)
+    rep.add(f"save + restore through the loop on {dev.type} (backend {backend}, {n} chunks, busy GPU first): "
+            f"{'PASS' if ok else 'FAIL'} (saved {[(r.get('ok'), r.get('stored'), r.get('error')) for r in recs]}, "
+            f"restored {out.ok} {out.error or ''})")
+    rep.figures["correctness"].append({"check": "save_restore", "backend": backend, "pass": ok})
+    return ok
+
+
 def check_registration(reg: Registration, first: int, num: int, seed: int, dev: torch.device, rep: Report) -> bool:
     tables, nblocks = make_tables(reg, first, num, seed, neg=0.15, device=dev)
     n = num * reg.chunk_bytes
@@ -371,6 +426,13 @@ def checks(args, rep: Report, t_start: float) -> int:
     for k, (reg, first, num) in enumerate(cases):
         ok &= check_registration(reg, first, num, 100 + k, dev, rep)
         torch.cuda.empty_cache()
+    for backend in ("auto", "torch"):
+        try:
+            ok &= check_save_restore(dev, rep, backend)
+        except Exception as e:  # noqa: BLE001 - a failed check, reported as one
+            rep.add(f"save + restore ({backend}): ERROR {type(e).__name__}: {e}")
+            traceback.print_exc()
+            ok = False
     rep.add(f"correctness: {'PASS' if ok else 'FAIL'} ({time.monotonic() - t_start:.1f} s)")
 
     if not args.skip_bench:
