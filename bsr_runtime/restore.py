@@ -213,8 +213,8 @@ class BoundedRestorer:
         """Restore chunks 0..num_chunks-1 (the confirmed prefix) of `req` from `tier`.
 
         Bad arguments raise ValueError before any byte moves. A tier or install failure
-        returns a report with ok=False (committed_tokens = 0) after every slot, lease and
-        reservation is released; the caller fails the request closed.
+        returns a report with ok=False (committed_tokens = 0) after every window's staging is released;
+        the caller fails the request closed.
 
         Raises RuntimeError when another thread is in restore() on this restorer with its own staging (not
         thread-safe: one restorer per thread, or restorers sharing an arena)."""

@@ -266,7 +266,7 @@ class TierSet:
 class Retriever:
     """Plans, restores and commits requests of one registration on one rank over ordered tiers.
 
-    Owns a BoundedRestorer (its staging pool) unless one is given; `close()` releases it.
+    Owns a BoundedRestorer (its own staging arena) unless one is given; `close()` releases it.
     `agree` is commit.agree by default (torch.distributed when initialised, else local AND).
     """
 

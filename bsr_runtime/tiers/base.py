@@ -151,7 +151,7 @@ class Tier(ABC):
         raise NotImplementedError
 
     def register_staging(self, buffer: torch.Tensor) -> None:
-        """Called once with the staging pool's buffer (Mooncake registers it for zero copy)."""
+        """Called once with a staging arena's buffer (Mooncake registers it for zero copy)."""
 
     def unregister_staging(self, buffer: torch.Tensor) -> None:
         """Undo register_staging (the whole-plan path registers a fresh buffer per restore)."""

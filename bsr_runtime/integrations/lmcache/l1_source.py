@@ -59,7 +59,7 @@ class L1Source:
     L1 objects this restore made LMCache allocate (loaded from L2 for a window) while a window pins
     them; objects already resident in L1 before the fetch are LMCache's cache, only read-locked, and
     not counted. `peak_room_bytes` is their alignment padding (LMCache allocates align_up(c, align)):
-    auxiliary state, like a staging pool's header room."""
+    auxiliary state, like a staging arena's header room."""
 
     def __init__(self, l1: L1Reads, keys: PrefixKeys, timeout_s: float) -> None:
         self.l1, self.keys, self.timeout_s = l1, keys, timeout_s
