@@ -77,8 +77,12 @@ class _SaveJob:
 
 class Saver:
     def __init__(self, reg: Registration, tiers: Sequence[Tier], *, staging_chunks: int, keyspace: KeySpace,
-                 backend: str = "auto", stream=None) -> None:
+                 backend: str = "auto", stream=None, zero_gaps: bool = False) -> None:
         self.reg = reg
+        # a block not resident (-1) reads as zeros instead of ending the save at its chunk: for states built
+        # whole elsewhere (the harness's, store.store_prefix), never an engine's, whose gaps are blocks a
+        # sliding window dropped (a chunk saved with zeros there would be served wrong)
+        self.zero_gaps = zero_gaps
         self.tiers = list(tiers)
         self.keyspace = keyspace
         self.backend = backend
@@ -121,7 +125,7 @@ class Saver:
         if nxt < 0:
             return self._skipped(rec, "saving stopped at an earlier gap")
         first = max(first_chunk, nxt)
-        end = resident_chunks_end(self.reg, block_ids, first, num_chunks, end_tokens)
+        end = num_chunks if self.zero_gaps else resident_chunks_end(self.reg, block_ids, first, num_chunks, end_tokens)
         rec.update(first_chunk=first, resident_chunks=end)
         if end <= first:
             self._next[request_id] = first if end == num_chunks else -1

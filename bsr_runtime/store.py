@@ -1,26 +1,25 @@
-"""The store path: gather a request's prefix from destination blocks and put it, window by
-window, through the same window loop and staging bound as the restore."""
+"""Storing a prefix held in destination blocks, for the harness, benchmarks and tests: through the engine's
+own save path (saver.Saver: each window gathered into its staging, then put on its thread, replacing what
+is there), a window at a time, so what they store is what an engine's saves store, the same way."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from bsr_kernels import Registration, gather_window
-from bsr_kernels.staging_arena import ArenaLease, StagingArena, work_stream
+from bsr_kernels import Registration
 from bsr_kernels.validate import check_destinations
 
-from .admission import Admission, WindowReservation
 from .keys import KeySpace, PrefixKeys
-from .plan import Window, plan_windows
-from .state_hash import ChunkHasher
-from .tiers.base import FETCH_HEADROOM, Tier, put_replacing
+from .saver import Saver
+from .state_hash import state_hash
+from .tiers.base import Tier, TierError
 from .validation import check_int
-from .window_loop import WindowFailed, WindowLoop
+
+PUT_WAIT_S = 600.0  # the most one window's puts may take before the store fails (a tier's own bounds come first)
 
 
 @dataclass
@@ -33,88 +32,45 @@ class StoreReport:
     state_hash: str
 
 
-class TierSink:
-    """A store's bytes to a tier, window by window through its reservation's staging (the loop's WindowSink).
-    Making one starts nothing."""
-
-    def __init__(self, tier: Tier, keys: PrefixKeys, hasher: ChunkHasher) -> None:
-        self.tier, self.keys, self.hasher = tier, keys, hasher
-
-    def stage(self, window: Window, reservation: WindowReservation) -> TierStoreWindow:
-        return TierStoreWindow(self, reservation.lease, window)
-
-
-class TierStoreWindow:
-    """A store window: its staging lease, gathered into, then put to the tier (the loop's StoreWindow)."""
-
-    def __init__(self, sink: TierSink, lease: ArenaLease, window: Window) -> None:
-        self.sink, self.lease = sink, lease
-        self.keys = sink.keys.window(window.first_chunk, window.num_chunks)
-        self._released = False
-
-    def runs(self) -> list[tuple[int, int, torch.Tensor]]:
-        return [(0, self.lease.num_chunks, self.lease.view)]
-
-    def synchronize(self, stream) -> None:
-        self.lease.record(stream)
-        self.lease.synchronize()
-
-    def put(self) -> None:
-        self.sink.hasher.update(self.lease.view)
-        put_replacing(self.sink.tier, self.keys, self.lease.chunks(), headroom=self.lease.arena.headroom)
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.lease.release()
-
-    def abandon(self, stream) -> None:
-        if not self._released:
-            self.synchronize(stream)
-            self.release()
-
-
 def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequence[int],
                  kv: Sequence[torch.Tensor], block_tables: Sequence[torch.Tensor], num_chunks: int | None = None,
                  window_chunks: int = 32, backend: str = "auto", progress: Callable[[int], None] | None = None,
                  *, stream=None, first_chunk: int = 0) -> StoreReport:
     """Write chunks first_chunk..num_chunks-1 (default: every whole chunk of `tokens`) to `tier`
-    (first_chunk > 0: the tier already holds the chunks before it).
-
-    Staging holds at most `window_chunks` chunks (an arena of its own). Returns the canonical state hash of what
-    was written (see state_hash.py)."""
+    (first_chunk > 0: the tier already holds the chunks before it), `window_chunks` at a time through a
+    Saver whose staging holds that many; a block not resident (-1) is stored as zeros (Saver's zero_gaps:
+    these states are built whole here, not by an engine). Raises TierError when a put failed. Returns the
+    canonical state hash of the chunks written (see state_hash.py)."""
     if keyspace.fingerprint != reg.fingerprint:
         raise ValueError("keyspace was built for another registration")
     if isinstance(window_chunks, bool) or not isinstance(window_chunks, int) or window_chunks <= 0:
         raise ValueError(f"store window must be a positive integer, got {window_chunks!r}")
     keys = PrefixKeys(keyspace, tokens, reg.chunk_tokens)
     n_total = keys.num_chunks if num_chunks is None else check_int("num_chunks", num_chunks, lo=0, hi=keys.num_chunks)
-    kv, _ = check_destinations(reg, kv, block_tables, 0, n_total, gather=True)  # each window's gather re-reads them
-    tables = tuple(block_tables)
+    kv, _ = check_destinations(reg, kv, block_tables, 0, n_total, gather=True)
     if not 0 <= first_chunk <= n_total:
         raise ValueError(f"first_chunk {first_chunk} outside 0..{n_total}")
-    # header room before each chunk: a tier that stores a header with each object writes it there
-    arena = StagingArena(reg.chunk_bytes, max(1, min(window_chunks, n_total - first_chunk)), headroom=FETCH_HEADROOM)
-    loop = WindowLoop(Admission(arena), work_stream(kv, stream))  # each put waits for its window's gather
-    hasher = ChunkHasher()
-
-    def gather(view: torch.Tensor, first: int, n: int) -> str:
-        backend_used = gather_window(view, reg, kv, tables, first, n, backend=backend, stream=stream)
-        if progress is not None:
-            progress(n)
-        return backend_used
-
     t0 = time.perf_counter()
-    tier.register_staging(arena.buffer)
+    w = max(1, min(window_chunks, n_total - first_chunk))
+    saver = Saver(reg, [tier], staging_chunks=w, keyspace=keyspace, backend=backend, stream=stream, zero_gaps=True)
+    saver.kv = list(kv)
+    ids = [t.tolist() if isinstance(t, torch.Tensor) else list(t) for t in block_tables]
     try:
-        windows = (dataclasses.replace(w, first_chunk=first_chunk + w.first_chunk)
-                   for w in plan_windows(n_total - first_chunk, arena.capacity_chunks))
-        loop.store(windows, TierSink(tier, keys, hasher), gather)
-    except WindowFailed as e:
-        raise e.cause from e  # a store raises what failed it (the loop's clean-up already ran)
+        for at in range(first_chunk, n_total, w):
+            n = min(w, n_total - at)
+            skipped = saver.save("store", tokens, at, at + n, ids, keyspace.salt, overwrite=True,
+                                 features=keyspace.features)
+            if skipped is not None:  # its staging is free between windows: a bug if it ever happens
+                raise RuntimeError(f"store of chunks {at}..{at + n - 1} skipped: {skipped.get('skipped')}")
+            if not saver.wait_idle(PUT_WAIT_S):
+                raise TierError(f"{tier.name}: the put of chunks {at}..{at + n - 1} took over {PUT_WAIT_S:.0f} s")
+            for rec in saver.take_finished():
+                if not rec.get("ok"):
+                    raise TierError(f"{tier.name}: store of chunks {at}..{at + n - 1} failed: {rec.get('error')}")
+            if progress is not None:
+                progress(n)
     finally:
-        tier.unregister_staging(arena.buffer)
+        saver.close(PUT_WAIT_S)
     stored = n_total - first_chunk
     return StoreReport(tier.name, stored, stored * reg.chunk_bytes, time.perf_counter() - t0,
-                       arena.peak_bytes, hasher.hexdigest())
-
+                       saver.arena.peak_bytes, state_hash(reg, kv, block_tables, n_total, first_chunk=first_chunk))

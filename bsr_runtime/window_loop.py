@@ -1,20 +1,19 @@
-"""The one window loop of the design (ARCHITECTURE.md, "The window loop"), in the paper's verbs:
+"""The one window loop of the restore (ARCHITECTURE.md, "The window loop"), in the paper's verbs:
 
     "each window is fetched, required to be complete, mapped onto the corresponding destination
      block slice, transferred, synchronized, and then released"
 
-    restore, per window G_j:  admit (reserve its bytes) -> submit the fetch -> fetched (required
-                              complete) -> map onto the destination block slice -> transfer
-                              (install) -> synchronize -> release -> advance
-    store, per window G_j:    admit -> stage -> map onto the destination block slice
-                              -> transfer (gather) -> synchronize -> put -> release -> advance
+    per window G_j:  admit (reserve its staging) -> submit the fetch -> fetched (required complete)
+                     -> map onto the destination block slice -> transfer (install) -> synchronize
+                     -> release -> advance
+
+(Saves go the other way through saver.Saver, the engine's and the harness's one store path.)
 
 Where the bytes come from is plugged in as an object the loop calls: a `WindowSource` whose
 `submit(window, reservation)` submits one window's fetch and whose `SubmittedWindow.fetched()` waits until
 it is complete (a tier into staging: tier_source.TierSource; or
 a tier's own source installed from where it holds the bytes, `Tier.window_source`: LMCache's L1,
-integrations/lmcache/l1_source.py), or, for a store, a `WindowSink` whose `stage(...)` leases where
-the window is gathered to. Making a source or a sink starts nothing.
+integrations/lmcache/l1_source.py). Making a source starts nothing.
 
 The loop owns the order of the steps and the clean-up: on every path out (an exception of any type
 included) each fetched window is abandoned (writers stopped, launched work synchronized, staging
@@ -27,7 +26,7 @@ were transferred or abandoned, and raises `RestoreCancelled` (a failure like any
 The time of each phase is added to `LoopStats` by `with stats.time(phase):`; the phase names are
 the report fields and metric labels (`<phase>_s`), each timing the call it is named after: admit
 (waiting for the admission), submit (`source.submit`: keys, staging, the tier call), fetch
-(`fetched()`: until the fetch is complete), install (the transfers), sync (synchronize + put + release).
+(`fetched()`: until the fetch is complete), install (the transfers), sync (synchronize + release).
 """
 
 from __future__ import annotations
@@ -99,28 +98,6 @@ class InPlaceSource(WindowSource, Protocol):
         """Auxiliary bytes beside them (alignment padding; the report's header room)."""
 
 
-class StoreWindow(Protocol):
-    """One store window staged: where its chunks are gathered to before the put."""
-
-    def runs(self) -> Sequence[StagedRun]:
-        """Where the window's chunks are gathered to."""
-
-    def synchronize(self, stream) -> None: ...
-
-    def put(self) -> None:
-        """Hand the gathered (synchronized) bytes to the tier."""
-
-    def release(self) -> None: ...
-
-    def abandon(self, stream) -> None: ...
-
-
-class WindowSink(Protocol):
-    """Where a store's bytes go."""
-
-    def stage(self, window: Window, reservation: WindowReservation) -> StoreWindow: ...
-
-
 class _NoStaging:
     """The reservation of a window that leases no staging (WindowLoop.admission None)."""
 
@@ -154,13 +131,13 @@ LOOP_PHASES = ("admit", "submit", "fetch", "install", "sync")
 
 @dataclass
 class LoopStats:
-    """What the loop measured; restore and store reports copy these fields."""
+    """What the loop measured; restore reports copy these fields."""
 
     admit_s: float = 0.0  # waiting for the admission (the byte budget B)
     submit_s: float = 0.0  # issuing a window's fetch: its keys, its staging, the tier call
     fetch_s: float = 0.0  # until the fetch is complete
-    install_s: float = 0.0  # install / gather launches (the transfers)
-    sync_s: float = 0.0  # synchronize + release (+ put for a store)
+    install_s: float = 0.0  # install launches (the transfers)
+    sync_s: float = 0.0  # synchronize + release
     windows_done: int = 0
     chunks_done: int = 0
     backend: str | None = None
@@ -251,25 +228,6 @@ class WindowLoop:
             self._restore_window(in_flight.popleft(), install)
         self._fail(window, RestoreCancelled(f"stopped before window {window.index}"))
 
-    # -- store ------------------------------------------------------------------------------
-    def store(self, windows: Iterable[Window], sink: WindowSink, gather: TransferFn) -> None:
-        """Every window staged in `sink`, gathered, synchronized, put and released."""
-        for window in windows:
-            reservation = self._admit(window, deque(), gather)
-            with self._failing(window, reservation), self.stats.time("submit"):
-                staged = sink.stage(window, reservation)
-            held = _Held(window, staged, reservation, self.stats)
-            with self._failing(window, held):
-                with self.stats.time("install"):
-                    for block_slice in map_onto_destination(window, staged.runs()):
-                        self.stats.backend = gather(*block_slice) or self.stats.backend
-                        self.stats.launches += 1
-                with self.stats.time("sync"):
-                    staged.synchronize(self.stream)  # an asynchronous gather lands before the put reads
-                    staged.put()
-                    held.release()
-            self._advance(window)
-
     # -- shared -----------------------------------------------------------------------------
     def _admit(self, window: Window, in_flight: deque[_Held], transfer: TransferFn) -> WindowReservation:
         """The window's staging. Never block on the admission while holding a fetched window
@@ -312,7 +270,7 @@ class _Held:
     """A window between its fetch (or staging) and its release: the staged bytes and the reservation."""
 
     window: Window
-    staged: SubmittedWindow | StoreWindow
+    staged: SubmittedWindow
     reservation: WindowReservation
     stats: LoopStats
     _counted: bool = False

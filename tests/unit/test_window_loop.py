@@ -15,10 +15,11 @@ import threading
 import pytest
 import torch
 from kernel_util import POISON, random_kv
-from restore_util import fresh_request, random_tables, store_random_prefix
+from restore_util import StoredPrefix, fresh_request, random_tables, store_random_prefix
 
 from bsr_harness.memory_tier import MemoryTier
 from bsr_kernels import StagingArena, WindowInstaller, gather_window, presets
+from bsr_runtime import saver as saver_mod
 from bsr_runtime import store as store_mod
 from bsr_runtime.admission import Admission
 from bsr_runtime.keys import KeySpace, PrefixKeys
@@ -59,15 +60,21 @@ def test_store_synchronizes_an_asynchronous_gather_before_the_put(monkeypatch):
     space = KeySpace(REG.fingerprint, 0, 1, "")
     stream = DelayedHostStream()
 
-    def delayed_gather(out, reg, kv_, tables_, first, n, *, backend="auto", stream=None):
+    def delayed_gather(out, reg, kv_, tables_, first, n, *, backend="auto", stream=None, end_tokens=None):
         out.fill_(POISON)  # what a put would see if it ran before the copy landed
         stream.submit(lambda: gather_window(out, reg, kv_, tables_, first, n, backend="torch"))
         return "delayed"
 
-    monkeypatch.setattr(store_mod, "gather_window", delayed_gather)
+    monkeypatch.setattr(saver_mod, "gather_window", delayed_gather)
     tier = MemoryTier(REG.chunk_bytes, REG.fingerprint)
+    expected = state_hash(REG, kv, tables, num_chunks)
     rep = store_mod.store_prefix(REG, tier, space, tokens, kv, tables, window_chunks=2, stream=stream)
-    assert rep.state_hash == state_hash(REG, kv, tables, num_chunks)
+    assert rep.state_hash == expected and rep.num_chunks == num_chunks
+    # what the tier holds is what the gathers wrote, not the poison the staging held before they landed
+    req = fresh_request(StoredPrefix(REG, tokens, space, num_chunks, expected), seed=4)
+    out = BoundedRestorer(REG, RestoreConfig(window_chunks=2, backend="torch")).restore(req, tier, num_chunks)
+    assert out.ok, out.error
+    assert state_hash(REG, req.kv, req.block_tables, num_chunks) == expected
 
 
 def _stored(num_chunks: int = 8):
