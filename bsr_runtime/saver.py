@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -77,8 +77,12 @@ class _SaveJob:
 
 class Saver:
     def __init__(self, reg: Registration, tiers: Sequence[Tier], *, staging_chunks: int, keyspace: KeySpace,
-                 backend: str = "auto", stream=None, zero_gaps: bool = False) -> None:
+                 backend: str = "auto", stream=None, zero_gaps: bool = False,
+                 on_staged: Callable[[int, torch.Tensor], None] | None = None) -> None:
         self.reg = reg
+        # called on the put thread with (first chunk, its staged bytes) of each piece before its puts
+        # (store_prefix hashes what it stores); an engine's saver has none
+        self.on_staged = on_staged
         # a block not resident (-1) reads as zeros instead of ending the save at its chunk: for states built
         # whole elsewhere (the harness's, store.store_prefix), never an engine's, whose gaps are blocks a
         # sliding window dropped (a chunk saved with zeros there would be served wrong)
@@ -131,7 +135,7 @@ class Saver:
             self._next[request_id] = first if end == num_chunks else -1
             return self._skipped(rec, "no resident chunk to save") if end < num_chunks else None
         space = dataclasses.replace(self.keyspace, salt=salt, features=tuple(features))
-        tables = [torch.tensor(b, dtype=torch.int64) for b in block_ids]
+        tables = [torch.as_tensor(b, dtype=torch.int64) for b in block_ids]  # a tensor's (int64) is not copied
         at = first
         while at < end:  # in pieces of at most the whole staging
             n = min(end - at, self.arena.capacity_chunks)
@@ -225,6 +229,8 @@ class Saver:
         keys = chain.window(job.first_chunk, job.num_chunks)
         if job.sweep_partials and not job.partial_tokens:
             self._delete_dead_partials(chain, job.first_chunk)
+        if self.on_staged is not None:
+            self.on_staged(job.first_chunk, job.lease.view)
         views = job.lease.chunks()
         stored: dict[str, int] = {}
         held: dict[str, int] = {}  # chunks a tier held already

@@ -259,3 +259,35 @@ def test_staged_runs_map_onto_their_destination_block_slices():
     slices = list(map_onto_destination(Window(3, 8, 4), [(0, 2, a), (3, 1, b)]))
     assert [(s.first_chunk, s.num_chunks) for s in slices] == [(8, 2), (11, 1)]
     assert slices[0].staged is a and slices[1].staged is b
+
+
+def test_a_store_whose_put_fails_raises_naming_the_tier_and_gives_its_staging_back():
+    """store_prefix goes through the Saver: a tier that refuses every put fails the store with a TierError
+    naming the tier and the chunks (a Saver alone only records it), and nothing is left leased."""
+    from bsr_harness.faulty_tier import FaultyTier
+    from bsr_runtime.tiers.base import TierError
+
+    num_chunks = 6
+    blocks, tables = random_tables(REG, num_chunks, seed=11)
+    kv = random_kv(REG, blocks, seed=12)
+    tokens = list(range(num_chunks * REG.chunk_tokens))
+    tier = FaultyTier(MemoryTier(REG.chunk_bytes, REG.fingerprint))
+
+    def refuse(*a, **kw):
+        raise TierError("put refused")
+
+    tier.put = refuse
+    leased = []
+    real = saver_mod.Saver.close
+
+    def close(self, timeout_s=30.0):
+        leased.append(self.arena)
+        return real(self, timeout_s)
+
+    saver_mod.Saver.close = close
+    try:
+        with pytest.raises(TierError, match="memory: store of chunks 0..0 failed: .*put refused"):
+            store_mod.store_prefix(REG, tier, KeySpace(REG.fingerprint), tokens, kv, tables, window_chunks=2)
+    finally:
+        saver_mod.Saver.close = real
+    assert leased and leased[0].live_bytes == 0 and len(tier.inner) == 0
