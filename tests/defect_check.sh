@@ -43,6 +43,10 @@ defect "LMCache server module: a window's prefetched objects not counted as held
   bsr_runtime/integrations/lmcache/server_retrieve.py \
   "                staged.hold(len(keys))" "                pass" \
   tests/integration/vllm/test_lmcache_server_tp.py
+# a save's put reads its staging only after the gather landed (GPU gathers return before they complete)
+defect "saver: the put reads its staging before the gather landed" bsr_runtime/saver.py \
+  "                job.lease.synchronize()  # the gather landed: the puts read what it wrote" "                job.lease.synchronized = True" \
+  tests/unit/test_saver.py tests/unit/test_window_loop.py
 # issue 40: the step waits for a background lookup once (probe_wait_s)
 defect "planner: probe_wait_s ignored" bsr_runtime/planner.py \
   "if not running.waited_in_step and self.probe_wait_s > 0:" "if False:" \
