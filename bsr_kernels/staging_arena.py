@@ -5,7 +5,8 @@ from it and gives the run back after the work that read it completed (synchroniz
 Live staging can therefore never exceed the buffer: the bound is the buffer itself, not a counter
 beside it. A restorer's own staging is an arena of W chunks (at pipeline depth 2 its windows of
 ceil(W/2) and floor(W/2) chunks are two runs of it), concurrent restores share one of B bytes (the
-byte budget), a whole plan's is one of N chunks, a store's and the saver's their own.
+byte budget), a whole plan's is one of N chunks, and a saver's (the engine's saves, the harness's stores)
+its own.
 
 Leases are granted first come, first served: a waiter is never overtaken by a later request, so
 the windows of a short restore interleave with those of a long one instead of queueing behind
@@ -91,11 +92,6 @@ class CompletionEvent:
         else:
             self._host_stream = stream if hasattr(stream, "synchronize") else None
         self._recorded = True
-
-    def query(self) -> bool:
-        if self._cuda is not None and self._recorded:
-            return self._cuda.query()
-        return self._host_stream is None
 
     def synchronize(self) -> None:
         if self._cuda is not None and self._recorded:

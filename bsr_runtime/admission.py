@@ -25,7 +25,7 @@ from bsr_kernels.staging_arena import ArenaLease, StagingArena, StagingArenaReti
 
 from .validation import check_int, check_timeout
 
-SERIAL = threading.Lock()  # one restore (or store) at a time in this process: the default admission's lock
+SERIAL = threading.Lock()  # one restore at a time in this process: a restorer's default serial lock
 
 
 class WindowReservation:
@@ -34,10 +34,6 @@ class WindowReservation:
 
     def __init__(self, lease: ArenaLease) -> None:
         self.lease = lease
-
-    @property
-    def num_chunks(self) -> int:
-        return self.lease.num_chunks
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +55,6 @@ class Admission:
         self._current = arena if callable(arena) else (lambda: arena)
         self.serial = serial
         self.should_stop = should_stop
-        self.max_wait_s = 0.0  # the longest wait for the serial lock
 
     @property
     def arena(self) -> StagingArena:
@@ -72,10 +67,8 @@ class Admission:
         if self.serial is None:
             yield self
             return
-        t0 = time.monotonic()
         if not self.serial.acquire(timeout=-1 if timeout is None else timeout):
             raise StagingWaitTimeout(f"restore admission not granted within {timeout}s")
-        self.max_wait_s = max(self.max_wait_s, time.monotonic() - t0)
         try:
             yield self
         finally:

@@ -9,8 +9,9 @@ destination blocks with one kernel launch, record the run's event, and release t
 only after that install completed (synchronize-then-release). W = 0 keeps the legacy
 whole-plan path (the whole plan staged at once) as the baseline. A tier that offers its own
 WindowSource (`Tier.window_source`: LMCache's L1) is restored from it instead: its windows are
-installed from where the tier holds them (each window still reserves its run, the bound), and the
-report's staging figures are what that source pinned.
+installed from where the tier holds them (leasing no staging of the restorer's own; from a shared
+arena each window still reserves its run of B), and the report's staging figures are what that source
+pinned.
 
 Staging is a StagingArena, leased window by window (admission.py): the restorer's own of W chunks (one
 restore at a time over the `serial` lock, process-wide by default), or one of B bytes that concurrent
@@ -298,7 +299,7 @@ class BoundedRestorer:
         """The one restore driver: the windows through the loop, each leasing its run of staging (the shared
         arena, the restorer's own, or for a whole plan without one an arena of the plan's size), fetched from
         the tier into it, or from the tier's own source (Tier.window_source: installed from where the tier
-        holds them; the run is still reserved, the bound). Every failure becomes a fail-closed report."""
+        holds them; a run is reserved only from a shared arena). Every failure becomes a fail-closed report."""
         reg, cfg = self.reg, self.config
         t0 = time.perf_counter()
         first = req.local_tokens // reg.chunk_tokens
@@ -315,16 +316,16 @@ class BoundedRestorer:
         current = (lambda: self.arena) if self.arena is not None else arena
         admission = Admission(current, serial=self.serial, should_stop=req.should_stop)
         # a tier's own source pins what it installs from and bounds that itself: its windows lease no staging
-        # of ours, except from a shared arena, where they reserve their runs of the budget B all restores share
-        # each window's staging goes back once the install that read it completed, on the stream it ran on
+        # of ours, except from a shared arena, where they reserve their runs of the budget B all restores share.
+        # Each window's staging goes back once the install that read it completed, on the stream it ran on.
         loop = WindowLoop(None if in_place and self.arena is None else admission, work_stream(req.kv, self.stream),
                           depth=cfg.pipeline_depth, admission_timeout_s=cfg.admission_timeout_s,
                           should_stop=req.should_stop)
         try:
             with admission.admitted(cfg.admission_timeout_s):
                 try:
-                    if self.arena is None and not in_place:  # the restorer's own: registered here (a shared
-                        self._register(tier, arena)  # one by its owner)
+                    if self.arena is None and not in_place:  # own staging: registered here (a shared arena
+                        self._register(tier, arena)  # is its owner's to register)
                     loop.restore(plan_windows(num_chunks, cfg.window_chunks, cfg.pipeline_depth, first), source,
                                  installer.install)
                     report.ok = True

@@ -78,9 +78,9 @@ class _SaveJob:
 class Saver:
     def __init__(self, reg: Registration, tiers: Sequence[Tier], *, staging_chunks: int, keyspace: KeySpace,
                  backend: str = "auto", stream=None, zero_gaps: bool = False,
-                 on_staged: Callable[[int, torch.Tensor], None] | None = None) -> None:
+                 on_staged: Callable[[torch.Tensor], None] | None = None) -> None:
         self.reg = reg
-        # called on the put thread with (first chunk, its staged bytes) of each piece before its puts
+        # called on the put thread with each piece's staged bytes, in prefix order, before its puts
         # (store_prefix hashes what it stores); an engine's saver has none
         self.on_staged = on_staged
         # a block not resident (-1) reads as zeros instead of ending the save at its chunk: for states built
@@ -230,7 +230,7 @@ class Saver:
         if job.sweep_partials and not job.partial_tokens:
             self._delete_dead_partials(chain, job.first_chunk)
         if self.on_staged is not None:
-            self.on_staged(job.first_chunk, job.lease.view)
+            self.on_staged(job.lease.view)
         views = job.lease.chunks()
         stored: dict[str, int] = {}
         held: dict[str, int] = {}  # chunks a tier held already

@@ -32,12 +32,12 @@ class ChunkHasher:
 
 
 def state_hash(reg: Registration, kv: Sequence[torch.Tensor], block_tables: Sequence[torch.Tensor],
-               num_chunks: int, window_chunks: int = 32, *, first_chunk: int = 0) -> str:
-    """Hash of chunks first_chunk..num_chunks-1 held in `kv` (bounded: one window of scratch)."""
+               num_chunks: int, window_chunks: int = 32) -> str:
+    """Hash of chunks 0..num_chunks-1 held in `kv` (bounded: one window of scratch)."""
     hasher = ChunkHasher()
-    w = max(1, min(window_chunks, num_chunks - first_chunk))
+    w = max(1, min(window_chunks, num_chunks))
     buf = torch.empty(w * reg.chunk_bytes, dtype=torch.uint8)
-    for first in range(first_chunk, num_chunks, w):
+    for first in range(0, num_chunks, w):
         n = min(w, num_chunks - first)
         gather_window(buf, reg, kv, block_tables, first, n, backend="torch")
         hasher.update(buf[: n * reg.chunk_bytes])

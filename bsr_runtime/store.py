@@ -20,7 +20,7 @@ from .state_hash import ChunkHasher
 from .tiers.base import Tier, TierError
 from .validation import check_int
 
-PUT_WAIT_S = 600.0  # the most one window's puts may take before the store fails (a tier's own bounds come first)
+PUT_WAIT_S = 600.0  # the most the store waits for its puts, at a time (a tier's own bounds come first)
 
 
 @dataclass
@@ -55,7 +55,7 @@ def store_prefix(reg: Registration, tier: Tier, keyspace: KeySpace, tokens: Sequ
     w = max(1, min(window_chunks, n_total - first_chunk))
     hasher = ChunkHasher()  # over what was staged and put, window by window in prefix order
     saver = Saver(reg, [tier], staging_chunks=w, keyspace=keyspace, backend=backend, stream=stream, zero_gaps=True,
-                  on_staged=lambda first, staged: hasher.update(staged))
+                  on_staged=hasher.update)
     saver.kv = list(kv)
     ids = [torch.as_tensor(t, dtype=torch.int64) for t in block_tables]  # once, not per window
     try:
@@ -93,5 +93,5 @@ def _wait_for_room(saver: Saver, num_chunks: int, tier: Tier) -> None:
 def _raise_failed(saver: Saver, tier: Tier) -> None:
     for rec in saver.take_finished():
         if not rec.get("ok"):
-            first, n = rec.get("first_chunk", 0), rec.get("num_chunks", 0)
-            raise TierError(f"{tier.name}: store of chunks {first}..{n - 1} failed: {rec.get('error')}")
+            first, end = rec.get("first_chunk", 0), rec.get("num_chunks", 0)  # a save record's range is first..end-1
+            raise TierError(f"{tier.name}: store of chunks {first}..{end - 1} failed: {rec.get('error')}")

@@ -102,7 +102,7 @@ class _NoStaging:
     """The reservation of a window that leases no staging (WindowLoop.admission None)."""
 
     lease = None
-    num_chunks = nbytes = 0
+    nbytes = 0
 
     def release(self) -> None:
         pass

@@ -261,7 +261,7 @@ def test_staged_runs_map_onto_their_destination_block_slices():
     assert slices[0].staged is a and slices[1].staged is b
 
 
-def test_a_store_whose_put_fails_raises_naming_the_tier_and_gives_its_staging_back():
+def test_a_store_whose_put_fails_raises_naming_the_tier_and_gives_its_staging_back(monkeypatch):
     """store_prefix goes through the Saver: a tier that refuses every put fails the store with a TierError
     naming the tier and the chunks (a Saver alone only records it), and nothing is left leased."""
     from bsr_harness.faulty_tier import FaultyTier
@@ -284,10 +284,7 @@ def test_a_store_whose_put_fails_raises_naming_the_tier_and_gives_its_staging_ba
         leased.append(self.arena)
         return real(self, timeout_s)
 
-    saver_mod.Saver.close = close
-    try:
-        with pytest.raises(TierError, match="memory: store of chunks 0..0 failed: .*put refused"):
-            store_mod.store_prefix(REG, tier, KeySpace(REG.fingerprint), tokens, kv, tables, window_chunks=2)
-    finally:
-        saver_mod.Saver.close = real
+    monkeypatch.setattr(saver_mod.Saver, "close", close)
+    with pytest.raises(TierError, match="memory: store of chunks 0..0 failed: .*put refused"):
+        store_mod.store_prefix(REG, tier, KeySpace(REG.fingerprint), tokens, kv, tables, window_chunks=2)
     assert leased and leased[0].live_bytes == 0 and len(tier.inner) == 0
