@@ -125,6 +125,10 @@ class Tuning(Schema):
     # (once per request; 0: never): a probe thread that shares the interpreter with the engine's step
     # takes several times longer, and the request then waits for a later step
     probe_wait_s: Seconds = 0.05
+    # with background loads, how long the step that starts loads waits for their loader threads to begin
+    # (once per load; 0: never): a woken loader thread otherwise waits for the interpreter behind the step's
+    # own Python, up to several ms, and the request waits with it
+    load_start_wait_s: Annotated[float, Field(ge=0, le=0.1, allow_inf_nan=False)] = 0.002
     # a tier that could not be reached (TierUnavailableError: its Mooncake master down) is neither probed nor
     # read for this long, so a dead store costs one failure, not one per request; once it passes, the next
     # request probes it again (a restarted master is found then). A lost store host is not this: the tier

@@ -11,11 +11,10 @@ keys to file names hash them again and never use a key as a path.
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .validation import check_int, check_text, check_token_ids
+from .validation import check_int, check_text, token_id_bytes
 
 KEY_VERSION = "bsr1"
 
@@ -96,13 +95,13 @@ def _check_space(space: KeySpace) -> None:
 class PrefixKeys:
     """Keys of one request's prefix, produced window by window.
 
-    Holds only the running chain hash (O(1) auxiliary state): asking for consecutive windows
-    walks the chain once; asking out of order restarts the walk from chunk 0.
+    Holds the token ids packed once (8 B a token, checked) and the running chain hash: asking for
+    consecutive windows walks the chain once; asking out of order restarts the walk from chunk 0.
     """
 
     def __init__(self, space: KeySpace, tokens: Sequence[int], chunk_tokens: int, partial_tokens: int = 0) -> None:
         check_int("chunk_tokens", chunk_tokens, lo=1)
-        check_token_ids(tokens)  # a float id would be truncated into another token's key
+        self._ids = token_id_bytes(tokens)  # checked: a float id would be truncated into another token's key
         self.space = space
         self.tokens = tokens
         self.chunk_tokens = chunk_tokens
@@ -128,19 +127,15 @@ class PrefixKeys:
         prefix = self.space._prefix  # once per window, not per key
         ct = self.chunk_tokens
         out = []
-        while self._cursor < end:  # the chain walked in blocks of at most _BLOCK chunks
-            start = self._cursor
-            stop = min(end, start + _BLOCK)
-            data = memoryview(_token_bytes(self.tokens[start * ct : stop * ct]))
-            step = len(data) // (stop - start)
-            h = self._hash
-            for k in range(start, stop):
-                placed = _features_in(self.space.features, k * ct, (k + 1) * ct)
-                part = data[(k - start) * step : (k - start + 1) * step]
-                h = _h(h, part, placed) if placed else _h(h, part)  # no feature: the plain chain's key
-                if k >= first_chunk:
-                    out.append(f"{prefix}-{h.hex()}")
-            self._cursor, self._hash = stop, h
+        h, ids, features = self._hash, self._ids, self.space.features
+        for k in range(self._cursor, end):
+            placed = _features_in(features, k * ct, (k + 1) * ct)
+            part = ids[k * ct * 8 : (k + 1) * ct * 8]
+            h = _h(h, part, placed) if placed else _h(h, part)  # no feature: the plain chain's key
+            if k >= first_chunk:
+                out.append(f"{prefix}-{h.hex()}")
+        if end > self._cursor:
+            self._cursor, self._hash = end, h
         if partial:
             out.append(f"{prefix}-{self._partial_hash().hex()}")
         return out
@@ -171,7 +166,7 @@ class PrefixKeys:
         start, stop = f * ct, f * ct + self.partial_tokens
         placed = _features_in(self.space.features, start, stop)
         return _h(self._hash, b"partial chunk", str(self.partial_tokens).encode(),
-                  _token_bytes(self.tokens[start:stop]), placed)
+                  self._ids[start * 8 : stop * 8], placed)
 
 
 def _features_in(features: Sequence[tuple[int, int, str]], start: int, end: int) -> bytes:
@@ -183,25 +178,4 @@ def _features_in(features: Sequence[tuple[int, int, str]], start: int, end: int)
     return out
 
 
-_BLOCK = 64  # chunks whose token ids are packed at once (transient: 64 * chunk_tokens * 8 B)
 _CHAIN_START = b"\0" * 16
-
-
-def _token_bytes(chunk: Sequence[int]) -> bytes:
-    """The ids as native-order int64 bytes (what numpy's int64 `tobytes` gives)."""
-    if type(chunk) in (list, tuple):  # the common case: struct packs a list ~3x faster than numpy
-        try:
-            return struct.pack(f"={len(chunk)}q", *chunk)
-        except struct.error:
-            pass  # out of range or not ints: the path below raises the precise error
-    try:
-        import numpy as np
-
-        return np.asarray(chunk, dtype=np.int64).tobytes()
-    except OverflowError:
-        raise ValueError("a token id is outside the int64 range") from None
-    except (ImportError, TypeError):
-        try:
-            return b"".join(int(t).to_bytes(8, "little", signed=True) for t in chunk)
-        except OverflowError:
-            raise ValueError("a token id is outside the int64 range") from None

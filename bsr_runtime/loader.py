@@ -75,6 +75,7 @@ class _Job:
     spec: LoadSpec
     submitted: float
     stop: threading.Event = field(default_factory=threading.Event)
+    running: threading.Event = field(default_factory=threading.Event)  # its loader thread began it
     started: float | None = None
     record: LoadRecord | None = None
     restored: float | None = None
@@ -222,6 +223,15 @@ class Loader:
             self._jobs[spec.request_id] = job
         self._threads.submit(self._run_job, job)
 
+    def wait_started(self, request_ids: Sequence[str], timeout: float) -> bool:
+        """Wait until the loads of `request_ids` began on their loader threads (True), at most `timeout`
+        seconds in all. The caller's thread gives up the interpreter meanwhile, so a just-woken loader thread
+        takes it at once instead of waiting for it behind the caller's Python."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            jobs = [self._jobs[r] for r in request_ids if r in self._jobs]
+        return all(job.running.wait(max(0.0, deadline - time.monotonic())) for job in jobs)
+
     def cancel(self, request_id: str) -> bool:
         """Stop the request's load at its next window boundary (True if it was loading). Its result is
         still reported, after its in-flight windows completed."""
@@ -267,6 +277,7 @@ class Loader:
         reported as a failed load (its agreement taken part in, so the peers do not wait for it) and then
         re-raised on this thread, whose executor would otherwise swallow it with the load's result."""
         job.started = time.perf_counter()
+        job.running.set()
         escaped: BaseException | None = None
         try:
             job.record = self.retriever.restore_local(self._request(job.spec, job.stop), job.spec.num_chunks,

@@ -11,7 +11,10 @@ from __future__ import annotations
 import math
 import numbers
 import threading
+from array import array
 from collections.abc import Sequence
+
+import numpy as np
 
 TIMEOUT_MAX_S = float(threading.TIMEOUT_MAX)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -77,21 +80,43 @@ def check_text(name: str, value: object) -> str:
 
 def check_token_ids(tokens: Sequence) -> None:
     """Token ids must be integers: a float id (t + 0.9) would otherwise be truncated into the key
-    of another token, and a bool or string is a caller's bug. Arrays and tensors are checked by
-    dtype; other sequences by the set of element types (one cheap pass: ~6 ms for 512K ids)."""
+    of another token, and a bool or string is a caller's bug; each within int64."""
+    token_id_bytes(tokens)
+
+
+def token_id_bytes(tokens: Sequence) -> memoryview:
+    """The checked ids (check_token_ids) as native-order int64 bytes, what numpy's int64 `tobytes` gives.
+    Arrays and tensors are checked by dtype; other sequences are packed in one pass that refuses every
+    element that is not an integer but a bool (array('q')), then only the ids equal to 0 or 1 are looked
+    at for bools (~0.5 ms for 32K ids, where checking every element's type and then packing took twice that)."""
     dtype = getattr(tokens, "dtype", None)
     if dtype is not None and hasattr(tokens, "ndim"):
         _check_token_array(tokens)
-        return
+        return memoryview(np.ascontiguousarray(np.asarray(tokens), dtype=np.int64)).cast("B")
     try:
-        types = set(map(type, tokens))
+        ids = array("q", tokens)
+    except OverflowError:
+        raise ValueError("a token id is outside the int64 range") from None
+    except TypeError:
+        _raise_not_integers(tokens)
+        raise
+    values = np.frombuffer(ids, dtype=np.int64)
+    for i in np.flatnonzero((values >= 0) & (values <= 1)).tolist():  # a bool packs as 0 or 1
+        if isinstance(tokens[i], bool):
+            raise ValueError(f"token ids must be integers, got {tokens[i]!r} at position {i}")
+    return memoryview(ids).cast("B")
+
+
+def _raise_not_integers(tokens) -> None:
+    """The first element that is not an integer, in a one-line error (or a sequence that is no sequence)."""
+    try:
+        items = list(tokens)
     except TypeError:
         raise ValueError(f"token ids must be a sequence of integers, got {type(tokens).__name__}") from None
-    if not types <= {int}:
-        for i, t in enumerate(tokens):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise ValueError(f"token ids must be integers, got {t!r} at position {i}")
-    # the int64 range is checked where ids are packed (keys._token_bytes), chunk by chunk
+    for i, t in enumerate(items):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"token ids must be integers, got {t!r} at position {i}")
+    raise ValueError("token ids must be integers that fit in int64")
 
 
 def _check_token_array(tokens) -> None:

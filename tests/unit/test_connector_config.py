@@ -157,8 +157,8 @@ def test_the_top_level_keeps_to_a_dozen_keys_and_the_rest_nests():
     assert {"tiers", "window_chunks", "restore_budget_bytes", "timeouts", "tuning"} <= top
     for old in ("fetch_timeout_s", "probe_timeout_s", "agree_timeout_s", "shutdown_timeout_s",
                 "staging_wait_timeout_s", "pipeline_depth", "chunk_tokens", "backend", "max_concurrent_restores",
-                "save_staging_chunks", "probe_wait_s", "unavailable_cooldown_s", "gil_switch_interval_s",
-                "max_staging_retirements"):
+                "save_staging_chunks", "probe_wait_s", "load_start_wait_s", "unavailable_cooldown_s",
+                "gil_switch_interval_s", "max_staging_retirements"):
         assert f"{old}: unknown key" in refused(cfg(**{old: 1})), old
     for group in ("timeouts", "tuning"):
         assert f"{group}.nope: unknown key" in refused(cfg(**{group: {"nope": 1}}))

@@ -249,6 +249,28 @@ def test_a_short_load_is_not_stuck_behind_a_long_one(tmp_path):
         scene.close()
 
 
+def test_wait_started_returns_once_the_loads_began_and_is_bounded_when_they_cannot(tmp_path):
+    """The step that starts loads waits for their threads to begin (vLLM connector, load_start_wait_s):
+    True once each began; with every loader thread busy a queued load cannot begin, and the wait ends
+    at its bound with False."""
+    scene = Scene(tmp_path, [30, 2])
+    scene.tier.plan.delay_s = 0.03
+    loader = scene.loader(w=2, budget_windows=2, max_restores=1)  # one loader thread
+    try:
+        loader.submit(scene.spec(0))
+        assert loader.wait_started(["req-0"], 5.0)
+        t0 = time.monotonic()
+        loader.submit(scene.spec(1))  # queued behind req-0 on the only thread
+        assert not loader.wait_started(["req-1"], 0.05)
+        assert 0.04 <= time.monotonic() - t0 < 1.0
+        assert loader.wait_started(["gone"], 0.0)  # not loading: nothing to wait for
+        results = _wait_all(loader, 2)
+        assert all(r.committed for r in results) and scene.restored(0) and scene.restored(1)
+    finally:
+        assert loader.close(30)
+        scene.close()
+
+
 def test_cancel_stops_at_a_window_boundary_and_nothing_lands_after_the_result(tmp_path):
     scene = Scene(tmp_path, [40])
     scene.tier.plan.delay_s = 0.03

@@ -142,11 +142,12 @@ def test_num_computed_tokens_validated(conn_setup, computed):
     lambda toks: [t + 0.9 for t in toks],
     lambda toks: toks[:5] + [float(toks[5])] + toks[6:],
     lambda toks: toks[:5] + [True] + toks[6:],
+    lambda toks: [0, 1] + toks[2:-1] + [False],  # ids 0 and 1 beside a bool that packs as 0
     lambda toks: toks[:5] + ["7"] + toks[6:],
     lambda toks: toks[:5] + [1 << 64] + toks[6:],
     lambda toks: toks[:5] + [None] + toks[6:],
     lambda toks: torch.tensor(toks, dtype=torch.float32),
-], ids=["all_float", "one_float", "bool", "str", "beyond_int64", "none", "float_tensor"])
+], ids=["all_float", "one_float", "bool", "last_false", "str", "beyond_int64", "none", "float_tensor"])
 def test_token_ids_must_be_integers(conn_setup, mutate):
     conn, sp = conn_setup
     bad = mutate(list(sp.tokens))
@@ -161,8 +162,22 @@ def test_integer_token_containers_accepted(conn_setup):
     ref = PrefixKeys(sp.keyspace, sp.tokens, REG.chunk_tokens).window(0, 4)
     import numpy as np
 
-    for toks in (torch.tensor(sp.tokens), np.asarray(sp.tokens, dtype=np.int32), tuple(sp.tokens)):
+    for toks in (torch.tensor(sp.tokens), np.asarray(sp.tokens, dtype=np.int32), tuple(sp.tokens),
+                 [np.int64(t) for t in sp.tokens]):
         assert PrefixKeys(sp.keyspace, toks, REG.chunk_tokens).window(0, 4) == ref
+
+
+def test_token_ids_pack_as_int64_and_ids_0_and_1_are_integers():
+    """Token ids 0 and 1 (often BOS/EOS) are ids, not bools; the packed bytes are numpy's int64 of the ids."""
+    import numpy as np
+
+    from bsr_runtime.validation import token_id_bytes
+
+    toks = [1, 0, 5, 1, -3, (1 << 63) - 1, 0]
+    assert bytes(token_id_bytes(toks)) == np.asarray(toks, dtype=np.int64).tobytes()
+    assert bytes(token_id_bytes(torch.tensor(toks))) == np.asarray(toks, dtype=np.int64).tobytes()
+    with pytest.raises(ValueError, match="token id.*False.*position 1"):
+        token_id_bytes([1, False, 0])
 
 
 @pytest.mark.parametrize("n", [2.5, 2.0, math.nan, -1, "2", True])

@@ -101,10 +101,18 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        """vLLM's first call into the worker's connector in a step, before it prepares the step's inputs:
+        background loads start here, a few ms sooner than in start_load_kv (no forward reads their blocks
+        before vLLM hears they finished). Sync loads wait for start_load_kv."""
+        if self.worker is not None and self.worker.load_async and isinstance(kv_connector_metadata,
+                                                                             BSRConnectorMetadata):
+            self.worker.start_load(kv_connector_metadata, hook="handle_preemptions")
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, BSRConnectorMetadata)
-        self.worker.start_load(meta)
+        self.worker.start_load(meta, hook="start_load_kv")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # async loads are waited for by the scheduler; sync ones complete in start_load_kv

@@ -63,6 +63,8 @@ class WorkerSide:
                                keyspace=KeySpace(reg.fingerprint, tp_rank, tp_world, cfg.salt, model))
         self.kv: list[torch.Tensor] | None = None
         self._failed_this_step: set[str] = set()
+        self._started: BSRConnectorMetadata | None = None  # the last step's metadata whose loads started
+        self._start_hooks: dict[str, str] = {}  # request -> the vLLM call that started its load (records)
         self._load_errors: set[int] = set()
         self.loads: deque[dict] = deque(maxlen=RECORDS)  # the latest load records (tests, demo)
         self.saves: deque[dict] = deque(maxlen=RECORDS)
@@ -91,12 +93,22 @@ class WorkerSide:
             self.saver.kv = self.kv
 
     # -- load ------------------------------------------------------------------------------
-    def start_load(self, meta: BSRConnectorMetadata) -> None:
+    def start_load(self, meta: BSRConnectorMetadata, *, hook: str = "start_load_kv") -> None:
+        """Start the step's loads; `hook`: vLLM's call that starts them (the load records say which).
+        A step's metadata starts its loads once: vLLM hands it to handle_preemptions, then to start_load_kv."""
+        if meta is self._started:
+            return
+        self._started = meta
         self._failed_this_step = set()
-        for spec in meta.loads:
-            if self.load_async:
+        if self.load_async:
+            for spec in meta.loads:
                 self.loader.submit(spec)
-                continue
+                self._start_hooks[spec.request_id] = hook  # read when the step thread reports the load
+            if meta.loads and self.cfg.tuning.load_start_wait_s > 0:
+                self.loader.wait_started([spec.request_id for spec in meta.loads], self.cfg.tuning.load_start_wait_s)
+            return
+        for spec in meta.loads:
+            self._start_hooks[spec.request_id] = hook
             record = self.loader.run(spec)
             self._report_load(record)
             if not record.committed:
@@ -138,6 +150,7 @@ class WorkerSide:
         rec = {"role": "worker", "rank": self.tp_rank, "event": "load", "request_id": record.request_id,
                "committed": bool(record.committed), "cancelled": record.cancelled, "num_chunks": record.num_chunks,
                "local_tokens": spec.local_tokens,
+               "started_in": self._start_hooks.pop(record.request_id, None),
                "exposed_tokens": min(record.exposed_tokens, spec.num_tokens or record.exposed_tokens),
                "partial_tokens": spec.partial_tokens,
                # prompt tokens prefilled after the restored prefix (vLLM's own prefix cache leaves 1 to 63)

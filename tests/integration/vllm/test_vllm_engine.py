@@ -130,6 +130,8 @@ def test_restore_fs_windowed(engines, model, served, cold, prompts):
     # the filesystem tier's preferred depth 2: two slots of W/2 = 1 chunk, 12 windows, staging W*c
     assert load["committed"] and load["num_chunks"] == 12 and load["pipeline_depth"] == 2
     assert load["load_mode"] == "async" and load["windows"] == 12
+    # started once, by vLLM's first worker call of the step (before it prepares the step's inputs)
+    assert load["started_in"] == "handle_preemptions"
     assert load["peak_staging_bytes"] == W * C
     t = load["timings"]  # where the time went
     assert t["probe_s"] > 0 and t["total_s"] >= t["restore_s"] >= t["fetch_s"] + t["install_s"] > 0
@@ -381,6 +383,7 @@ def test_sync_mode_restores_on_the_step(engines, model, served, cold, prompts):
     got = U.generate(llm, prompts["c3"])
     load = U.worker_connector().worker.loads[-1]
     assert load["load_mode"] == "sync" and load["committed"] and got[2] == 6 * U.CHUNK
+    assert load["started_in"] == "start_load_kv"  # before the forward that reads it, not in handle_preemptions
     _same(got, cold["c3"])
 
 
