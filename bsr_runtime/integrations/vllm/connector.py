@@ -74,7 +74,24 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
         return self._kv_cache_manager.get_block_ids(request_id)
 
     def on_new_request(self, request) -> None:
-        self.scheduler.on_new_request(request)
+        if not self._cached_by_vllm(request):
+            self.scheduler.on_new_request(request)
+
+    def _cached_by_vllm(self, request) -> bool:
+        """Whether vLLM's own prefix cache holds the block before the prompt's last token: the engine's hit
+        then covers all BSR could restore, and a lookup started now would only take the interpreter from
+        the step's prefill. One KV-cache group only (block hashes at its block size); False when unsure,
+        and the lookup starts now as for any request (get_num_new_matched_tokens decides either way)."""
+        groups = self._kv_cache_config.kv_cache_groups
+        if self._kv_cache_manager is None or len(groups) != 1:
+            return False
+        bs = groups[0].kv_cache_spec.block_size
+        n = getattr(request, "num_prompt_tokens", 0)
+        hashes = getattr(request, "block_hashes", None) or ()
+        last = (n - 1) // bs - 1
+        if last < 0 or len(hashes) != n // bs:
+            return False
+        return self._kv_cache_manager.block_pool.get_cached_block(hashes[last], [0]) is not None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

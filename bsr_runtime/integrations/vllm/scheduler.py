@@ -55,7 +55,7 @@ class SchedulerSide:
         self._refused_taken: dict[str, int] = {}  # planner.stats.refused at the last take_stats()
         self.inflight: dict[str, tuple[int, set[int]]] = {}  # request -> (chunks, blocks) of its load
         self.save_triggers = SaveTriggers(reg.chunk_tokens)  # which prompt chunks to save, in which step
-        # the latest (event, request id): probe, skip, load, marker_set, marker_cleared (tests, logs)
+        # the latest (event, request id): early_lookup, probe, skip, load, marker_set, marker_cleared (tests, logs)
         self.events: deque[tuple[str, str]] = deque(maxlen=4096)
 
     @property
@@ -74,8 +74,8 @@ class SchedulerSide:
     def on_new_request(self, request) -> None:
         """The request arrived: its lookup starts on the probe thread, so it is often done by the time
         the engine first asks (async loads)."""
-        if self.load_async:
-            self.planner.start_lookup(request)
+        if self.load_async and self.planner.start_lookup(request) is not None:
+            self.events.append(("early_lookup", request.request_id))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """With async loads the lookup runs on a probe thread of the planner: None (vLLM asks again next

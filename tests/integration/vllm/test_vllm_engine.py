@@ -121,9 +121,11 @@ def test_restore_fs_windowed(engines, model, served, cold, prompts):
     `store`): identical output, staging W*c; tenants."""
     llm = _restoring(engines, model, served)
     worker = U.worker_connector().worker
-    loads_before, saves_before = len(worker.loads), len(worker.saves)
+    events = U.scheduler_connector(llm).scheduler.events
+    loads_before, saves_before, events_before = len(worker.loads), len(worker.saves), len(events)
     got = U.generate(llm, prompts["p1"])
     assert len(worker.loads) == loads_before + 1
+    assert "early_lookup" in [e for e, _ in list(events)[events_before:]]  # looked up from its arrival
     load = worker.loads[-1]
     assert got[2] == 12 * U.CHUNK  # num_cached_tokens: the restored chunks
     _same(got, cold["p1"])
@@ -137,6 +139,11 @@ def test_restore_fs_windowed(engines, model, served, cold, prompts):
     assert t["probe_s"] > 0 and t["total_s"] >= t["restore_s"] >= t["fetch_s"] + t["install_s"] > 0
     assert worker.wait_saves(60)
     assert all(s["stored"] == 0 for s in list(worker.saves)[saves_before:])  # the tier holds it all
+    # again, now resident in vLLM's prefix cache: no load, and no lookup taking the interpreter from its prefill
+    events_before = len(events)
+    again = U.generate(llm, prompts["p1"])
+    assert again[2] >= 12 * U.CHUNK - 64 and len(worker.loads) == loads_before + 1
+    assert "early_lookup" not in [e for e, _ in list(events)[events_before:]]
     # tenants: bob never hits alice's objects, alice does
     n_loads = len(worker.loads)
     bob = U.generate(llm, prompts["p1"], cache_salt="bob")

@@ -81,7 +81,7 @@ def test_hybrid_two_groups_restore_and_collapse(model, tokens, tmp_path):
         U.shutdown(llm)
     assert not load["committed"] and load["exposed_tokens"] == 0
     assert load["invalid_blocks"] == load["total_blocks"] > full_blocks  # every block of both groups
-    assert events[:3] == ["probe", "load", "marker_set"]
+    assert events[:4] == ["early_lookup", "probe", "load", "marker_set"]  # looked up from its arrival on
     assert "skip" in events and events.count("probe") == 1  # re-admitted: no second lookup
     assert got[0] == cold[0] and got[1] == cold[1]  # recomputed locally
 
