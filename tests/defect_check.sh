@@ -51,6 +51,18 @@ defect "saver: the put reads its staging before the gather landed" bsr_runtime/s
 defect "planner: probe_wait_s ignored" bsr_runtime/planner.py \
   "if not running.waited_in_step and self.probe_wait_s > 0:" "if False:" \
   tests/unit/test_planner.py
+# issue 40: background loads start in handle_preemptions; a resident prompt starts no lookup
+defect "connector: background loads wait for start_load_kv (handle_preemptions starts nothing)" \
+  bsr_runtime/integrations/vllm/connector.py \
+  "        if self.worker is not None and self.worker.load_async and isinstance(" "        if False and isinstance(" \
+  tests/integration/vllm/test_vllm_engine.py
+defect "connector: a prompt resident in vLLM's cache still starts a lookup at its arrival" \
+  bsr_runtime/integrations/vllm/connector.py \
+  "        if not self._cached_by_vllm(request):" "        if True:" \
+  tests/integration/vllm/test_vllm_engine.py
+defect "keys: a bool id packed as 0 accepted" bsr_runtime/validation.py \
+  "        if isinstance(tokens[i], bool):" "        if False:" \
+  tests/unit/test_validation.py
 # issue 39: a Mooncake cluster shared by engines (one module: its processes start once)
 defect "cluster: engines mount a segment of their own (objects not on the store hosts)" bsr_runtime/tiers/registry.py \
   'engine_defaults={"global_segment_size": 0}' 'engine_defaults={"global_segment_size": 64 << 20}' \
