@@ -148,7 +148,7 @@ def _worker(loader: Loader | None, reg, saver: Saver | None = None) -> SimpleNam
     return SimpleNamespace(tp_rank=0, loader=loader, cfg=cfg, reg=reg, saver=saver,
                            restore_config=loader.config if loader else None,
                            keyspace=loader.keyspace if loader else None, loads=deque(), saves=deque(),
-                           stats=LoadSaveStats(reg.chunk_bytes))
+                           stats=LoadSaveStats(reg.chunk_bytes), _start_hooks={})
 
 
 class TwoTiers:
