@@ -78,14 +78,10 @@ def check_text(name: str, value: object) -> str:
     return value
 
 
-def check_token_ids(tokens: Sequence) -> None:
-    """Token ids must be integers: a float id (t + 0.9) would otherwise be truncated into the key
-    of another token, and a bool or string is a caller's bug; each within int64."""
-    token_id_bytes(tokens)
-
-
 def token_id_bytes(tokens: Sequence) -> memoryview:
-    """The checked ids (check_token_ids) as native-order int64 bytes, what numpy's int64 `tobytes` gives.
+    """The ids as native-order int64 bytes (what numpy's int64 `tobytes` gives), checked: token ids must be
+    integers within int64 (a float id, t + 0.9, would otherwise be truncated into the key of another token;
+    a bool or a string is a caller's bug).
     Arrays and tensors are checked by dtype; other sequences are packed in one pass that refuses every
     element that is not an integer but a bool (array('q')), then only the ids equal to 0 or 1 are looked
     at for bools (~0.5 ms for 32K ids, where checking every element's type and then packing took twice that)."""

@@ -63,7 +63,6 @@ class WorkerSide:
                                keyspace=KeySpace(reg.fingerprint, tp_rank, tp_world, cfg.salt, model))
         self.kv: list[torch.Tensor] | None = None
         self._failed_this_step: set[str] = set()
-        self._started: BSRConnectorMetadata | None = None  # the last step's metadata whose loads started
         self._start_hooks: dict[str, str] = {}  # request -> the vLLM call that started its load (records)
         self._load_errors: set[int] = set()
         self.loads: deque[dict] = deque(maxlen=RECORDS)  # the latest load records (tests, demo)
@@ -94,18 +93,17 @@ class WorkerSide:
 
     # -- load ------------------------------------------------------------------------------
     def start_load(self, meta: BSRConnectorMetadata, *, hook: str = "start_load_kv") -> None:
-        """Start the step's loads; `hook`: vLLM's call that starts them (the load records say which).
-        A step's metadata starts its loads once: vLLM hands it to handle_preemptions, then to start_load_kv."""
-        if meta is self._started:
-            return
-        self._started = meta
+        """Start the step's loads; `hook`: vLLM's call that starts them (the load records say which). vLLM hands
+        a step's metadata to handle_preemptions, then to start_load_kv: a load started is not started again
+        (its request holds a start hook until its record is reported, at the step's end)."""
         self._failed_this_step = set()
         if self.load_async:
-            for spec in meta.loads:
+            new = [spec for spec in meta.loads if spec.request_id not in self._start_hooks]
+            for spec in new:
                 self.loader.submit(spec)
                 self._start_hooks[spec.request_id] = hook  # read when the step thread reports the load
-            if meta.loads and self.cfg.tuning.load_start_wait_s > 0:
-                self.loader.wait_started([spec.request_id for spec in meta.loads], self.cfg.tuning.load_start_wait_s)
+            if new and self.cfg.tuning.load_start_wait_s > 0:
+                self.loader.wait_started([spec.request_id for spec in new], self.cfg.tuning.load_start_wait_s)
             return
         for spec in meta.loads:
             self._start_hooks[spec.request_id] = hook
