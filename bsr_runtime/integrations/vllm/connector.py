@@ -120,8 +120,9 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         """vLLM's first call into the worker's connector in a step, before it prepares the step's inputs:
-        background loads start here, a few ms sooner than in start_load_kv (no forward reads their blocks
-        before vLLM hears they finished). Sync loads wait for start_load_kv."""
+        background loads start here, a whole forward sooner than in start_load_kv, which vLLM 0.32 calls
+        after the step's forward when the step has no sync loads (no forward reads their blocks before vLLM
+        hears they finished). Sync loads wait for start_load_kv, which then comes before the forward."""
         if self.worker is not None and self.worker.load_async and isinstance(kv_connector_metadata,
                                                                              BSRConnectorMetadata):
             self.worker.start_load(kv_connector_metadata, hook="handle_preemptions")
