@@ -137,7 +137,7 @@ class PrefixKeys:
         if end > self._cursor:
             self._cursor, self._hash = end, h
         if partial:
-            out.append(f"{prefix}-{self._partial_hash().hex()}")
+            out.append(f"{prefix}-{self._partial_hash(self.full_chunks, self.partial_tokens).hex()}")
         return out
 
     def partial_candidates(self, chunk: int, align: int) -> list[str]:
@@ -151,22 +151,15 @@ class PrefixKeys:
             self.window(chunk - 1, 1)  # the chain walked to the chunk before
         else:
             self._cursor, self._hash = 0, _CHAIN_START
-        out = []
-        for n in range(align, ct, align):
-            partial = PrefixKeys(self.space, self.tokens[: chunk * ct + n], ct, n)
-            partial._cursor, partial._hash = chunk, self._hash
-            out.append(f"{self.space._prefix}-{partial._partial_hash().hex()}")
-        return out
+        return [f"{self.space._prefix}-{self._partial_hash(chunk, n).hex()}" for n in range(align, ct, align)]
 
-    def _partial_hash(self) -> bytes:
-        """The partial chunk: the `partial_tokens` tokens past the last whole chunk, chained after it under a marker
-        and with their count, so it is never a whole chunk's key nor another partial chunk's (of other tokens
-        or another length). Called with the chain walked to the last whole chunk."""
-        ct, f = self.chunk_tokens, self.full_chunks
-        start, stop = f * ct, f * ct + self.partial_tokens
-        placed = _features_in(self.space.features, start, stop)
-        return _h(self._hash, b"partial chunk", str(self.partial_tokens).encode(),
-                  self._ids[start * 8 : stop * 8], placed)
+    def _partial_hash(self, chunk: int, n: int) -> bytes:
+        """The partial chunk of the `n` tokens after chunks 0..chunk-1: chained after them under a marker and
+        with its count, so it is never a whole chunk's key nor another partial chunk's (of other tokens or
+        another length). Called with the chain walked to chunk - 1."""
+        start = chunk * self.chunk_tokens
+        placed = _features_in(self.space.features, start, start + n)
+        return _h(self._hash, b"partial chunk", str(n).encode(), self._ids[start * 8 : (start + n) * 8], placed)
 
 
 def _features_in(features: Sequence[tuple[int, int, str]], start: int, end: int) -> bytes:

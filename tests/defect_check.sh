@@ -57,8 +57,8 @@ defect "connector: background loads wait for start_load_kv (handle_preemptions s
   "        if self.worker is not None and self.worker.load_async and isinstance(" "        if False and isinstance(" \
   tests/integration/vllm/test_vllm_engine.py
 defect "connector: a prompt resident in vLLM's cache still starts a lookup at its arrival" \
-  bsr_runtime/integrations/vllm/connector.py \
-  "        if not self._cached_by_vllm(request):" "        if True:" \
+  bsr_runtime/integrations/vllm/scheduler.py \
+  "self.load_async and not self._cached_by_vllm(request) and" "self.load_async and" \
   tests/integration/vllm/test_vllm_engine.py
 defect "keys: a bool id packed as 0 accepted" bsr_runtime/validation.py \
   "        if isinstance(tokens[i], bool):" "        if False:" \

@@ -86,3 +86,35 @@ def test_the_tail_is_exposed_only_where_every_rank_holds_it():
     assert planner.match(_Req("d", aligned), 0) == 3 * CT - 64  # the last chunk in part, no partial chunk needed
     assert Planner(reg, [tier], tp_world=2).match(_Req("e", aligned), 0) == 2 * CT  # restore_partial_chunk off
     tier.close()
+
+
+def _ref_h(*parts: bytes) -> bytes:
+    """The key chain's hash, written out here from its definition (keys.py): blake2b-128 over each part
+    framed by its length (8 bytes, little-endian)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little") + p)
+    return h.digest()
+
+
+def test_keys_follow_the_chain_definition_for_every_kind_of_id_container():
+    """Known answers, computed apart from keys.py: chunk k's hash chains chunk k-1's over its ids as int64
+    little-endian bytes; the partial chunk's chains the last whole chunk's under a marker and its count. The
+    stored objects of every earlier version stay reachable only while this holds."""
+    import numpy as np
+
+    t = [1, 0, 5, 2**40, 29999] + _tokens(2 * CT + 64 - 5, seed=3)
+    h, want = b"\0" * 16, []
+    for k in range(2):
+        h = _ref_h(h, b"".join(x.to_bytes(8, "little", signed=True) for x in t[k * CT : (k + 1) * CT]))
+        want.append(h.hex())
+    tail = b"".join(x.to_bytes(8, "little", signed=True) for x in t[2 * CT :])
+    want.append(_ref_h(h, b"partial chunk", b"64", tail, b"").hex())
+    for ids in (t, tuple(t), torch.tensor(t), np.asarray(t, dtype=np.int64)):
+        got = PrefixKeys(SPACE, ids, CT, 64).window(0, 3)
+        assert [k.rsplit("-", 1)[1] for k in got] == want
+    assert [k.rsplit("-", 1)[1] for k in PrefixKeys(SPACE, t, CT).partial_candidates(1, 64)][0] == \
+        _ref_h(bytes.fromhex(want[0]), b"partial chunk", b"64",
+               b"".join(x.to_bytes(8, "little", signed=True) for x in t[CT : CT + 64]), b"").hex()

@@ -56,7 +56,8 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler: SchedulerSide | None = None
             self.worker: WorkerSide | None = None
             if role == KVConnectorRole.SCHEDULER:
-                self.scheduler = SchedulerSide(cfg, reg, tiers, self.model_id, world, self._block_ids_of)
+                self.scheduler = SchedulerSide(cfg, reg, tiers, self.model_id, world, self._block_ids_of,
+                                               kv_cache_config, self._block_pool)
             else:
                 rank, agree = 0, None
                 if world > 1:
@@ -73,25 +74,11 @@ class BSRConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._kv_cache_manager is not None, "vLLM bound no KV cache manager to the connector"
         return self._kv_cache_manager.get_block_ids(request_id)
 
-    def on_new_request(self, request) -> None:
-        if not self._cached_by_vllm(request):
-            self.scheduler.on_new_request(request)
+    def _block_pool(self):
+        return None if self._kv_cache_manager is None else self._kv_cache_manager.block_pool
 
-    def _cached_by_vllm(self, request) -> bool:
-        """Whether vLLM's own prefix cache holds the block before the prompt's last token: the engine's hit
-        then covers all BSR could restore, and a lookup started now would only take the interpreter from
-        the step's prefill. One KV-cache group only (block hashes at its block size); False when unsure,
-        and the lookup starts now as for any request (get_num_new_matched_tokens decides either way)."""
-        groups = self._kv_cache_config.kv_cache_groups
-        if self._kv_cache_manager is None or len(groups) != 1:
-            return False
-        bs = groups[0].kv_cache_spec.block_size
-        n = getattr(request, "num_prompt_tokens", 0)
-        hashes = getattr(request, "block_hashes", None) or ()
-        last = (n - 1) // bs - 1
-        if last < 0 or len(hashes) != n // bs:
-            return False
-        return self._kv_cache_manager.block_pool.get_cached_block(hashes[last], [0]) is not None
+    def on_new_request(self, request) -> None:
+        self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

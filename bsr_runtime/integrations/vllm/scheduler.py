@@ -43,10 +43,13 @@ log = logging.getLogger(__name__)
 
 class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, reg, tiers: list[Tier], model: str, tp_world: int,
-                 block_ids_of: Callable[[str], object]) -> None:
+                 block_ids_of: Callable[[str], object], kv_cache_config=None,
+                 block_pool: Callable[[], object] | None = None) -> None:
         self.cfg = cfg
         self.reg = reg
         self.block_ids_of = block_ids_of  # request id -> its current block ids per group (vLLM's)
+        self.kv_cache_config = kv_cache_config  # vLLM's
+        self.block_pool = block_pool  # () -> vLLM's block pool (its prefix cache), None before it is bound
         self.load_async = cfg.load_async
         self.planner = Planner(reg, tiers, tp_world=tp_world, salt=cfg.salt, model=model, probe_all_ranks=True,
                                probe_timeout_s=cfg.timeouts.probe_s, probe_wait_s=cfg.tuning.probe_wait_s,
@@ -73,9 +76,26 @@ class SchedulerSide:
     # -- admission -------------------------------------------------------------------------
     def on_new_request(self, request) -> None:
         """The request arrived: its lookup starts on the probe thread, so it is often done by the time
-        the engine first asks (async loads)."""
-        if self.load_async and self.planner.start_lookup(request) is not None:
+        the engine first asks (async loads), unless vLLM's own prefix cache holds the prompt already."""
+        if self.load_async and not self._cached_by_vllm(request) and self.planner.start_lookup(request) is not None:
             self.events.append(("early_lookup", request.request_id))
+
+    def _cached_by_vllm(self, request) -> bool:
+        """Whether vLLM's own prefix cache holds the block before the prompt's last token: the engine's hit
+        then covers all BSR could restore, and a lookup started now would only take the interpreter from
+        the step's prefill. One KV-cache group only (block hashes at its block size); False when unsure,
+        and the lookup starts now as for any request (get_num_new_matched_tokens decides either way)."""
+        pool = self.block_pool() if self.block_pool is not None else None
+        groups = self.kv_cache_config.kv_cache_groups if self.kv_cache_config is not None else ()
+        if pool is None or len(groups) != 1:
+            return False
+        bs = groups[0].kv_cache_spec.block_size
+        n = getattr(request, "num_prompt_tokens", 0)
+        hashes = getattr(request, "block_hashes", None) or ()
+        last = (n - 1) // bs - 1
+        if last < 0 or len(hashes) != n // bs:
+            return False
+        return pool.get_cached_block(hashes[last], [0]) is not None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """With async loads the lookup runs on a probe thread of the planner: None (vLLM asks again next
