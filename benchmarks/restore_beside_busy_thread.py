@@ -1,7 +1,7 @@
 """A restore from the filesystem tier beside a thread that runs Python (what an engine's step thread
 does while a background load runs): its time alone and beside the busy thread, with the tier reading
-a window's objects per native call (batched) and one object at a time (per-object), interleaved in
-one run, and the probe of the same prefix likewise.
+a window's objects as one job of its native reader (batched) and one object at a time (per-object),
+interleaved in one run, and the probe of the same prefix likewise.
 
 Every GIL hand-off of the restoring threads can wait a switch interval (5 ms) while the other thread
 runs Python, so what a restore pays beside a busy engine grows with the hand-offs it makes:

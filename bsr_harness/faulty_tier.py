@@ -153,7 +153,7 @@ class LateCompletions:
 
     def _run(self, outer: FetchHandle, delay: float, inner: FetchHandle | None, error: BaseException | None) -> None:
         try:
-            while inner is not None and not inner._done.wait(0.05):  # the inner tier completes every handle
+            while inner is not None and not inner.wait_done(0.05):  # the inner tier completes every handle
                 if self._closed.is_set():
                     break
             if self._closed.wait(delay) or (inner is not None and not inner.done()):

@@ -10,6 +10,7 @@ keys to file names hash them again and never use a key as a path.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class KeySpace:
         if not 0 <= self.tp_rank < self.tp_world:
             raise ValueError(f"tp_rank {self.tp_rank} out of range for world size {self.tp_world}")
 
-    @property
+    @functools.cached_property  # hashed once per key space, not per window (fields are frozen)
     def _prefix(self) -> str:
         tenant = _h(b"tenant", self.salt.encode()).hex()[:16]
         model = f"-m{_h(b'model', self.model.encode()).hex()[:16]}" if self.model else ""

@@ -22,7 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define BSR_CPU_ABI_VERSION 6004
+#define BSR_CPU_ABI_VERSION 6005
 #define BSR_CUDA_ABI_VERSION 3
 
 #ifdef __cplusplus
@@ -76,21 +76,39 @@ BSR_CPU_API int bsr_crc32c_many(int64_t n, const int64_t* ptrs, int64_t nbytes, 
 BSR_CPU_API int bsr_copy_crc32c(int64_t n, const int64_t* src, const int64_t* dst_head, const int64_t* dst_body,
                                 int64_t head_bytes, int64_t body_bytes, uint32_t* crcs, int64_t threads);
 
-/* The filesystem tier's objects, n per call (bsr_fs_read.c): each relpaths[i] (the address of a
- * NUL-terminated "ab/cd/<hash>.bsr") opened under root_fd by one openat2 refusing any symlink or
- * escape, with `flags`; a regular file of exactly object_size bytes is read whole, its first
- * head_bytes to heads + i * head_bytes and the rest to bodies[i], crcs[i] = CRC-32C of the rest.
- * status[i] = 0, an errno (ENOENT: absent; ELOOP, ENOTDIR, EXDEV: a symlink or escape) or a
- * BSR_FS_* code below. The probe only opens and checks type and size. Returns 0, or -1 for
- * invalid arguments. */
+/* The filesystem tier's objects (bsr_fs_read.c): each relpaths[i] (the address of a NUL-terminated
+ * "ab/cd/<hash>.bsr") opened under root_fd by one openat2 refusing any symlink or escape, with `flags`;
+ * the probe checks that it is a regular file of exactly object_size bytes, status[i] = 0, an errno
+ * (ENOENT: absent; ELOOP, ENOTDIR, EXDEV: a symlink or escape) or a BSR_FS_* code below. Returns 0,
+ * or -1 for invalid arguments. */
 #define BSR_FS_NOT_REGULAR 1001
 #define BSR_FS_WRONG_SIZE 1002
 #define BSR_FS_SHORT 1003
-BSR_CPU_API int bsr_fs_read_objects(int root_fd, int64_t n, const int64_t* relpaths, int64_t flags,
-                                    int64_t object_size, int64_t head_bytes, void* heads, const int64_t* bodies,
-                                    uint32_t* crcs, int64_t* status);
+#define BSR_FS_SKIPPED 1004   /* not read: an earlier object of its job failed */
+#define BSR_FS_LATE 1005      /* not read: its job's deadline passed before it started */
+#define BSR_FS_CANCELLED 1006 /* not read: the reader was closed before it started */
 BSR_CPU_API int bsr_fs_probe_objects(int root_fd, int64_t n, const int64_t* relpaths, int64_t flags,
                                      int64_t object_size, int64_t* status);
+
+/* A reader of such objects on `threads` threads of its own (NULL: none made). submit queues a job of
+ * n objects, each read whole if it passes the probe's checks: its first head_bytes to
+ * heads + i * head_bytes, the rest to bodies[i], crcs[i] = CRC-32C of the rest, status[i] as the
+ * probe's (or BSR_FS_SHORT); the arrays are the caller's and must stay alive until the job ended. It
+ * returns the job's id (-1 invalid arguments, -2 closed). wait: 1 once every object of the job ended
+ * (read or not), 0 after timeout_ns without, -1 no such job. forget: 0 the ended job's record freed,
+ * 1 still being read (kept), -1 unknown. hold (tests): while on (1; 0 off, -1 unchanged), a thread
+ * that took an object waits before reading it, as a read stuck in the kernel; returns how many wait. close: cancels what was not started; 1 once every
+ * thread ended within timeout_ns, else 0 (threads left running). free: 0 freed, 1 not closed or a
+ * thread still running (never freed under it). deadline_ns and the timeouts: CLOCK_MONOTONIC ns. */
+BSR_CPU_API void* bsr_fs_reader_open(int root_fd, int64_t threads);
+BSR_CPU_API int64_t bsr_fs_reader_submit(void* reader, int64_t n, const int64_t* relpaths, int64_t flags,
+                                         int64_t object_size, int64_t head_bytes, void* heads, const int64_t* bodies,
+                                         uint32_t* crcs, int64_t* status, int64_t deadline_ns);
+BSR_CPU_API int bsr_fs_reader_wait(void* reader, int64_t job, int64_t timeout_ns);
+BSR_CPU_API int bsr_fs_reader_forget(void* reader, int64_t job);
+BSR_CPU_API int bsr_fs_reader_hold(void* reader, int on);
+BSR_CPU_API int bsr_fs_reader_close(void* reader, int64_t timeout_ns);
+BSR_CPU_API int bsr_fs_reader_free(void* reader);
 
 /* ---- libbsr_cuda.so --------------------------------------------------------------------------- */
 

@@ -55,9 +55,11 @@ static int spread_on(void) {
     return g_spread;
 }
 
-/* Give the workers the caller's affinity, less `off` (-1: the caller's whole affinity). Linux only:
- * elsewhere the scheduler places them. */
-static void set_worker_affinity(int off) {
+int bsr_spread_enabled(void) { return spread_on(); }
+
+/* Give `n` threads the caller's affinity, less `off` (-1: the caller's whole affinity); *kept_off = off.
+ * Linux only: elsewhere the scheduler places them. */
+static void set_affinity(const pthread_t* tids, int n, int off, int* kept_off) {
 #if defined(__linux__)
     cpu_set_t mask;
     if (pthread_getaffinity_np(pthread_self(), sizeof mask, &mask) != 0) return;
@@ -65,25 +67,29 @@ static void set_worker_affinity(int off) {
         CPU_CLR(off, &mask);
         if (CPU_COUNT(&mask) == 0) return; /* the caller may run on one CPU only: nothing to spread */
     }
-    for (int i = 0; i < g_workers; ++i) pthread_setaffinity_np(g_tids[i], sizeof mask, &mask);
-    g_kept_off = off;
+    for (int i = 0; i < n; ++i) pthread_setaffinity_np(tids[i], sizeof mask, &mask);
+    *kept_off = off;
 #else
-    (void)off;
+    (void)tids, (void)n, (void)off, (void)kept_off;
 #endif
 }
 
 /* Why: a woken worker is often queued on the waking thread's CPU and shares it with the caller
  * until the load balancer moves it (ms later): on 2 vCPUs a two-thread copy then runs at one
  * thread's speed. Measured by benchmarks/pool_spread.py (spread on and off, side by side). Only a
- * change of the caller's CPU costs syscalls; called with g_mu held. */
-static void keep_workers_off_caller(void) {
+ * change of the caller's CPU costs syscalls. The caller holds what guards tids and *kept_off. */
+void bsr_keep_off_caller(const pthread_t* tids, int n, int* kept_off) {
 #if defined(__linux__)
     const int cpu = sched_getcpu();
 #else
     const int cpu = -1;
 #endif
-    if (cpu >= 0 && cpu != g_kept_off) set_worker_affinity(cpu);
+    if (cpu >= 0 && cpu != *kept_off) set_affinity(tids, n, cpu, kept_off);
 }
+
+static void set_worker_affinity(int off) { set_affinity(g_tids, g_workers, off, &g_kept_off); }
+
+static void keep_workers_off_caller(void) { bsr_keep_off_caller(g_tids, g_workers, &g_kept_off); } /* g_mu held */
 
 int bsr_pool_spread(int on) {
     pthread_mutex_lock(&g_pool_use);

@@ -73,7 +73,7 @@ def check_host_views(keys: Sequence[str], views: Sequence[torch.Tensor], chunk_b
             raise ValueError(f"{what}: key {i} is {type(k).__name__}, not str")
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"{what}: view {i} is {type(v).__name__}, not a torch.Tensor")
-        if v.dtype != torch.uint8 or v.device.type != "cpu" or not v.is_contiguous():
+        if v.dtype != torch.uint8 or not v.is_cpu or not v.is_contiguous():
             raise ValueError(
                 f"{what}: view {i} must be a contiguous CPU uint8 tensor (host staging), "
                 f"got {v.dtype} on {v.device}{'' if v.is_contiguous() else ', non-contiguous'}"

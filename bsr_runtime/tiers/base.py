@@ -74,6 +74,10 @@ class FetchHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def wait_done(self, timeout: float) -> bool:
+        """True once the fetch is complete (`wait()` then returns or raises at once), within `timeout`."""
+        return self._done.wait(timeout)
+
     def quiesce(self, timeout: float | None = None) -> bool:
         """Wait (ignoring the deadline) until the tier stopped writing into the views.
         Tiers complete a handle only when none of its reads can still land."""

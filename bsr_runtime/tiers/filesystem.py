@@ -15,14 +15,17 @@ A fetch completes its handle only after every read it started has ended (on the 
 reads not yet started are skipped, as are reads whose deadline passed). `wait()` can still raise
 FetchTimeoutError with reads in flight; `handle.quiesce()` returns once none can land.
 
-Reads and writes run on one thread pool of `load_concurrency` workers per tier (LMCache's
-LMCACHE_FS_LOAD_CONCURRENCY knob): more workers, more reads in flight, same staging. A fetch
-is one task per worker (up to one per object), each taking the next unread object in turn.
+A window's reads are one job of the tier's native reader (fs_native.Reader: `load_concurrency`
+threads of its own, LMCache's LMCACHE_FS_LOAD_CONCURRENCY knob, each taking the next object not
+taken), submitted and waited for by the restore's thread and checked there: no Python thread is
+woken per window. Without openat2 or the CPU library, and for writes, a thread pool of
+`load_concurrency` workers reads and writes object by object.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import threading
@@ -33,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import fs_native
+from . import _common, fs_native
 from ._common import (
     CRC32C,
     SettledFetchHandle,
@@ -68,6 +71,8 @@ from .fs_format import (  # noqa: F401 - HEADER_SIZE, HEADER_STRUCT, pack_header
 )
 from .fs_open import open_dir, open_object, openat2_works
 from .fs_write import checksum_option, load_concurrency_option, sweep_temp_files, write_object
+
+log = logging.getLogger(__name__)
 
 # the probe opens without reading (O_PATH): what a stat sees, and no FIFO or permission stops it
 PROBE_FLAGS = getattr(os, "O_PATH", 0) | os.O_NOFOLLOW | O_CLOEXEC
@@ -140,9 +145,10 @@ class FilesystemTier(Tier):
         self._fp = fingerprint_bytes(fingerprint)
         self._root_fd = os.open(self.root, DIR_FLAGS)
         self._openat2 = openat2_works(self._root_fd)
-        # a window's objects per native call (one GIL hand-off, not several per object)
+        # a window's reads one job of the native reader (no Python thread woken per window)
         self._native = hasattr(os, "O_PATH") and fs_native.available()
         self._pool = ThreadPoolExecutor(max_workers=load_concurrency, thread_name_prefix="bsr-fs")
+        self._reader = fs_native.Reader(self._root_fd, load_concurrency) if self.batched else None
         self._lock = threading.Lock()
         self._inflight: set[_FetchState] = set()
         self._closed = False
@@ -161,8 +167,8 @@ class FilesystemTier(Tier):
 
     @property
     def batched(self) -> bool:
-        """Whether reads and probes go a window's objects per native call (fs_native.py; it opens with
-        openat2 only), else object by object."""
+        """Whether reads go through the native reader and probes a window's objects per native call
+        (fs_native.py; it opens with openat2 only), else object by object."""
         return self._native and self._openat2
 
     # -- probe -----------------------------------------------------------------------------
@@ -206,6 +212,8 @@ class FilesystemTier(Tier):
         self._check("fetch")
         keys = tuple(keys)
         check_host_views(keys, views, self.chunk_bytes, "filesystem tier fetch")
+        if keys and self.batched and self._reader is not None:
+            return self._fetch_native(keys, views, deadline)
         handle = SettledFetchHandle(keys, deadline)
         state = _FetchState(handle)
         if not keys:
@@ -221,10 +229,47 @@ class FilesystemTier(Tier):
             self._fail(state, TierUnavailableError(f"filesystem tier closed: {e}"))
         return handle
 
+    def _fetch_native(self, keys: tuple[str, ...], views: Sequence[torch.Tensor], deadline: float) -> _NativeFetch:
+        """The window's reads as one job of the native reader; checked by whoever waits for the handle."""
+        digests = [key_digest(k) for k in keys]
+        addrs = [v.data_ptr() for v in views]
+        try:
+            job = self._reader.submit(digests, FILE_FLAGS, self.object_size, HEADER_SIZE, addrs, int(deadline * 1e9))
+        except fs_native.ReaderClosed as e:
+            raise TierUnavailableError(f"filesystem tier closed: {e}") from e
+        return _NativeFetch(self, keys, deadline, job, digests, list(zip(views, addrs, strict=True)))
+
+    def _check_read(self, keys: tuple[str, ...], digests: list[bytes], dsts: list[tuple[torch.Tensor, int]],
+                    job: fs_native.ReadJob) -> BaseException | None:
+        """The first error of an ended read job (None: every object landed whole, as its key's): a header
+        checked against the key, the registration and the body's CRC; a failed read again object by
+        object, which says exactly what is wrong (or finds it whole now)."""
+        for i, st in enumerate(job.status.tolist()):
+            try:
+                if st == 0:
+                    algo, crc = check_header(keys[i], job.heads[i].tobytes(), digests[i], self._fp,
+                                             self.fingerprint, self.chunk_bytes)
+                    got = int(job.crcs[i]) if algo == CRC32C else crc_at(algo, dsts[i][1], self.chunk_bytes)
+                    if got != crc:
+                        raise CorruptObjectError(f"filesystem tier: checksum mismatch for {keys[i]}")
+                elif st == fs_native.LATE:
+                    raise FetchTimeoutError(f"filesystem tier: deadline passed before {keys[i]} was read")
+                elif st == fs_native.CANCELLED:
+                    raise TierUnavailableError("filesystem tier closed before the fetch completed")
+                elif st != fs_native.SKIPPED:  # skipped: after an object that failed, reported before it
+                    self._read_into(keys[i], dsts[i])
+            except BaseException as e:  # noqa: BLE001 - the fetch's error, as the pool path reports it
+                if isinstance(e, TierError):
+                    return e
+                wrapped = TierError(f"filesystem tier: fetch failed: {e!r}")
+                wrapped.__cause__ = e
+                return wrapped
+        return None
+
     def _fetch_some(self, state: _FetchState) -> None:
-        """One worker's share of a fetch: read the next unclaimed objects (natively, its share of
-        what is left at once; else one) until none is left, the fetch has failed, its deadline has
-        passed or the tier is closing."""
+        """One worker's share of a fetch (reads object by object: no openat2 or no CPU library): read the
+        next unclaimed object until none is left, the fetch has failed, its deadline has passed or the
+        tier is closing."""
         keys = state.handle.keys
         begin = end = 0
         landed, err = 0, None
@@ -245,42 +290,15 @@ class FilesystemTier(Tier):
                 if time.monotonic() > state.deadline:
                     state.error = FetchTimeoutError(f"filesystem tier: deadline passed before {keys[begin]} was read")
                     break
-                share = -(-state.total // self.load_concurrency) if self.batched else 1  # an equal share each
-                end = min(state.total, begin + share)
+                end = begin + 1
                 state.next = end
-                state.started += end - begin
+                state.started += 1
             try:
-                landed, err = self._read_range(keys, state.dsts, begin, end)
+                self._read_into(keys[begin], state.dsts[begin])
+                landed, err = 1, None
             except BaseException as e:
                 landed, err = 0, e
         self._maybe_finish(state)
-
-    def _read_range(self, keys: tuple[str, ...], dsts: list[tuple[torch.Tensor, int]], begin: int,
-                    end: int) -> tuple[int, BaseException | None]:
-        """(objects landed, the first error) of reading keys[begin:end] into their staging."""
-        if not self.batched:
-            self._read_into(keys[begin], dsts[begin])
-            return 1, None
-        digests = [key_digest(k) for k in keys[begin:end]]
-        heads, crcs, status = fs_native.read_objects(self._root_fd, digests, FILE_FLAGS, self.object_size,
-                                                     HEADER_SIZE, [addr for _, addr in dsts[begin:end]])
-        landed, first = 0, None
-        for j, st in enumerate(status.tolist()):
-            i = begin + j
-            try:
-                if st:  # the per-object read says exactly what is wrong (or finds it whole now)
-                    self._read_into(keys[i], dsts[i])
-                else:
-                    algo, crc = check_header(keys[i], heads[j].tobytes(), digests[j], self._fp, self.fingerprint,
-                                             self.chunk_bytes)
-                    got = int(crcs[j]) if algo == CRC32C else crc_at(algo, dsts[i][1], self.chunk_bytes)
-                    if got != crc:
-                        raise CorruptObjectError(f"filesystem tier: checksum mismatch for {keys[i]}")
-                landed += 1
-            except BaseException as e:
-                if first is None:
-                    first = e
-        return landed, first
 
     def _fail(self, state: _FetchState, err: BaseException) -> None:
         with state.lock:
@@ -426,6 +444,10 @@ class FilesystemTier(Tier):
                 return
             self._closed = True
         stopped = shutdown_bounded(self._pool, f"filesystem tier {self.root}")
+        if self._reader is not None and not self._reader.close(_common.CLOSE_TIMEOUT_S):
+            log.warning("filesystem tier %s: a native read still running after %.1f s; abandoned so that close() "
+                        "returns", self.root, _common.CLOSE_TIMEOUT_S)
+            stopped = False
         with self._lock:
             stranded = list(self._inflight)
         for state in stranded:  # their queued reads were cancelled: nothing runs any more
@@ -441,6 +463,41 @@ class FilesystemTier(Tier):
             if not self._closed:
                 self._closed = True
                 self._pool.shutdown(wait=False, cancel_futures=True)
-                os.close(self._root_fd)
+                if self._reader is None or self._reader.close(0):
+                    os.close(self._root_fd)
         except Exception:
             pass
+
+
+class _NativeFetch(SettledFetchHandle):
+    """A fetch read by the tier's native reader: complete (and settled) once its job has ended, checked
+    by the thread that waits for it."""
+
+    def __init__(self, tier: FilesystemTier, keys: tuple[str, ...], deadline: float, job: fs_native.ReadJob,
+                 digests: list[bytes], dsts: list[tuple[torch.Tensor, int]]) -> None:
+        super().__init__(keys, deadline)
+        self._tier, self._job, self._digests, self._dsts = tier, job, digests, dsts
+        self._checked = False
+
+    def done(self) -> bool:
+        return self._job.wait(0)
+
+    def wait_done(self, timeout: float) -> bool:
+        return self._job.wait(timeout)
+
+    def settled(self) -> bool:
+        return self._job.wait(0)
+
+    def quiesce(self, timeout: float | None = None) -> bool:
+        return self._job.wait(threading.TIMEOUT_MAX if timeout is None else timeout)
+
+    def wait(self) -> int:
+        if not self._job.wait(self.deadline - time.monotonic()):
+            raise FetchTimeoutError(f"fetch of {len(self.keys)} objects missed its deadline")
+        if not self._checked:
+            self._error = self._tier._check_read(self.keys, self._digests, self._dsts, self._job)
+            self.bytes_read = 0 if self._error else len(self.keys) * self._tier.chunk_bytes
+            self._checked = True
+        if self._error is not None:
+            raise self._error
+        return self.bytes_read

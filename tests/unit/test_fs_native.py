@@ -1,19 +1,23 @@
-"""The filesystem tier's batched reads and probes (csrc/bsr_fs_read.c via tiers/fs_native.py): a
-window's objects in one native call per worker share, the bytes as stored (destinations poisoned
-first, neighbours untouched), each hostile file reported with its own status, the CRC-32C of what
-landed equal to an independent CRC, and the batched probe answering what the per-object probe does."""
+"""The filesystem tier's native reads and probes (csrc/bsr_fs_read.c via tiers/fs_native.py): a
+window's objects one job of the tier's reader, the bytes as stored (destinations poisoned first,
+neighbours untouched), each hostile file reported with its own status, nothing read after a failed
+object or past the deadline, a read that does not return neither completing its fetch nor blocking
+close(), the CRC-32C of what landed equal to an independent CRC, and the batched probe answering what
+the per-object probe does."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 
 import pytest
 import torch
 
-from bsr_runtime.tiers import CorruptObjectError, FilesystemTier, MissingObjectError, fs_native
+from bsr_runtime.tiers import CorruptObjectError, FilesystemTier, MissingObjectError, _common, fs_native
 from bsr_runtime.tiers import filesystem as fsmod
+from bsr_runtime.tiers.base import FetchTimeoutError, TierUnavailableError
 from bsr_runtime.tiers.fs_format import FILE_FLAGS, HEADER_SIZE, key_digest
 
 FP = "0123456789abcdef0123456789abcdef"
@@ -41,18 +45,18 @@ def tier(tmp_path):
 
 def _counting(monkeypatch) -> list[int]:
     calls: list[int] = []
-    real = fs_native.read_objects
+    real = fs_native.Reader.submit
 
-    def counted(root_fd, digests, *a, **k):
+    def counted(self, digests, *a, **k):
         calls.append(len(digests))
-        return real(root_fd, digests, *a, **k)
+        return real(self, digests, *a, **k)
 
-    monkeypatch.setattr(fs_native, "read_objects", counted)
+    monkeypatch.setattr(fs_native.Reader, "submit", counted)
     return calls
 
 
 @pytest.mark.parametrize("conc", [1, 2])
-def test_a_window_is_one_native_call_per_worker_share(tmp_path, monkeypatch, conc):
+def test_a_window_is_one_job_of_the_reader(tmp_path, monkeypatch, conc):
     root = tmp_path / "store"
     root.mkdir()
     keys = [f"k{i}" for i in range(32)]
@@ -61,19 +65,32 @@ def test_a_window_is_one_native_call_per_worker_share(tmp_path, monkeypatch, con
         t.put(keys, data)
         calls = _counting(monkeypatch)
         staging = torch.full((len(keys) + 2, SMALL), 0xA5, dtype=torch.uint8)  # poisoned, a spare row each side
-        t.fetch(keys, [staging[1 + i] for i in range(len(keys))], time.monotonic() + 10).wait()
-    assert sum(calls) == len(keys)
-    assert calls == [len(keys) // conc] * conc  # an equal share per worker, never an object per call
+        assert t.fetch(keys, [staging[1 + i] for i in range(len(keys))], time.monotonic() + 10).wait() == \
+            len(keys) * SMALL
+    assert calls == [len(keys)]  # one job for the window, never a call per object
     for i, d in enumerate(data):
         assert torch.equal(staging[1 + i], d)
     assert bool((staging[0] == 0xA5).all()) and bool((staging[-1] == 0xA5).all())
 
 
-def _raw_read(t, keys):
+def _job(t, keys, deadline_s: float = 10.0):
     bodies = [torch.full((SMALL,), 7, dtype=torch.uint8) for _ in keys]
-    heads, crcs, status = fs_native.read_objects(t._root_fd, [key_digest(k) for k in keys], FILE_FLAGS,
-                                                 t.object_size, HEADER_SIZE, [b.data_ptr() for b in bodies])
-    return heads, crcs, status.tolist(), bodies
+    job = t._reader.submit([key_digest(k) for k in keys], FILE_FLAGS, t.object_size, HEADER_SIZE,
+                           [b.data_ptr() for b in bodies], time.monotonic_ns() + int(deadline_s * 1e9))
+    return job, bodies
+
+
+def _raw_read(t, keys):
+    """Each key read as a job of its own (a failed object ends its job's later ones unread)."""
+    heads, crcs, status, bodies = [], [], [], []
+    for k in keys:
+        job, (body,) = _job(t, [k])
+        assert job.wait(10)
+        heads.append(job.heads[0])
+        crcs.append(job.crcs[0])
+        status.append(int(job.status[0]))
+        bodies.append(body)
+    return heads, crcs, status, bodies
 
 
 def test_each_hostile_file_gets_its_own_status(tier, tmp_path):
@@ -156,3 +173,89 @@ def test_probe_error_other_than_absence_is_a_tier_error(tier, monkeypatch):
     monkeypatch.setattr(fs_native, "probe_objects", lambda *a: fsmod.np.array([errno.EIO], dtype="int64"))
     with pytest.raises(fsmod.TierError, match="probe failed"):
         tier.probe(["k"])
+
+
+def test_nothing_is_read_after_a_failed_object_of_the_job(tier):
+    data = _data(2)
+    tier.put(["a", "c"], data)
+    job, bodies = _job(tier, ["a", "absent", "c"])
+    assert job.wait(10)
+    assert job.status.tolist() == [0, errno.ENOENT, fs_native.SKIPPED]
+    assert torch.equal(bodies[0], data[0])
+    assert bool((bodies[1] == 7).all()) and bool((bodies[2] == 7).all())
+
+
+def test_a_read_that_does_not_return_holds_its_fetch_past_the_deadline(tier):
+    """A read the kernel does not return from (the reader held): wait() times out at the deadline, the
+    handle stays unsettled (its bytes may still land) until the read ends; objects not started by then
+    are never read."""
+    data = _data(3)
+    keys = ["a", "b", "c"]
+    tier.put(keys, data)
+    out = [torch.full((SMALL,), 7, dtype=torch.uint8) for _ in keys]
+    tier._reader.hold(True)
+    try:
+        h = tier.fetch(keys, out, time.monotonic() + 2)
+        assert tier._reader.wait_held(1, 2)  # "a" taken before the deadline, its read not returning
+        with pytest.raises(FetchTimeoutError):
+            h.wait()
+        assert not h.quiesce(0) and not h.done()
+    finally:
+        tier._reader.hold(False)
+    assert h.quiesce(5)
+    assert torch.equal(out[0], data[0])  # taken before the deadline: read once released
+    assert bool((out[1] == 7).all()) and bool((out[2] == 7).all())  # not started by the deadline: never read
+    with pytest.raises(FetchTimeoutError, match="deadline passed before b was read"):
+        h.wait()
+
+
+def test_close_is_bounded_by_a_stuck_read_and_cancels_what_did_not_start(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(_common, "CLOSE_TIMEOUT_S", 0.3)
+    root = tmp_path / "store"
+    root.mkdir()
+    t = FilesystemTier(root, SMALL, FP, load_concurrency=1)
+    if not t.batched:
+        t.close()
+        pytest.skip("openat2 is not available here")
+    data = _data(3)
+    t.put(["a", "b", "c"], data)
+    out = [torch.full((SMALL,), 7, dtype=torch.uint8) for _ in range(3)]
+    t._reader.hold(True)
+    h = t.fetch(["a", "b", "c"], out, time.monotonic() + 60)
+    try:
+        assert t._reader.wait_held(1, 10)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            t.close()
+        assert time.monotonic() - t0 < 5
+        assert any("abandoned" in r.getMessage() for r in caplog.records)
+        assert not h.done()
+    finally:
+        t._reader.hold(False)
+    assert h.quiesce(5)
+    with pytest.raises(TierUnavailableError, match="closed before the fetch completed"):
+        h.wait()
+    assert torch.equal(out[0], data[0]) and bool((out[1] == 7).all()) and bool((out[2] == 7).all())
+    with pytest.raises(TierUnavailableError):
+        t.fetch(["a"], [out[0]], time.monotonic() + 1)
+
+
+def test_a_job_dropped_by_its_caller_is_kept_until_it_ends(tier):
+    """The reader's threads write a job's arrays until it ended: dropping the handle must not free them."""
+    import gc
+
+    data = _data(2)
+    tier.put(["a", "b"], data)
+    out = [torch.zeros(SMALL, dtype=torch.uint8) for _ in range(2)]
+    tier._reader.hold(True)
+    try:
+        tier.fetch(["a", "b"], out, time.monotonic() + 10)
+        assert tier._reader.wait_held(1, 10)
+        gc.collect()
+        assert len(tier._reader._jobs) == 1
+    finally:
+        tier._reader.hold(False)
+    for _ in range(2):  # one thread: the dropped job ends before the first of these, let go at the second's submit
+        assert tier.fetch(["b"], [torch.zeros(SMALL, dtype=torch.uint8)], time.monotonic() + 10).wait() == SMALL
+    assert all(torch.equal(o, d) for o, d in zip(out, data, strict=True))  # the dropped job landed whole
+    assert len(tier._reader._jobs) == 0

@@ -31,8 +31,8 @@ def _openat2_here(tmp_path) -> bool:
 
 @pytest.fixture(params=["batched", "openat2", "walk"])
 def tier(request, tmp_path):
-    """The three read paths: a window's objects per native call (openat2 in C), one openat2 per
-    object from Python, and the component-by-component walk."""
+    """The three read paths: a window's objects as one job of the native reader (openat2 in C), one
+    openat2 per object from Python, and the component-by-component walk."""
     root = tmp_path / "store"
     root.mkdir()
     t = FilesystemTier(root, SMALL, FP, load_concurrency=2)
@@ -185,6 +185,7 @@ def test_one_pool_task_per_worker_per_fetch(tmp_path):
     root.mkdir()
     keys = [f"k{i}" for i in range(10)]
     with FilesystemTier(root, SMALL, FP, load_concurrency=3) as t:
+        t._native = False  # objects one at a time through the pool (the native reader: test_fs_native.py)
         data = _data(len(keys))
         t.put(keys, data)
         submits = []

@@ -63,7 +63,7 @@ def outside(tmp_path_factory):
 
 @pytest.fixture(params=["batched", "per-object"])
 def tier(request, root):
-    """The tier reading a window's objects per native call, and one object at a time."""
+    """The tier reading a window's objects as one job of its native reader, and one object at a time."""
     t = FilesystemTier(root, SMALL, FP, load_concurrency=2)
     if request.param == "batched" and not t.batched:
         t.close()

@@ -187,25 +187,36 @@ def test_plugin_close_is_bounded_with_a_stuck_job(l2, monkeypatch, caplog):
 
 
 # -- the filesystem tier ---------------------------------------------------------------------------
-def test_filesystem_tier_close_is_bounded_with_a_stuck_read(tmp_path, monkeypatch):
+@pytest.mark.parametrize("path", ["native", "per-object"])
+def test_filesystem_tier_close_is_bounded_with_a_stuck_read(tmp_path, monkeypatch, path):
     monkeypatch.setattr(_common, "CLOSE_TIMEOUT_S", 0.5)
     tier = FilesystemTier(tmp_path, C, REG.fingerprint)
     tier.put(["k"], [torch.ones(C, dtype=torch.uint8)])
     release, started = threading.Event(), threading.Event()
+    if path == "native":
+        if not tier.batched:
+            tier.close()
+            pytest.skip("no native reader here (openat2 or the CPU library missing)")
+        tier._reader.hold(True)  # its thread takes the object and does not read it until released
+        began = lambda timeout: tier._reader.wait_held(1, timeout)  # noqa: E731
+        release_read = lambda: tier._reader.hold(False)  # noqa: E731
+    else:
+        tier._native = False
 
-    def stuck_read(keys, dsts, begin, end):  # reads the kernel does not return from (a hung network filesystem)
-        started.set()
-        release.wait(60)
-        raise OSError("released")
+        def stuck_read(key, dst):  # a read the kernel does not return from (a hung network filesystem)
+            started.set()
+            release.wait(60)
+            raise OSError("released")
 
-    monkeypatch.setattr(tier, "_read_range", stuck_read)  # what each fetch worker calls, batched or not
+        monkeypatch.setattr(tier, "_read_into", stuck_read)
+        began, release_read = started.wait, release.set
     handle = tier.fetch(["k"], [torch.zeros(C, dtype=torch.uint8)], time.monotonic() + 60)
     try:
-        assert started.wait(10)
+        assert began(10)
         assert _closes_within(tier.close, 20), "close() waited for the stuck read"
         assert not handle.done()  # the stuck read's fetch is not completed under it (its bytes may still land)
     finally:
-        release.set()
+        release_read()
     assert handle.quiesce(10)
 
 
