@@ -160,6 +160,13 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* now + timeout_ns, saturating (a timeout of "forever" does not wrap around) */
+static int64_t until_ns(int64_t timeout_ns) {
+    int64_t now = now_ns();
+    if (timeout_ns <= 0) return now;
+    return timeout_ns > INT64_MAX - now ? INT64_MAX : now + timeout_ns;
+}
+
 static void end_objects(fs_reader* r, fs_job* j, int64_t from, int64_t code) {
     for (int64_t i = from; i < j->n; ++i) j->status[i] = code;
     j->ended += j->n - from;
@@ -277,7 +284,7 @@ static fs_job* find_job(fs_reader* r, int64_t id) {
 BSR_CPU_API int bsr_fs_reader_wait(void* reader, int64_t job, int64_t timeout_ns) {
     fs_reader* r = reader;
     if (!r) return -1;
-    int64_t until = now_ns() + (timeout_ns > 0 ? timeout_ns : 0);
+    int64_t until = until_ns(timeout_ns);
     struct timespec ts = {until / 1000000000, until % 1000000000};
     pthread_mutex_lock(&r->mu);
     fs_job* j = find_job(r, job);
@@ -326,7 +333,7 @@ BSR_CPU_API int bsr_fs_reader_hold(void* reader, int on) {
 BSR_CPU_API int bsr_fs_reader_close(void* reader, int64_t timeout_ns) {
     fs_reader* r = reader;
     if (!r) return -1;
-    int64_t until = now_ns() + (timeout_ns > 0 ? timeout_ns : 0);
+    int64_t until = until_ns(timeout_ns);
     struct timespec ts = {until / 1000000000, until % 1000000000};
     pthread_mutex_lock(&r->mu);
     r->closing = 1;

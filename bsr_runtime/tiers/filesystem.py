@@ -48,6 +48,7 @@ from ._common import (
 )
 from .base import (
     CorruptObjectError,
+    FetchHandle,
     FetchTimeoutError,
     MissingObjectError,
     Tier,
@@ -208,7 +209,7 @@ class FilesystemTier(Tier):
 
     # -- fetch -----------------------------------------------------------------------------
     def fetch(self, keys: Sequence[str], views: Sequence[torch.Tensor], deadline: float, *,
-              headroom: int = 0) -> SettledFetchHandle:
+              headroom: int = 0) -> FetchHandle:
         self._check("fetch")
         keys = tuple(keys)
         check_host_views(keys, views, self.chunk_bytes, "filesystem tier fetch")
@@ -234,7 +235,8 @@ class FilesystemTier(Tier):
         digests = [key_digest(k) for k in keys]
         addrs = [v.data_ptr() for v in views]
         try:
-            job = self._reader.submit(digests, FILE_FLAGS, self.object_size, HEADER_SIZE, addrs, int(deadline * 1e9))
+            job = self._reader.submit(digests, FILE_FLAGS, self.object_size, HEADER_SIZE, addrs,
+                                      fs_native.deadline_ns(deadline))
         except fs_native.ReaderClosed as e:
             raise TierUnavailableError(f"filesystem tier closed: {e}") from e
         return _NativeFetch(self, keys, deadline, job, digests, list(zip(views, addrs, strict=True)))
@@ -463,21 +465,27 @@ class FilesystemTier(Tier):
             if not self._closed:
                 self._closed = True
                 self._pool.shutdown(wait=False, cancel_futures=True)
-                if self._reader is None or self._reader.close(0):
+                if self._reader is None or self._reader.close(0.5):  # idle threads end at once
                     os.close(self._root_fd)
         except Exception:
             pass
 
 
-class _NativeFetch(SettledFetchHandle):
+class _NativeFetch(FetchHandle):
     """A fetch read by the tier's native reader: complete (and settled) once its job has ended, checked
-    by the thread that waits for it."""
+    by the thread that waits for it. Nothing completes it from outside (no set_result / set_error), so it
+    holds no events of its own: its job is what it waits on."""
 
     def __init__(self, tier: FilesystemTier, keys: tuple[str, ...], deadline: float, job: fs_native.ReadJob,
                  digests: list[bytes], dsts: list[tuple[torch.Tensor, int]]) -> None:
-        super().__init__(keys, deadline)
+        self.keys, self.deadline, self.bytes_read, self._error = keys, deadline, 0, None
         self._tier, self._job, self._digests, self._dsts = tier, job, digests, dsts
         self._checked = False
+
+    def set_result(self, nbytes: int) -> None:
+        raise TypeError("a native fetch is completed by its read job")
+
+    set_error = set_result
 
     def done(self) -> bool:
         return self._job.wait(0)

@@ -59,6 +59,18 @@ def probe_objects(root_fd: int, digests: Sequence[bytes], flags: int, object_siz
     return status
 
 
+_MAX_WAIT_NS = 10**17  # about three years: "no bound" (threading.TIMEOUT_MAX in ns would overflow int64)
+
+
+def _ns(seconds: float) -> int:
+    return min(_MAX_WAIT_NS, max(0, int(seconds * 1e9)))
+
+
+def deadline_ns(deadline_s: float) -> int:
+    """A time.monotonic() deadline in ns, as far as int64 reaches (threading.TIMEOUT_MAX from now does not)."""
+    return min(2**63 - 1, int(deadline_s * 1e9))
+
+
 class Reader:
     """A reader's threads (`threads` of them, each reading the next object not taken): jobs read without
     the interpreter. Every job it was given is kept alive here until it has ended (its arrays are written
@@ -100,7 +112,7 @@ class Reader:
         return job
 
     def _wait(self, job: ReadJob, timeout_s: float) -> bool:
-        rc = self._lib.bsr_fs_reader_wait(self._ptr, job.id, max(0, int(timeout_s * 1e9)))
+        rc = self._lib.bsr_fs_reader_wait(self._ptr, job.id, _ns(timeout_s))
         if rc == 0:
             return False
         with self._lock:  # ended (-1: a job it was given is unknown to it only once another waiter forgot it)
@@ -125,7 +137,7 @@ class Reader:
     def close(self, timeout_s: float) -> bool:
         """Cancel what was not started; True once every thread ended within `timeout_s`, else False (a
         thread stuck in a read is left running, and the reader is never freed under it)."""
-        self._stopped = self._lib.bsr_fs_reader_close(self._ptr, max(0, int(timeout_s * 1e9))) == 1
+        self._stopped = self._lib.bsr_fs_reader_close(self._ptr, _ns(timeout_s)) == 1
         return self._stopped
 
     def __del__(self) -> None:  # the jobs hold their reader: nothing can use it any more

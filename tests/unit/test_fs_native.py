@@ -259,3 +259,32 @@ def test_a_job_dropped_by_its_caller_is_kept_until_it_ends(tier):
         assert tier.fetch(["b"], [torch.zeros(SMALL, dtype=torch.uint8)], time.monotonic() + 10).wait() == SMALL
     assert all(torch.equal(o, d) for o, d in zip(out, data, strict=True))  # the dropped job landed whole
     assert len(tier._reader._jobs) == 0
+
+
+def test_quiesce_without_a_timeout_waits_for_the_read(tier):
+    """quiesce(None) is "until the read ended", not a timeout that wraps around to none."""
+    import threading
+
+    tier.put(["a"], _data(1))
+    tier._reader.hold(True)
+    h = tier.fetch(["a"], [torch.zeros(SMALL, dtype=torch.uint8)], time.monotonic() + 10)
+    try:
+        assert tier._reader.wait_held(1, 10)
+        waiter = threading.Thread(target=h.quiesce, daemon=True)
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive()
+    finally:
+        tier._reader.hold(False)
+    waiter.join(10)
+    assert not waiter.is_alive() and h.wait() == SMALL
+
+
+def test_a_deadline_past_what_int64_nanoseconds_hold_reads(tier):
+    import threading
+
+    data = _data(1)
+    tier.put(["a"], data)
+    out = torch.zeros(SMALL, dtype=torch.uint8)
+    assert tier.fetch(["a"], [out], time.monotonic() + threading.TIMEOUT_MAX).wait() == SMALL
+    assert torch.equal(out, data[0])

@@ -271,6 +271,24 @@ def test_block_table_pointers_are_reused_across_windows():
     assert first.tolist() == [t.data_ptr() for t in inst.block_tables]
 
 
+def test_block_table_pointers_follow_a_table_replaced_in_the_same_list():
+    """The last call's answer is reused only for the very tables it was built from: a table replaced in the
+    same (mutable) list, or tables on another device, get their own pointers."""
+    from bsr_kernels.descriptors import block_table_pointers
+
+    cpu = torch.device("cpu")
+    tables = [torch.arange(4, dtype=torch.int32), torch.arange(6, dtype=torch.int32)]
+    first, _ = block_table_pointers(tables, cpu)
+    assert block_table_pointers(tables, cpu)[0] is first
+    tables[1] = torch.arange(6, dtype=torch.int32) + 1  # a new tensor at a new address, same list
+    again, moved = block_table_pointers(tables, cpu)
+    assert again.tolist() == [t.data_ptr() for t in tables] != first.tolist()
+    assert moved[1] is tables[1]
+    strided = [torch.arange(8, dtype=torch.int32)[::2]]  # not contiguous: copied, so never answered in place
+    a, kept = block_table_pointers(strided, cpu)
+    assert kept[0] is not strided[0] and a.tolist() == [kept[0].data_ptr()]
+
+
 def test_a_backend_registered_in_one_place_runs_everywhere_a_backend_name_goes():
     """A toy backend (the cpu library's window call under another name, counting its windows), registered once
     (backends.register_backend): install_window and WindowInstaller run it against the independent oracle,
