@@ -150,6 +150,7 @@ class FilesystemTier(Tier):
         self._native = hasattr(os, "O_PATH") and fs_native.available()
         self._pool = ThreadPoolExecutor(max_workers=load_concurrency, thread_name_prefix="bsr-fs")
         self._reader = fs_native.Reader(self._root_fd, load_concurrency) if self.batched else None
+        self._reader_pid = os.getpid()  # a fork child has none of its threads: it makes its own
         self._lock = threading.Lock()
         self._inflight: set[_FetchState] = set()
         self._closed = False
@@ -234,6 +235,11 @@ class FilesystemTier(Tier):
         """The window's reads as one job of the native reader; checked by whoever waits for the handle."""
         digests = [key_digest(k) for k in keys]
         addrs = [v.data_ptr() for v in views]
+        if self._reader_pid != os.getpid():
+            with self._lock:
+                if self._reader_pid != os.getpid():
+                    self._reader, self._reader_pid = fs_native.Reader(self._root_fd, self.load_concurrency), \
+                        os.getpid()
         try:
             job = self._reader.submit(digests, FILE_FLAGS, self.object_size, HEADER_SIZE, addrs,
                                       fs_native.deadline_ns(deadline))

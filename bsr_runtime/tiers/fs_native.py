@@ -88,7 +88,7 @@ class Reader:
     def submit(self, digests: Sequence[bytes], flags: int, object_size: int, head_bytes: int,
                bodies: Sequence[int], deadline_ns: int) -> ReadJob:
         """Queue the reads of each object (its head to the job's heads, its body to the address bodies[i]);
-        an object not started by `deadline_ns` (time.monotonic_ns) is not read. TierClosed once closed."""
+        an object not started by `deadline_ns` (time.monotonic_ns) is not read. ReaderClosed once closed."""
         n = len(digests)
         if n == 0:
             raise ValueError("a read job needs at least one object")

@@ -288,3 +288,29 @@ def test_a_deadline_past_what_int64_nanoseconds_hold_reads(tier):
     out = torch.zeros(SMALL, dtype=torch.uint8)
     assert tier.fetch(["a"], [out], time.monotonic() + threading.TIMEOUT_MAX).wait() == SMALL
     assert torch.equal(out, data[0])
+
+
+def test_a_fork_child_reads_through_a_reader_of_its_own(tier):
+    """A tier made before a fork: the child has none of the reader's threads, so it makes its own."""
+    import multiprocessing
+
+    data = _data(2)
+    tier.put(["a", "b"], data)
+    out = torch.zeros(SMALL, dtype=torch.uint8)
+    assert tier.fetch(["a"], [out], time.monotonic() + 10).wait() == SMALL  # the parent's reader in use
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+
+    def child():
+        try:
+            got = torch.zeros(SMALL, dtype=torch.uint8)
+            tier.fetch(["b"], [got], time.monotonic() + 10).wait()
+            q.put(bool(torch.equal(got, data[1])))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            q.put(repr(e))
+
+    p = ctx.Process(target=child)
+    p.start()
+    p.join(30)
+    assert q.get(timeout=5) is True
+    assert tier.fetch(["b"], [out], time.monotonic() + 10).wait() == SMALL and torch.equal(out, data[1])
