@@ -82,5 +82,12 @@ defect "cluster: unavailable_cooldown_s not passed to the planner (a restarted m
 defect "cluster: a put placed on a lost store host not put again on a live one" bsr_runtime/tiers/mooncake_hosts.py \
   "PUT_RETRIES = 3" "PUT_RETRIES = 0" \
   tests/integration/vllm/test_mooncake_cluster.py
+# issue 41: a window's reads are one job of the filesystem tier's native reader
+defect "fs reader: objects read after their job's deadline passed" csrc/bsr_fs_read.c \
+  "if (now_ns() > j->deadline_ns) {" "if (0) {" \
+  tests/unit/test_fs_native.py
+defect "fs tier: a native read's body checksum not compared" bsr_runtime/tiers/filesystem.py \
+  "                    if got != crc:" "                    if False:" \
+  tests/unit/test_fs_native.py tests/unit/test_fs_tier.py
 git -C "$SRC" worktree remove --force "$W"
 exit $status
