@@ -20,6 +20,7 @@ Without any, `available()` is False and backend "auto" uses torch for CPU destin
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -118,6 +119,15 @@ library, library_path, load_error = _LIBRARY.get, _LIBRARY.path, _LIBRARY.error 
 
 def available() -> bool:
     return library() is not None
+
+
+@functools.cache
+def library_holding_gil() -> ctypes.CDLL | None:
+    """The same library, its functions called without giving the GIL up. For calls of a few
+    microseconds that never block (queueing a read, asking whether one ended): beside a thread running
+    Python (an engine's step), giving the GIL up and taking it back can cost a whole switch interval."""
+    path = library_path()
+    return None if path is None else abi().load(path, "cpu", holds_gil=True)
 
 
 def parallel_bytes() -> int:

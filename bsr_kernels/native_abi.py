@@ -47,10 +47,11 @@ class NativeAbi:
     def of(self, library: str) -> list[Prototype]:
         return [p for p in self.functions.values() if p.library == library]
 
-    def load(self, path: str | os.PathLike, library: str) -> ctypes.CDLL:
+    def load(self, path: str | os.PathLike, library: str, *, holds_gil: bool = False) -> ctypes.CDLL:
         """Open `path`, check the version it reports, declare every function of `library`.
-        A stale build (another version) is refused before any other symbol is looked up."""
-        lib = ctypes.CDLL(str(path))
+        A stale build (another version) is refused before any other symbol is looked up. `holds_gil`:
+        its functions are called without giving the GIL up (ctypes.PyDLL), for calls of microseconds."""
+        lib = (ctypes.PyDLL if holds_gil else ctypes.CDLL)(str(path))
         version_fn = _declare(lib, self.functions[LIBRARIES[library][2]])
         version = version_fn()
         if version != self.versions[library]:

@@ -20,11 +20,22 @@ from .validation import check_int, check_text, token_id_bytes
 KEY_VERSION = "bsr1"
 
 
+# hashlib gives the GIL up for an update of HASHLIB_GIL_MINSIZE (2048) bytes or more, and a chunk's ids are
+# 2048 bytes at 256 tokens: beside an engine's step thread every take-back could wait a switch interval, once
+# per chunk of every probe and restore. Fed in smaller pieces (the same digest), the hash keeps the GIL.
+_GIL_KEPT_BYTES = 2047
+
+
 def _h(*parts: bytes) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     for p in parts:
         h.update(len(p).to_bytes(8, "little"))
-        h.update(p)
+        if len(p) <= _GIL_KEPT_BYTES:
+            h.update(p)
+            continue
+        view = memoryview(p)
+        for i in range(0, len(p), _GIL_KEPT_BYTES):
+            h.update(view[i : i + _GIL_KEPT_BYTES])
     return h.digest()
 
 

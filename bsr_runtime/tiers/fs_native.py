@@ -77,7 +77,10 @@ class Reader:
     by the reader's threads), whether or not its caller still holds it."""
 
     def __init__(self, root_fd: int, threads: int) -> None:
-        self._lib = cpu_backend.library()
+        self._lib = cpu_backend.library()  # calls that may block give the GIL up
+        # calls of microseconds keep it: beside an engine's step thread each give-up and take-back of the GIL
+        # can wait a switch interval, and a window would pay that for queueing its read and asking if it ended
+        self._quick = cpu_backend.library_holding_gil()
         self._ptr = self._lib.bsr_fs_reader_open(root_fd, threads)
         if not self._ptr:
             raise OSError(f"bsr_fs_reader_open: no reader of {threads} threads")
@@ -99,9 +102,9 @@ class Reader:
                 job.wait(0)
         paths_buf, paths = _relpaths(digests)
         job = ReadJob(self, n, head_bytes, paths_buf, paths, np.array(bodies, dtype=np.int64))
-        jid = self._lib.bsr_fs_reader_submit(self._ptr, n, paths.ctypes.data, flags, object_size, head_bytes,
-                                             job.heads.ctypes.data, job.bodies.ctypes.data, job.crcs.ctypes.data,
-                                             job.status.ctypes.data, int(deadline_ns))
+        jid = self._quick.bsr_fs_reader_submit(self._ptr, n, paths.ctypes.data, flags, object_size, head_bytes,
+                                               job.heads.ctypes.data, job.bodies.ctypes.data, job.crcs.ctypes.data,
+                                               job.status.ctypes.data, int(deadline_ns))
         if jid == -2:
             raise ReaderClosed("the filesystem tier's reader is closed")
         if jid < 0:
@@ -112,18 +115,20 @@ class Reader:
         return job
 
     def _wait(self, job: ReadJob, timeout_s: float) -> bool:
-        rc = self._lib.bsr_fs_reader_wait(self._ptr, job.id, _ns(timeout_s))
+        rc = self._quick.bsr_fs_reader_wait(self._ptr, job.id, 0)  # ended already: the GIL kept
+        if rc == 0 and timeout_s > 0:
+            rc = self._lib.bsr_fs_reader_wait(self._ptr, job.id, _ns(timeout_s))
         if rc == 0:
             return False
         with self._lock:  # ended (-1: a job it was given is unknown to it only once another waiter forgot it)
             self._jobs.pop(job.id, None)
-        self._lib.bsr_fs_reader_forget(self._ptr, job.id)
+        self._quick.bsr_fs_reader_forget(self._ptr, job.id)
         return True
 
     def hold(self, on: bool | None = None) -> int:
         """Tests: while on, each thread that took an object waits before reading it (a read stuck in the
         kernel); None leaves it as it is. Returns how many threads wait so."""
-        return self._lib.bsr_fs_reader_hold(self._ptr, -1 if on is None else int(bool(on)))
+        return self._quick.bsr_fs_reader_hold(self._ptr, -1 if on is None else int(bool(on)))
 
     def wait_held(self, threads: int, timeout_s: float) -> bool:
         """Tests: True once `threads` threads wait under hold (within `timeout_s`)."""
