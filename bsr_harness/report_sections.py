@@ -179,8 +179,10 @@ _SECTIONS = [
     Section("restore_beside_busy_thread", "A restore beside a thread that runs Python", (
         "A filesystem-tier restore (W = 32) alone and beside a thread running pure Python (what the engine's step "
         "thread does while a background load runs), interleaved in one run: the tier reading one object at a time "
-        "(per_object), a window's objects per native call (batched), and batched with a 0.5 ms switch interval "
-        "(the connector's `tuning.gil_switch_interval_s`). `busy_over_alone_*`: the slowdown beside the busy thread."),
+        "(per_object), a window's objects per native call (batched; from 2026-12-04 on one job of the tier's native "
+        "reader, with the GIL kept for the key chain and the reader's quick calls), and batched with a 0.5 ms switch "
+        "interval (the connector's `tuning.gil_switch_interval_s`). `busy_over_alone_*`: the slowdown beside the "
+        "busy thread."),
         "Inside vLLM",
         {"rows": ["tokens", "mib", "restore_alone_per_object_ms", "restore_alone_batched_ms",
                   "restore_busy_per_object_ms", "restore_busy_batched_ms", "restore_busy_batched_short_switch_ms",
