@@ -31,14 +31,19 @@ def _data(n: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (SMALL,), dtype=torch.uint8, generator=g) for _ in range(n)]
 
 
-@pytest.fixture
-def tier(tmp_path):
+def _native_tier(tmp_path) -> FilesystemTier:
     root = tmp_path / "store"
     root.mkdir()
     t = FilesystemTier(root, SMALL, FP, load_concurrency=1)
     if not t.batched:
         t.close()
         pytest.skip("openat2 is not available here")
+    return t
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = _native_tier(tmp_path)
     yield t
     t.close()
 
@@ -211,12 +216,7 @@ def test_a_read_that_does_not_return_holds_its_fetch_past_the_deadline(tier):
 
 def test_close_is_bounded_by_a_stuck_read_and_cancels_what_did_not_start(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(_common, "CLOSE_TIMEOUT_S", 0.3)
-    root = tmp_path / "store"
-    root.mkdir()
-    t = FilesystemTier(root, SMALL, FP, load_concurrency=1)
-    if not t.batched:
-        t.close()
-        pytest.skip("openat2 is not available here")
+    t = _native_tier(tmp_path)  # closed by the test itself
     data = _data(3)
     t.put(["a", "b", "c"], data)
     out = [torch.full((SMALL,), 7, dtype=torch.uint8) for _ in range(3)]
