@@ -95,8 +95,8 @@ BSR_CPU_API int bsr_fs_probe_objects(int root_fd, int64_t n, const int64_t* relp
  * heads + i * head_bytes, the rest to bodies[i], crcs[i] = CRC-32C of the rest, status[i] as the
  * probe's (or BSR_FS_SHORT); the arrays are the caller's and must stay alive until the job ended. It
  * returns the job's id (-1 invalid arguments, -2 closed). wait: 1 once every object of the job ended
- * (read or not), 0 after timeout_ns without, -1 no such job. forget: 0 the ended job's record freed,
- * 1 still being read (kept), -1 unknown. hold (tests): while on (1; 0 off, -1 unchanged), a thread
+ * (read or not), 0 after timeout_ns without, -1 no such job (or forgotten). forget: 0 the ended job's
+ * record freed (by its last waiter, if any wait on it), 1 still being read (kept), -1 unknown. hold (tests): while on (1; 0 off, -1 unchanged), a thread
  * that took an object waits before reading it, as a read stuck in the kernel; returns how many wait. close: cancels what was not started; 1 once every
  * thread ended within timeout_ns, else 0 (threads left running). free: 0 freed, 1 not closed or a
  * thread still running (never freed under it). deadline_ns and the timeouts: CLOCK_MONOTONIC ns. */

@@ -133,6 +133,8 @@ BSR_CPU_API int bsr_fs_probe_objects(int root_fd, int64_t n, const int64_t* relp
 
 typedef struct fs_job {
     int64_t id, n, next, ended; /* next: the first object no thread took yet */
+    int64_t waiters;            /* callers inside bsr_fs_reader_wait on it: it is not freed under them */
+    int forgotten;              /* forgotten while waited on: the last waiter frees it */
     const int64_t* relpaths;
     int64_t flags, object_size, head_bytes;
     uint8_t* heads;
@@ -256,7 +258,8 @@ BSR_CPU_API int64_t bsr_fs_reader_submit(void* reader, int64_t n, const int64_t*
         return -1;
     fs_job* j = calloc(1, sizeof *j);
     if (!j) return -1;
-    *j = (fs_job){0, n, 0, 0, relpaths, flags, object_size, head_bytes, heads, bodies, crcs, status, deadline_ns, NULL};
+    *j = (fs_job){.n = n, .relpaths = relpaths, .flags = flags, .object_size = object_size, .head_bytes = head_bytes,
+                  .heads = heads, .bodies = bodies, .crcs = crcs, .status = status, .deadline_ns = deadline_ns};
     pthread_mutex_lock(&r->mu);
     if (r->closing) {
         pthread_mutex_unlock(&r->mu);
@@ -277,8 +280,17 @@ BSR_CPU_API int64_t bsr_fs_reader_submit(void* reader, int64_t n, const int64_t*
 
 static fs_job* find_job(fs_reader* r, int64_t id) {
     for (fs_job* j = r->jobs; j; j = j->link)
-        if (j->id == id) return j;
+        if (j->id == id && !j->forgotten) return j;
     return NULL;
+}
+
+static void free_job(fs_reader* r, fs_job* j) {
+    for (fs_job** p = &r->jobs; *p; p = &(*p)->link)
+        if (*p == j) {
+            *p = j->link;
+            break;
+        }
+    free(j);
 }
 
 BSR_CPU_API int bsr_fs_reader_wait(void* reader, int64_t job, int64_t timeout_ns) {
@@ -290,9 +302,11 @@ BSR_CPU_API int bsr_fs_reader_wait(void* reader, int64_t job, int64_t timeout_ns
     fs_job* j = find_job(r, job);
     int rc = -1;
     if (j) {
+        j->waiters++; /* another caller may forget the job while this one waits (the mutex given up) */
         while (j->ended < j->n && timeout_ns > 0 && now_ns() < until)
             if (pthread_cond_timedwait(&r->done, &r->mu, &ts) == ETIMEDOUT) break;
         rc = j->ended == j->n;
+        if (--j->waiters == 0 && j->forgotten) free_job(r, j);
     }
     pthread_mutex_unlock(&r->mu);
     return rc;
@@ -303,17 +317,15 @@ BSR_CPU_API int bsr_fs_reader_forget(void* reader, int64_t job) {
     if (!r) return -1;
     pthread_mutex_lock(&r->mu);
     int rc = -1;
-    for (fs_job** p = &r->jobs; *p; p = &(*p)->link) {
-        if ((*p)->id != job) continue;
-        fs_job* j = *p;
-        if (j->ended == j->n) {
-            *p = j->link;
-            free(j);
-            rc = 0;
-        } else {
-            rc = 1; /* still being read: kept */
-        }
-        break;
+    fs_job* j = find_job(r, job);
+    if (j && j->ended < j->n) {
+        rc = 1; /* still being read: kept */
+    } else if (j) {
+        if (j->waiters > 0)
+            j->forgotten = 1; /* unknown from now on; freed by its last waiter */
+        else
+            free_job(r, j);
+        rc = 0;
     }
     pthread_mutex_unlock(&r->mu);
     return rc;

@@ -314,3 +314,42 @@ def test_a_fork_child_reads_through_a_reader_of_its_own(tier):
     p.join(30)
     assert q.get(timeout=5) is True
     assert tier.fetch(["b"], [out], time.monotonic() + 10).wait() == SMALL and torch.equal(out, data[1])
+
+
+def test_jobs_waited_on_by_several_threads_at_once_end_for_each(tmp_path):
+    """Concurrent restores share one reader: a job one thread waits on may be seen ended and forgotten by
+    another (each submit lets ended jobs go). The reader frees a job only once no caller waits on it (a waiter
+    woken after a free read freed memory: restores hung until their fetch deadline, or read garbage)."""
+    import threading
+
+    t = _native_tier(tmp_path)
+    keys = [f"k{i}" for i in range(8)]
+    data = _data(len(keys))
+    t.put(keys, data)
+    errors: list[str] = []
+
+    def restore_like(worker: int) -> None:
+        out = torch.zeros(SMALL, dtype=torch.uint8)
+        for i in range(150):
+            k = (worker + i) % len(keys)
+            t0 = time.monotonic()
+            try:
+                t.fetch([keys[k]], [out], time.monotonic() + 20).wait()
+            except Exception as e:  # noqa: BLE001 - recorded and asserted below
+                errors.append(f"{worker}/{i}: {e!r}")
+                return
+            same = torch.equal(out, data[k])
+            if time.monotonic() - t0 > 5 or not same:
+                errors.append(f"{worker}/{i}: {time.monotonic() - t0:.1f} s, bytes {'ok' if same else 'wrong'}")
+                return
+
+    try:
+        threads = [threading.Thread(target=restore_like, args=(w,), daemon=True) for w in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads), "a fetch never ended"
+        assert not errors, errors[:3]
+    finally:
+        t.close()
