@@ -89,5 +89,11 @@ defect "fs reader: objects read after their job's deadline passed" csrc/bsr_fs_r
 defect "fs tier: a native read's body checksum not compared" bsr_runtime/tiers/filesystem.py \
   "                    if got != crc:" "                    if False:" \
   tests/unit/test_fs_native.py tests/unit/test_fs_tier.py
+defect "fs reader: a job freed while another caller waits on it" csrc/bsr_fs_read.c \
+  "        if (j->waiters > 0)
+            j->forgotten = 1; /* unknown from now on; freed by its last waiter */
+        else
+            free_job(r, j);" "        free_job(r, j);" \
+  tests/unit/test_fs_native.py
 git -C "$SRC" worktree remove --force "$W"
 exit $status
