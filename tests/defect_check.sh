@@ -86,8 +86,8 @@ defect "cluster: a put placed on a lost store host not put again on a live one" 
 defect "fs reader: objects read after their job's deadline passed" csrc/bsr_fs_read.c \
   "if (now_ns() > j->deadline_ns) {" "if (0) {" \
   tests/unit/test_fs_native.py
-defect "fs tier: a native read's body checksum not compared" bsr_runtime/tiers/filesystem.py \
-  "                    if got != crc:" "                    if False:" \
+defect "fs tier: a native read's body checksum not compared" bsr_runtime/tiers/fs_fetch.py \
+  "                if got != crc:" "                if False:" \
   tests/unit/test_fs_native.py tests/unit/test_fs_tier.py
 defect "fs reader: a job freed while another caller waits on it" csrc/bsr_fs_read.c \
   "        if (j->waiters > 0)

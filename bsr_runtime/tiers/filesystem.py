@@ -38,7 +38,6 @@ import torch
 
 from . import _common, fs_native
 from ._common import (
-    CRC32C,
     SettledFetchHandle,
     check_host_views,
     crc_at,
@@ -55,6 +54,7 @@ from .base import (
     TierError,
     TierUnavailableError,
 )
+from .fs_fetch import NativeFetch, as_tier_error
 from .fs_format import (  # noqa: F401 - HEADER_SIZE, HEADER_STRUCT, pack_header, key_digest: public here too
     DIR_FLAGS,
     FILE_FLAGS,
@@ -231,7 +231,7 @@ class FilesystemTier(Tier):
             self._fail(state, TierUnavailableError(f"filesystem tier closed: {e}"))
         return handle
 
-    def _fetch_native(self, keys: tuple[str, ...], views: Sequence[torch.Tensor], deadline: float) -> _NativeFetch:
+    def _fetch_native(self, keys: tuple[str, ...], views: Sequence[torch.Tensor], deadline: float) -> NativeFetch:
         """The window's reads as one job of the native reader; checked by whoever waits for the handle."""
         digests = [key_digest(k) for k in keys]
         addrs = [v.data_ptr() for v in views]
@@ -245,34 +245,7 @@ class FilesystemTier(Tier):
                                       fs_native.deadline_ns(deadline))
         except fs_native.ReaderClosed as e:
             raise TierUnavailableError(f"filesystem tier closed: {e}") from e
-        return _NativeFetch(self, keys, deadline, job, digests, list(zip(views, addrs, strict=True)))
-
-    def _check_read(self, keys: tuple[str, ...], digests: list[bytes], dsts: list[tuple[torch.Tensor, int]],
-                    job: fs_native.ReadJob) -> BaseException | None:
-        """The first error of an ended read job (None: every object landed whole, as its key's): a header
-        checked against the key, the registration and the body's CRC; a failed read again object by
-        object, which says exactly what is wrong (or finds it whole now)."""
-        for i, st in enumerate(job.status.tolist()):
-            try:
-                if st == 0:
-                    algo, crc = check_header(keys[i], job.heads[i].tobytes(), digests[i], self._fp,
-                                             self.fingerprint, self.chunk_bytes)
-                    got = int(job.crcs[i]) if algo == CRC32C else crc_at(algo, dsts[i][1], self.chunk_bytes)
-                    if got != crc:
-                        raise CorruptObjectError(f"filesystem tier: checksum mismatch for {keys[i]}")
-                elif st == fs_native.LATE:
-                    raise FetchTimeoutError(f"filesystem tier: deadline passed before {keys[i]} was read")
-                elif st == fs_native.CANCELLED:
-                    raise TierUnavailableError("filesystem tier closed before the fetch completed")
-                elif st != fs_native.SKIPPED:  # skipped: after an object that failed, reported before it
-                    self._read_into(keys[i], dsts[i])
-            except BaseException as e:  # noqa: BLE001 - the fetch's error, as the pool path reports it
-                if isinstance(e, TierError):
-                    return e
-                wrapped = TierError(f"filesystem tier: fetch failed: {e!r}")
-                wrapped.__cause__ = e
-                return wrapped
-        return None
+        return NativeFetch(self, keys, deadline, job, digests, list(zip(views, addrs, strict=True)))
 
     def _fetch_some(self, state: _FetchState) -> None:
         """One worker's share of a fetch (reads object by object: no openat2 or no CPU library): read the
@@ -331,13 +304,8 @@ class FilesystemTier(Tier):
             self._inflight.discard(state)
         handle = state.handle
         handle.mark_settled()
-        err = state.error
-        if err is not None and not isinstance(err, TierError):
-            wrapped = TierError(f"filesystem tier: fetch failed: {err!r}")
-            wrapped.__cause__ = err
-            err = wrapped
-        if err is not None:
-            handle.set_error(err)
+        if state.error is not None:
+            handle.set_error(as_tier_error(state.error))
         else:
             handle.set_result(state.nbytes)
 
@@ -475,43 +443,3 @@ class FilesystemTier(Tier):
                     os.close(self._root_fd)
         except Exception:
             pass
-
-
-class _NativeFetch(FetchHandle):
-    """A fetch read by the tier's native reader: complete (and settled) once its job has ended, checked
-    by the thread that waits for it. Nothing completes it from outside (no set_result / set_error), so it
-    holds no events of its own: its job is what it waits on."""
-
-    def __init__(self, tier: FilesystemTier, keys: tuple[str, ...], deadline: float, job: fs_native.ReadJob,
-                 digests: list[bytes], dsts: list[tuple[torch.Tensor, int]]) -> None:
-        self.keys, self.deadline, self.bytes_read, self._error = keys, deadline, 0, None
-        self._tier, self._job, self._digests, self._dsts = tier, job, digests, dsts
-        self._checked = False
-
-    def set_result(self, nbytes: int) -> None:
-        raise TypeError("a native fetch is completed by its read job")
-
-    set_error = set_result
-
-    def done(self) -> bool:
-        return self._job.wait(0)
-
-    def wait_done(self, timeout: float) -> bool:
-        return self._job.wait(timeout)
-
-    def settled(self) -> bool:
-        return self._job.wait(0)
-
-    def quiesce(self, timeout: float | None = None) -> bool:
-        return self._job.wait(threading.TIMEOUT_MAX if timeout is None else timeout)
-
-    def wait(self) -> int:
-        if not self._job.wait(self.deadline - time.monotonic()):
-            raise FetchTimeoutError(f"fetch of {len(self.keys)} objects missed its deadline")
-        if not self._checked:
-            self._error = self._tier._check_read(self.keys, self._digests, self._dsts, self._job)
-            self.bytes_read = 0 if self._error else len(self.keys) * self._tier.chunk_bytes
-            self._checked = True
-        if self._error is not None:
-            raise self._error
-        return self.bytes_read
