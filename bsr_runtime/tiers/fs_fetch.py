@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -15,10 +15,17 @@ from ._common import CRC32C, crc_at
 from .base import CorruptObjectError, FetchHandle, FetchTimeoutError, TierError, TierUnavailableError
 from .fs_format import check_header
 
-if TYPE_CHECKING:
-    from .filesystem import FilesystemTier
-
 Dst = tuple[torch.Tensor, int]  # an object's staging view and its address
+
+
+class FilesystemTier(Protocol):
+    """What a check reads of the tier (filesystem.FilesystemTier; not imported: it imports this module)."""
+
+    fingerprint: str
+    chunk_bytes: int
+    _fp: bytes
+
+    def _read_into(self, key: str, dst: Dst) -> int: ...
 
 
 def as_tier_error(err: BaseException) -> TierError:
