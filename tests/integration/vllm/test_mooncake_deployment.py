@@ -118,7 +118,10 @@ def _save_then_restore(tmp_path: Path, kv: dict) -> None:
     llm = U.make_llm(model, kv)  # engine A: prefills, saves into the store host's segment, exits
     try:
         saved = U.generate(llm, tokens)
-        saves = list(U.worker_connector().worker.saves)
+        worker = U.worker_connector().worker
+        # saves land in the background: step until they are reported (bounded: a lost save still fails)
+        U.step_until(llm, lambda: sum(s["stored"] for s in worker.saves if s["ok"]) >= CHUNKS, timeout_s=30)
+        saves = list(worker.saves)
     finally:
         U.shutdown(llm)
     assert saved[2] == 0 and sum(s["stored"] for s in saves if s["ok"]) == CHUNKS
