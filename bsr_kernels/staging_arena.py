@@ -70,6 +70,11 @@ def work_stream(tensors, stream=None):
     return None
 
 
+# runs whose views an arena keeps for its next leases of them: a restore leases the same few runs window after
+# window (W / depth chunks at 0 and W / depth); a bound for arenas leased in many ways (shared ones)
+_RUN_VIEWS_KEPT = 64
+
+
 class CompletionEvent:
     """Completion of the work that reads or writes a leased run.
 
@@ -141,7 +146,7 @@ class ArenaLease:
         return self.view[i * c : (i + 1) * c]
 
     def chunks(self) -> list[torch.Tensor]:
-        return [self.chunk(i) for i in range(self.num_chunks)]
+        return self.arena.chunk_views(self.first, self.num_chunks)
 
     def record(self, stream=None) -> None:
         """Record the completion of the work just launched on this lease's bytes."""
@@ -185,6 +190,11 @@ class StagingArena:
                                   pin_memory=self.pinned)
         if prefault:  # a long-lived arena: touched before any restore that uses it is timed
             self.prefault()
+        # every chunk's view, made once: a window's lease and its views are then list and tensor slices of
+        # these (one torch call a window, none a chunk), not made anew for every window of every restore
+        self._rows = self.buffer.view(capacity_chunks, self.chunk_stride)[:, headroom:]
+        self._chunk_views = list(self._rows)
+        self._run_views: dict[tuple[int, int], torch.Tensor] = {}  # (first, n) -> the run's view, as leased before
         self._state = bytearray([_FREE]) * capacity_chunks
         self._quarantined = 0
         self._live = 0
@@ -198,6 +208,10 @@ class StagingArena:
         # called (with this arena, on the thread that quarantined, outside the lock) after a run was quarantined
         self.on_quarantine: Callable[[StagingArena], None] | None = None
         self.stuck_reason: str | None = None  # set by the owner: why no replacement comes (StagingExhausted)
+
+    def chunk_views(self, first: int, n: int) -> list[torch.Tensor]:
+        """The views of chunks first..first+n-1 (one contiguous chunk_bytes view each)."""
+        return self._chunk_views[first : first + n]
 
     def prefault(self) -> None:
         """Touch host memory now: else the first restore that uses it pays a page fault per page. Pinned and
@@ -386,10 +400,10 @@ class StagingArena:
         self._state[first : first + n] = bytes([_LIVE]) * n
         self._live += n
         self._peak = max(self._peak, self._live)
-        start = first * self.chunk_stride
-        if self.headroom:
-            rows = self.buffer[start : start + n * self.chunk_stride].view(n, -1)
-            view = rows[:, self.headroom :]
-        else:
-            view = self.buffer[start : start + n * self.chunk_bytes]
+        view = self._run_views.get((first, n))
+        if view is None:
+            view = self._rows[first : first + n] if self.headroom else \
+                self.buffer[first * self.chunk_bytes : (first + n) * self.chunk_bytes]
+            if len(self._run_views) < _RUN_VIEWS_KEPT:
+                self._run_views[(first, n)] = view
         return ArenaLease(self, first, n, view, CompletionEvent(self.device))

@@ -31,7 +31,6 @@ the report fields and metric labels (`<phase>_s`), each timing the call it is na
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -146,14 +145,9 @@ class LoopStats:
     live_bytes: int = 0  # this loop's windows reserved now
     peak_bytes: int = 0  # the most this loop held at once
 
-    @contextlib.contextmanager
-    def time(self, phase: str) -> Iterator[None]:
+    def time(self, phase: str) -> _PhaseTimer:
         """Add the time spent in the block to `<phase>_s`."""
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            setattr(self, f"{phase}_s", getattr(self, f"{phase}_s") + time.perf_counter() - t)
+        return _PhaseTimer(self, f"{phase}_s")
 
     def hold(self, nbytes: int) -> None:
         self.live_bytes += nbytes
@@ -161,6 +155,22 @@ class LoopStats:
 
     def drop(self, nbytes: int) -> None:
         self.live_bytes -= nbytes
+
+
+class _PhaseTimer:
+    """LoopStats.time's block: a plain object, not a generator context manager (a window enters five of
+    these and two `_Failing` blocks; generator-based ones cost microseconds each, per window)."""
+
+    __slots__ = ("_stats", "_field", "_t")
+
+    def __init__(self, stats: LoopStats, field_name: str) -> None:
+        self._stats, self._field = stats, field_name
+
+    def __enter__(self) -> None:
+        self._t = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(self._stats, self._field, getattr(self._stats, self._field) + time.perf_counter() - self._t)
 
 
 def map_onto_destination(window: Window, runs: Sequence[StagedRun]) -> Iterator[BlockSlice]:
@@ -246,23 +256,39 @@ class WindowLoop:
         self.stats.windows_done += 1
         self.stats.chunks_done += window.num_chunks
 
-    @contextlib.contextmanager
-    def _failing(self, window: Window, held: _Held | WindowReservation | None = None) -> Iterator[None]:
+    def _failing(self, window: Window, held: _Held | WindowReservation | None = None) -> _Failing:
         """Any exception in the block abandons what the window holds and fails the window."""
-        try:
-            yield
-        except BaseException as e:
-            if isinstance(held, _Held):
-                held.abandon(self.stream)
-            elif held is not None:
-                held.release()
-            self._fail(window, e)
+        return _Failing(self, window, held)
 
     def _fail(self, window: Window, e: BaseException):
         self.stats.failed_window = window.index
         if isinstance(e, WindowFailed) or not isinstance(e, Exception):
             raise e
         raise WindowFailed(window.index, e) from e
+
+
+class _Failing:
+    """WindowLoop._failing's block: an exception of any type abandons (a fetched window) or releases (a
+    reservation) what the window holds, then fails the window (WindowLoop._fail raises)."""
+
+    __slots__ = ("_loop", "_window", "_held")
+
+    def __init__(self, loop: WindowLoop, window: Window, held: _Held | WindowReservation | None) -> None:
+        self._loop, self._window, self._held = loop, window, held
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: type[BaseException] | None, e: BaseException | None, tb: object) -> bool:
+        if e is None:
+            return False
+        held = self._held
+        if isinstance(held, _Held):
+            held.abandon(self._loop.stream)
+        elif held is not None:
+            held.release()
+        self._loop._fail(self._window, e)
+        return False  # not reached: _fail raises
 
 
 @dataclass
