@@ -5,7 +5,9 @@ cold prefill"), both sides in real engines with the same max_num_batched_tokens 
   multiple of M): tokens and logprobs identical;
 - unaligned: the restored prefix (11 chunks, 2816 tokens) ends inside a cold step: tokens identical,
   logprobs within the difference vLLM's own prefix cache makes (a repeat of the prompt in the cold
-  engine, measured here; its hit ends at the same token), and that difference is not zero.
+  engine, measured here; its hit ends at the same token). That difference is not zero on most CPUs; where
+  vLLM's kernels give the same bits whatever the split (seen on an Intel Xeon with AVX-512 and AMX), the
+  restored logprobs must then be identical too.
 """
 
 from __future__ import annotations
@@ -52,6 +54,5 @@ def test_bit_identity_needs_the_prefix_to_end_on_a_prefill_step(tmp_path):
     assert local["aligned"][1] == cold["aligned"][1]
 
     assert (11 * U.CHUNK) % M != 0
-    vllm_diff = _max_diff(local["unaligned"], cold["unaligned"])
-    assert vllm_diff > 0, "the unaligned split did not change vLLM's own numerics: nothing is tested"
+    vllm_diff = _max_diff(local["unaligned"], cold["unaligned"])  # 0 where the split does not change vLLM's bits
     assert _max_diff(restored["unaligned"], cold["unaligned"]) <= vllm_diff
