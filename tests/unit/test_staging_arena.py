@@ -110,6 +110,31 @@ def test_headroom_leaves_scratch_before_every_chunk():
         lease.release()
 
 
+@pytest.mark.parametrize("h", [0, 128])
+def test_a_run_leased_again_gets_views_of_its_own_chunks(h):
+    """An arena keeps the views of the runs it leased (a restore leases the same few runs window after window)
+    and of its chunks: every lease, the first of its run or a repeat, past the number of runs kept or not, has
+    a view and chunk views at the run's own addresses (first chunk at h + first * (h + C))."""
+    cap = 24
+    arena = StagingArena(C, cap, headroom=h)
+    base, stride = arena.buffer.data_ptr(), C + h
+    runs = [(first, n) for n in (1, 2, 5) for first in range(0, cap - n + 1, 1)]
+    assert len(runs) > 64  # more distinct runs than the arena keeps views of
+    for first, n in runs + runs[::-1]:
+        blocker = arena.acquire(first) if first else None  # first fit: the lease starts after it
+        lease = arena.acquire(n)
+        assert lease.first == first
+        at = [base + h + (first + i) * stride for i in range(n)]
+        assert [c.data_ptr() for c in lease.chunks()] == at
+        assert all(c.numel() == C and c.is_contiguous() for c in lease.chunks())
+        rows = lease.view if h else lease.view.view(n, C)
+        assert [rows[i].data_ptr() for i in range(n)] == at and rows.shape == (n, C)
+        lease.release()
+        if blocker is not None:
+            blocker.release()
+    assert arena.live_bytes == 0
+
+
 @pytest.mark.parametrize("w", [2, 3, 5, 8])  # W = 1 has one window of one chunk: depth 1
 def test_a_w_chunk_arena_holds_every_pair_of_depth_two_windows_at_once(w):
     """A restorer's own staging at depth 2: W chunks, windows of ceil(W/2) and floor(W/2) chunks, the
