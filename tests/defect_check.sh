@@ -47,6 +47,10 @@ defect "LMCache server module: a window's prefetched objects not counted as held
 defect "saver: the put reads its staging before the gather landed" bsr_runtime/saver.py \
   "                job.lease.synchronize()  # the gather landed: the puts read what it wrote" "                job.lease.synchronized = True" \
   tests/unit/test_saver.py tests/unit/test_window_loop.py
+# the loop's failure block (a plain context manager since d22238b): a failed window gives back what it holds
+defect "window loop: a failed window's fetched staging is not abandoned" bsr_runtime/window_loop.py \
+  "            held.abandon(self._loop.stream)" "            pass" \
+  tests/unit/test_window_loop.py
 # issue 40: the step waits for a background lookup once (probe_wait_s)
 defect "planner: probe_wait_s ignored" bsr_runtime/planner.py \
   "if not running.waited_in_step and self.probe_wait_s > 0:" "if False:" \
