@@ -70,11 +70,6 @@ def work_stream(tensors, stream=None):
     return None
 
 
-# runs whose views an arena keeps for its next leases of them: a restore leases the same few runs window after
-# window (W / depth chunks at 0 and W / depth); a bound for arenas leased in many ways (shared ones)
-_RUN_VIEWS_KEPT = 64
-
-
 class CompletionEvent:
     """Completion of the work that reads or writes a leased run.
 
@@ -140,10 +135,7 @@ class ArenaLease:
     released: bool = False
 
     def chunk(self, i: int) -> torch.Tensor:
-        if self.view.dim() == 2:
-            return self.view[i]
-        c = self.arena.chunk_bytes
-        return self.view[i * c : (i + 1) * c]
+        return self.chunks()[i]
 
     def chunks(self) -> list[torch.Tensor]:
         return self.arena.chunk_views(self.first, self.num_chunks)
@@ -190,11 +182,10 @@ class StagingArena:
                                   pin_memory=self.pinned)
         if prefault:  # a long-lived arena: touched before any restore that uses it is timed
             self.prefault()
-        # every chunk's view, made once: a window's lease and its views are then list and tensor slices of
-        # these (one torch call a window, none a chunk), not made anew for every window of every restore
+        # every chunk's view, made once: a window's lease and its views are then a list slice and one tensor
+        # slice of these, not a torch view made per chunk for every window of every restore
         self._rows = self.buffer.view(capacity_chunks, self.chunk_stride)[:, headroom:]
         self._chunk_views = list(self._rows)
-        self._run_views: dict[tuple[int, int], torch.Tensor] = {}  # (first, n) -> the run's view, as leased before
         self._state = bytearray([_FREE]) * capacity_chunks
         self._quarantined = 0
         self._live = 0
@@ -400,10 +391,8 @@ class StagingArena:
         self._state[first : first + n] = bytes([_LIVE]) * n
         self._live += n
         self._peak = max(self._peak, self._live)
-        view = self._run_views.get((first, n))
-        if view is None:
-            view = self._rows[first : first + n] if self.headroom else \
-                self.buffer[first * self.chunk_bytes : (first + n) * self.chunk_bytes]
-            if len(self._run_views) < _RUN_VIEWS_KEPT:
-                self._run_views[(first, n)] = view
+        if self.headroom:
+            view = self._rows[first : first + n]
+        else:
+            view = self.buffer[first * self.chunk_bytes : (first + n) * self.chunk_bytes]
         return ArenaLease(self, first, n, view, CompletionEvent(self.device))
