@@ -78,16 +78,18 @@ def _run(rank: int, world: int, outdir: Path) -> dict:
         return Loader(reg, [tier], kv, cfg, tp_rank=rank, tp_world=world,
                       agree=functools.partial(commit.agree, group=group), agree_timeout_s=AGREE_TIMEOUT_S)
 
+    taken: dict = {}  # results taken while waiting for another load (two can finish before one take)
+
     def wait(ld: Loader, name: str) -> dict:
         end = time.monotonic() + WAIT_S
-        while time.monotonic() < end:
+        while name not in taken and time.monotonic() < end:
             ld.wait_finished(0.1)
-            for r in ld.take_finished():
-                if r.request_id == name:
-                    o = r
-                    return {"finished": True, "committed": o.committed, "agreed": o.agreed, "error": o.error,
-                            "cause": None if o.cause is None else o.cause.value}
-        return {"finished": False}
+            taken.update((r.request_id, r) for r in ld.take_finished())
+        o = taken.pop(name, None)
+        if o is None:
+            return {"finished": False}
+        return {"finished": True, "committed": o.committed, "agreed": o.agreed, "error": o.error,
+                "cause": None if o.cause is None else o.cause.value}
 
     out: dict = {}
     try:
