@@ -58,7 +58,8 @@ def _store(progress: Progress, src, tier, window_chunks: int = 32) -> None:
         store_source(src, tier, window_chunks, progress=bar.update)
 
 
-def _sweep_rows(args, reg, tier_names, tokens, windows, progress, repeat=1, max_staging=None):
+def _sweep_rows(args, reg, tier_names, tokens, windows, progress, repeat=1, max_staging=None, floor=False):
+    """`floor`: each row also gets its tier's own floor (bsr_harness/tier_floor.py) where the tier has one."""
     from bsr_harness.experiments import Destinations, make_source, source_hashes, sweep
 
     max_chunks = max(tokens) // reg.chunk_tokens
@@ -77,9 +78,29 @@ def _sweep_rows(args, reg, tier_names, tokens, windows, progress, repeat=1, max_
                 def on_row(r, bar=bar):
                     bar.update(1)
                     bar.set_postfix_str(f"{r.tokens} tok W={r.window_chunks}: {r.seconds:.2f}s")
-                rows += sweep(src, target, tokens, windows, depth=args.depth, fetch_timeout_s=args.timeout,
-                              backend=args.backend, expected=expected, dst=dst, repeat=repeat, on_row=on_row)
+                new = sweep(src, target, tokens, windows, depth=args.depth, fetch_timeout_s=args.timeout,
+                            backend=args.backend, expected=expected, dst=dst, repeat=repeat, on_row=on_row)
+            if floor:
+                _add_floors(new, target.tier, src, progress, repeat)
+            rows += new
     return rows
+
+
+def _add_floors(rows, tier, src, progress: Progress, repeat: int) -> None:
+    """Each row's tier_floor_s: the tier's own reads of the row's objects at its W (None: no floor)."""
+    from bsr_harness.tier_floor import tier_floor
+    from bsr_runtime.keys import PrefixKeys
+
+    ct = src.reg.chunk_tokens
+    for tokens in sorted({r.tokens for r in rows}):
+        n = tokens // ct
+        windows = sorted({r.window_chunks for r in rows if r.tokens == tokens})
+        floors = tier_floor(tier, PrefixKeys(src.keyspace, src.tokens[: n * ct], ct).window(0, n), windows, repeat)
+        if floors is None:
+            return
+        for r in rows:
+            if r.tokens == tokens:
+                r.tier_floor_s = floors[r.window_chunks]
 
 
 @contextlib.contextmanager
@@ -134,7 +155,8 @@ def cmd_sweep(args) -> int:
     reg = load_registration(args.registration, args.scale)
     print(reg.describe())
     windows = [args.window] + ([0] if args.baseline and args.window else [])
-    rows = _sweep_rows(args, reg, tier_names(args), args.tokens, windows, progress, repeat=args.repeat)
+    rows = _sweep_rows(args, reg, tier_names(args), args.tokens, windows, progress, repeat=args.repeat,
+                       floor=args.baseline)
     rows_table(rows)
     baseline_table(rows)
     write_json(args.json, [r.to_dict() for r in rows])
@@ -144,22 +166,32 @@ def cmd_sweep(args) -> int:
     return 0 if all(r.state_hash_ok for r in rows) else 1
 
 
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "-"
+
+
 def cmd_wlaw(args) -> int:
     progress = Progress(args.quiet)
     reg = load_registration(args.registration, args.scale)
     windows = args.windows
     print(reg.describe())
-    rows = _sweep_rows(args, reg, tier_names(args), [args.tokens], windows, progress, repeat=args.repeat)
+    rows = _sweep_rows(args, reg, tier_names(args), [args.tokens], windows, progress, repeat=args.repeat,
+                       floor=True)
     from bsr_harness.report_sections import WLAW_REFERENCE_W
 
-    ref = {r.tier: r.seconds for r in rows if r.window_chunks == WLAW_REFERENCE_W}
+    ref = {r.tier: r for r in rows if r.window_chunks == WLAW_REFERENCE_W}
     print_table(["tier", "W", "peak staging", "W*c", "peak == W*c", "seconds", f"/ W={WLAW_REFERENCE_W}",
-                 *(f"{p} ms" for p in PHASES)],
+                 "tier's own s", f"tier's own / W={WLAW_REFERENCE_W}", *(f"{p} ms" for p in PHASES)],
                 [(r.tier, r.window_chunks, human_bytes(r.peak_staging_bytes),
                   human_bytes(min(r.window_chunks, r.chunks) * r.chunk_bytes),
                   "yes" if r.peak_staging_bytes == min(r.window_chunks, r.chunks) * r.chunk_bytes else "NO",
-                  f"{r.seconds:.3f}", f"{r.seconds / ref[r.tier]:.2f}" if ref.get(r.tier) else "-",
+                  f"{r.seconds:.3f}", _ratio(r.seconds, ref.get(r.tier) and ref[r.tier].seconds),
+                  "-" if r.tier_floor_s is None else f"{r.tier_floor_s:.3f}",
+                  _ratio(r.tier_floor_s, ref.get(r.tier) and ref[r.tier].tier_floor_s),
                   *(f"{getattr(r, p + '_s') * 1e3:.1f}" for p in PHASES)) for r in rows])
+    if any(r.tier_floor_s is not None for r in rows):
+        print("tier's own: the tier's bare reads of the same objects, W per call, back to back, nothing checked "
+              "or installed (bsr_harness/tier_floor.py): what no restore through that tier can go below")
     write_json(args.json, [r.to_dict() for r in rows])
     _record(args, {"rows": [r.to_dict() for r in rows]})
     if args.plot:

@@ -84,11 +84,18 @@ def baseline_table(rows) -> None:
         return
     print("BSR / whole plan (W = 0: one window of all N chunks, its staging allocated and touched before timing; "
           "the same read path and installer). Phases in ms, BSR | whole plan:")
-    print_table(["tier", "tokens", "W", "BSR s", "whole s", "BSR / whole", *PHASES],
+    floors = any(b.tier_floor_s is not None and w.tier_floor_s for b, w in pairs)
+    print_table(["tier", "tokens", "W", "BSR s", "whole s", "BSR / whole",
+                 *(["tier's own W / whole"] if floors else []), *PHASES],
                 [(b.tier, b.tokens, b.window_chunks, f"{b.seconds:.4f}", f"{w.seconds:.4f}",
                   f"{b.seconds / w.seconds:.2f}" if w.seconds else "-",
+                  *([f"{b.tier_floor_s / w.tier_floor_s:.2f}" if b.tier_floor_s is not None and w.tier_floor_s
+                     else "-"] if floors else []),
                   *(f"{getattr(b, p + '_s') * 1e3:.1f} | {getattr(w, p + '_s') * 1e3:.1f}" for p in PHASES))
                  for b, w in pairs])
+    if floors:
+        print("tier's own W / whole: the tier's bare reads of the same objects, W per call against the whole "
+              "plan's calls, back to back, nothing checked or installed (bsr_harness/tier_floor.py)")
 
 
 def line_plot(path: str, series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str,

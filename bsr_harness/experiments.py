@@ -80,6 +80,7 @@ class SweepRow:
     prepare_s: float = 0.0  # the restore's phases beside fetch / install / sync (restore.RESTORE_PHASES)
     admit_s: float = 0.0
     submit_s: float = 0.0
+    tier_floor_s: float | None = None  # the tier's own reads of the same objects at this W (tier_floor.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
