@@ -50,6 +50,8 @@ def against_whole_plan(rows: list[dict]) -> list[dict]:
                     "windows": r["windows"], "bsr_peak_staging_bytes": r["peak_staging_bytes"],
                     "whole_plan_peak_staging_bytes": b["peak_staging_bytes"], "bsr_s": r["seconds"],
                     "whole_plan_s": b["seconds"], "bsr_vs_whole_plan": r["seconds"] / b["seconds"],
+                    # the tier's bare reads at W against the whole plan's (tier_floor.py; records of 2026-12-04 on)
+                    "tier_own_vs_whole_plan": _over(r.get("tier_floor_s"), b.get("tier_floor_s")),
                     "state_hashes_ok": r["state_hash_ok"] and b["state_hash_ok"]})
     return out
 
@@ -75,12 +77,18 @@ def _demo(figures: dict) -> dict:
 WLAW_REFERENCE_W = 32  # the W bsr wlaw and this section divide the other W's seconds by (issue 41: W = 8 <= 1.15x)
 
 
+def _over(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def _wlaw(figures: dict) -> dict:
-    w32 = {r["tier"]: r["seconds"] for r in figures["rows"] if r["window_chunks"] == WLAW_REFERENCE_W}
+    w32 = {r["tier"]: r for r in figures["rows"] if r["window_chunks"] == WLAW_REFERENCE_W}
     return {"rows": [r | {"w_times_c_bytes": min(r["window_chunks"], r["chunks"]) * r["chunk_bytes"],
                           "peak_is_w_times_c": r["peak_staging_bytes"] == min(r["window_chunks"], r["chunks"])
                           * r["chunk_bytes"],
-                          "seconds_vs_w32": r["seconds"] / w32[r["tier"]] if w32.get(r["tier"]) else None}
+                          "seconds_vs_w32": _over(r["seconds"], w32.get(r["tier"], {}).get("seconds")),
+                          "tier_own_s": r.get("tier_floor_s"),
+                          "tier_own_vs_w32": _over(r.get("tier_floor_s"), w32.get(r["tier"], {}).get("tier_floor_s"))}
                      for r in figures["rows"]]}
 
 
@@ -150,14 +158,19 @@ _SECTIONS = [
         "2026-12-03 15:40 on). The whole plan is the baseline at its best: its staging allocated and touched once "
         "for the longest prefix before anything is timed, the same fetch and install calls as one window of N "
         "chunks. Records of the earlier, handicapped whole plan (a fresh pool per restore, first touched inside "
-        "the timed restore) are left out. The 32K rows restore in a few windows, where fixed costs weigh most."),
+        "the timed restore) are left out. The 32K rows restore in a few windows, where fixed costs weigh most. "
+        "tier_own_vs_whole_plan: the tier's bare reads of the same objects at W against the whole plan's "
+        "calls (bsr_harness/tier_floor.py; Mooncake, records of 2026-12-04 on)."),
         _W, {"rows": SWEEP_COLUMNS}, _sweep, keep=fair_whole_plan),
     Section("bsr_wlaw", "Peak staging against W: `bsr wlaw`", (
         "One prefix restored at several W: peak staging must be W*c (the capacity bound); each W's seconds "
         "over W = 32's (issue 41's goal: W = 8 within 1.15x; records from 2026-12-03 15:40 on: the median of "
-        "`--repeat` runs, the W's interleaved)."), _W,
+        "`--repeat` runs, the W's interleaved). tier_own: the tier's bare reads of the same objects, W per call, "
+        "back to back, nothing checked or installed (bsr_harness/tier_floor.py; Mooncake only, records of "
+        "2026-12-04 on): no restore through that tier goes below it."), _W,
         {"rows": ["tier", "tokens", "window_chunks", "windows", "peak_staging_bytes", "w_times_c_bytes",
-                  "peak_is_w_times_c", "seconds", "seconds_vs_w32", "state_hash_ok"]}, _wlaw),
+                  "peak_is_w_times_c", "seconds", "seconds_vs_w32", "tier_own_s", "tier_own_vs_w32",
+                  "state_hash_ok"]}, _wlaw),
     Section("bsr_ladder", "Whole-plan capacity ladder beside BSR: `bsr ladder`", (
         "The whole plan's staging capacity raised through doubling rungs until the prefix restores, beside BSR "
         "at capacity W*c."), _W),
