@@ -88,14 +88,17 @@ def _sweep_rows(args, reg, tier_names, tokens, windows, progress, repeat=1, max_
 
 def _add_floors(rows, tier, src, progress: Progress, repeat: int) -> None:
     """Each row's tier_floor_s: the tier's own reads of the row's objects at its W (None: no floor)."""
-    from bsr_harness.tier_floor import tier_floor
+    from bsr_harness.tier_floor import source_floor, tier_floor
     from bsr_runtime.keys import PrefixKeys
 
     ct = src.reg.chunk_tokens
     for tokens in sorted({r.tokens for r in rows}):
         n = tokens // ct
         windows = sorted({r.window_chunks for r in rows if r.tokens == tokens})
-        floors = tier_floor(tier, PrefixKeys(src.keyspace, src.tokens[: n * ct], ct).window(0, n), windows, repeat)
+        keys = PrefixKeys(src.keyspace, src.tokens[: n * ct], ct)
+        floors = tier_floor(tier, keys.window(0, n), windows, repeat)
+        if floors is None:
+            floors = source_floor(tier, PrefixKeys(src.keyspace, src.tokens[: n * ct], ct), n, windows, repeat)
         if floors is None:
             return
         for r in rows:
@@ -190,8 +193,9 @@ def cmd_wlaw(args) -> int:
                   _ratio(r.tier_floor_s, ref.get(r.tier) and ref[r.tier].tier_floor_s),
                   *(f"{getattr(r, p + '_s') * 1e3:.1f}" for p in PHASES)) for r in rows])
     if any(r.tier_floor_s is not None for r in rows):
-        print("tier's own: the tier's bare reads of the same objects, W per call, back to back, nothing checked "
-              "or installed (bsr_harness/tier_floor.py): what no restore through that tier can go below")
+        print("tier's own: the tier's own reads of the same objects, W per call, back to back, nothing installed "
+              "(Mooncake: bare gets, nothing checked; LMCache: its prefetch, read and release; "
+              "bsr_harness/tier_floor.py): what no restore through that tier can go below")
     write_json(args.json, [r.to_dict() for r in rows])
     _record(args, {"rows": [r.to_dict() for r in rows]})
     if args.plot:

@@ -94,8 +94,8 @@ def baseline_table(rows) -> None:
                   *(f"{getattr(b, p + '_s') * 1e3:.1f} | {getattr(w, p + '_s') * 1e3:.1f}" for p in PHASES))
                  for b, w in pairs])
     if floors:
-        print("tier's own W / whole: the tier's bare reads of the same objects, W per call against the whole "
-              "plan's calls, back to back, nothing checked or installed (bsr_harness/tier_floor.py)")
+        print("tier's own W / whole: the tier's own reads of the same objects, W per call against the whole "
+              "plan's calls, back to back, nothing installed (bsr_harness/tier_floor.py)")
 
 
 def line_plot(path: str, series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str,

@@ -160,14 +160,15 @@ _SECTIONS = [
         "chunks. Records of the earlier, handicapped whole plan (a fresh pool per restore, first touched inside "
         "the timed restore) are left out. The 32K rows restore in a few windows, where fixed costs weigh most. "
         "tier_own_vs_whole_plan: the tier's bare reads of the same objects at W against the whole plan's "
-        "calls (bsr_harness/tier_floor.py; Mooncake, records of 2026-12-04 on)."),
+        "calls (bsr_harness/tier_floor.py; Mooncake and LMCache, records of 2026-12-04 on)."),
         _W, {"rows": SWEEP_COLUMNS}, _sweep, keep=fair_whole_plan),
     Section("bsr_wlaw", "Peak staging against W: `bsr wlaw`", (
         "One prefix restored at several W: peak staging must be W*c (the capacity bound); each W's seconds "
         "over W = 32's (issue 41's goal: W = 8 within 1.15x; records from 2026-12-03 15:40 on: the median of "
-        "`--repeat` runs, the W's interleaved). tier_own: the tier's bare reads of the same objects, W per call, "
-        "back to back, nothing checked or installed (bsr_harness/tier_floor.py; Mooncake only, records of "
-        "2026-12-04 on): no restore through that tier goes below it."), _W,
+        "`--repeat` runs, the W's interleaved). tier_own: the tier's own reads of the same objects, W per call, "
+        "back to back, nothing installed (Mooncake: bare gets, nothing checked; LMCache: its prefetch, read and "
+        "release; bsr_harness/tier_floor.py, records of 2026-12-04 on): no restore through that tier goes "
+        "below it."), _W,
         {"rows": ["tier", "tokens", "window_chunks", "windows", "peak_staging_bytes", "w_times_c_bytes",
                   "peak_is_w_times_c", "seconds", "seconds_vs_w32", "tier_own_s", "tier_own_vs_w32",
                   "state_hash_ok"]}, _wlaw),

@@ -12,7 +12,12 @@ back on the calling thread, nothing checked or installed while timed. Every get 
 object whole, and after the timed runs each landed payload must match its header's CRC-32C (a floor
 that read nothing, or the wrong bytes, raises instead of reporting).
 
-Other tiers have no floor here (None): the filesystem tier meets its goals, LMCache's stack is its own.
+LMCache (a tier with its own window source: its L1): the tier's own source, each window's prefetch (L2 ->
+L1 through LMCache's prefetch controller, the BSR L2 plugin checking each object as it lands), its read
+of the L1 objects and their release, back to back, nothing installed; a window whose objects are not all
+there raises.
+
+The filesystem tier has no floor here (None): it meets its goals.
 """
 
 from __future__ import annotations
@@ -35,6 +40,39 @@ def tier_floor(tier, keys: Sequence[str], windows: Sequence[int], repeat: int) -
     if isinstance(tier, MooncakeTier):
         return _mooncake_floor(tier, list(keys), list(windows), max(1, repeat))
     return None
+
+
+def source_floor(tier, prefix_keys, num_chunks: int, windows: Sequence[int], repeat: int,
+                 timeout_s: float = 120.0) -> dict[int, float] | None:
+    """{W: median seconds} of the tier's own window source over the first num_chunks chunks of
+    `prefix_keys`, W chunks a window (0: one window), nothing installed; None for a tier without one."""
+    from bsr_runtime.plan import plan_windows
+
+    if tier.window_source(prefix_keys, timeout_s) is None:
+        return None
+    times: dict[int, list[float]] = {w: [] for w in windows}
+    for _ in range(max(1, repeat)):
+        for w in windows:
+            source = tier.window_source(prefix_keys, timeout_s)
+            t0 = time.perf_counter()
+            for window in plan_windows(num_chunks, w):
+                _read_window(source, window)
+            times[w].append(time.perf_counter() - t0)
+    return {w: statistics.median(ts) for w, ts in times.items()}
+
+
+def _read_window(source, window) -> None:
+    submitted = source.submit(window)
+    try:
+        runs = submitted.fetched()
+        got = sum(count for _, count, _ in runs)
+        if got != window.num_chunks:
+            raise RuntimeError(f"tier floor: window {window.index} gave {got} of its {window.num_chunks} chunks")
+        submitted.synchronize(None)
+        submitted.release()
+    except BaseException:
+        submitted.abandon(None)
+        raise
 
 
 def _mooncake_floor(tier, keys: list[str], windows: list[int], repeat: int) -> dict[int, float]:
