@@ -175,7 +175,22 @@ def test_the_sweep_section_shows_only_the_whole_plan_at_its_best():
     fair, handicapped = _sweep_record("bsr sweep fair", [800, 800]), _sweep_record("bsr sweep old", [400, 800])
     (section,) = [s for s in _SECTIONS if s.benchmark == "bsr_sweep"]
     text = "\n".join(render_section(section, [handicapped, fair]))
-    assert "\n`bsr sweep fair`\n" in text and "| 0.500 | 0.250 | 2 | yes |" in text  # BSR s, whole s, 0.5 / 0.25
+    # BSR s, whole s, 0.5 / 0.25, no tier floor in this record
+    assert "\n`bsr sweep fair`\n" in text and "| 0.500 | 0.250 | 2 | - | yes |" in text
     assert "\n`bsr sweep old`\n" not in text and "Left out (1, not this section's measure): `bsr sweep old`" in text
     (headline,) = [h for h in HEADLINES if h.benchmark == "bsr_sweep" and "filesystem" in h.result]
     assert headline.matches(fair) and not headline.matches(handicapped)
+
+
+def test_the_sweep_section_shows_the_tiers_own_floor_against_the_whole_plans():
+    """A record with the tier's own reads (tier_floor_s, bsr_harness/tier_floor.py) shows their W / whole ratio
+    beside BSR's: 0.3 / 0.2 = 1.5 here, not BSR's 0.5 / 0.25 = 2."""
+    from bsr_harness.report import render_section
+    from bsr_harness.report_sections import _SECTIONS
+
+    rec = _sweep_record("bsr sweep floor", [800, 800])
+    for r in rec["figures"]["rows"]:
+        r["tier_floor_s"] = 0.3 if r["window_chunks"] else 0.2
+    (section,) = [s for s in _SECTIONS if s.benchmark == "bsr_sweep"]
+    text = "\n".join(render_section(section, [rec]))
+    assert "| 0.500 | 0.250 | 2 | 1.5 | yes |" in text
