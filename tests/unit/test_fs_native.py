@@ -330,7 +330,7 @@ def test_jobs_waited_on_by_several_threads_at_once_end_for_each(tmp_path):
 
     def restore_like(worker: int) -> None:
         out = torch.zeros(SMALL, dtype=torch.uint8)
-        for i in range(150):
+        for i in range(600):
             k = (worker + i) % len(keys)
             t0 = time.monotonic()
             try:
