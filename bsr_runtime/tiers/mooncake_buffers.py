@@ -72,8 +72,8 @@ class StoreRegistrations:
         return taken
 
     def _one_region_covers(self, ptrs: Sequence[int], size: int | Sequence[int]) -> bool:
-        if not ptrs or not self.regions:
-            return not ptrs
+        if len(ptrs) == 0 or not self.regions:
+            return len(ptrs) == 0
         lo = min(ptrs)
         if hasattr(size, "__len__"):
             hi = max(p + n for p, n in zip(ptrs, size, strict=True))
