@@ -217,6 +217,10 @@ def _summary(runs: list[dict]) -> dict:
             "b_ttft_s": statistics.median(o["b_ttft_s"][0] for o in runs),
             "a_tokens_during_b": len(mid["a_gaps_during_b_s"]), "b_cached_tokens": b[2] if b is not None else None,
             "runs": len(runs), "b_ttft_runs_s": [o["b_ttft_s"][0] for o in runs],
+            # the median-TTFT run's steps from B's arrival to its first token: how many, the first one (the step
+            # that first asks for B), the last one (B's prefill), each (start after the arrival, seconds)
+            "b_steps": len(mid["b_steps_s"]), "b_first_step_s": mid["b_steps_s"][0] if mid["b_steps_s"] else None,
+            "b_last_step_s": mid["b_steps_s"][-1] if mid["b_steps_s"] else None,
             "a_max_gap_runs_s": [o["a_max_gap_s"] for o in runs]}
 
 
@@ -292,6 +296,17 @@ def _table(rows: list[dict], conc: list[dict]) -> list[str]:
         out.append(f"{r['model']:8} {r['tokens']:>7} TTFT {a['b_ttft_s']:.3f}s = probe {parts[0]:.3f}s + queued "
                    f"{parts[1]:.3f}s + restore {parts[2]:.3f}s + rest {a['b_ttft_s'] - sum(parts):.3f}s "
                    f"(resident TTFT {r['resident']['b_ttft_s']:.3f}s)")
+    out += ["", "the median-TTFT run's engine steps from B's arrival to its first token: how many, the first one (that "
+                "first asks for B) and the last one (B's prefill), each as start after the arrival + seconds"]
+    for r in rows:
+        for case in ("resident", "async"):
+            c = r[case]
+            if c.get("b_steps") is None:
+                continue
+            first, last = c["b_first_step_s"] or (0.0, 0.0), c["b_last_step_s"] or (0.0, 0.0)
+            out.append(f"{r['model']:8} {r['tokens']:>7} {case:8} {c['b_steps']:>3} steps, first at "
+                       f"{first[0] * 1e3:.1f} ms for {first[1] * 1e3:.1f} ms, last at {last[0] * 1e3:.1f} ms for "
+                       f"{last[1] * 1e3:.1f} ms (A's median step {c['a_median_gap_s'] * 1e3:.1f} ms)")
     if conc:
         out += ["", "8 restores at once under B = 4 windows (W = 32), then a 4K restore behind the long one:"]
         for c in conc:

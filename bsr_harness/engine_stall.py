@@ -5,6 +5,8 @@ B's time to first token, measured step by step in an in-process engine.
     out = measure_stall(llm, tokens_a, tokens_b)
     out["a_max_gap_s"]      A's largest gap between B's arrival and B's first token
     out["b_ttft_s"]         B's arrival to B's first token
+    out["b_steps_s"]        the engine steps that ended between B's arrival and B's first token:
+                            (start after the arrival, duration), so where B's time went is seen step by step
 """
 
 from __future__ import annotations
@@ -43,9 +45,12 @@ def measure_stall(llm, tokens_a: Sequence[int], tokens_b: Sequence[int] | Sequen
     b_arrival = b_done_first = None
     b_first: dict[str, float] = {}
     b_out: dict[str, Any] = {}
+    steps: list[tuple[float, float]] = []  # (start, end) of every step
     while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
+        steps.append((t0, now))
         for o in outs:
             n = len(o.outputs[0].token_ids)
             if o.request_id == a_id:
@@ -77,6 +82,8 @@ def measure_stall(llm, tokens_a: Sequence[int], tokens_b: Sequence[int] | Sequen
         "a_max_gap_s": max(during, default=0.0),
         "a_gaps_during_b_s": during,
         "b_ttft_s": [ttft.get(rid) for rid in b_ids],
+        "b_steps_s": [(t0 - b_arrival, t1 - t0) for t0, t1 in steps
+                      if b_arrival is not None and b_done_first is not None and b_arrival < t1 <= b_done_first],
         "b_first_order": sorted(b_first, key=b_first.get),
         "b_ids": b_ids,
         "b_outputs": [b_out.get(rid) for rid in b_ids],

@@ -235,6 +235,13 @@ def test_other_requests_keep_decoding_while_a_prefix_restores(engines, model, se
     assert len(out["a_gaps_during_b_s"]) >= 5, out["a_gaps_during_b_s"]  # A decoded while B restored
     _same_batched(out["b_outputs"][0], cold["long"])
     assert out["b_outputs"][0][2] == 12 * U.CHUNK
+    # the steps from B's arrival to its first token (what vllm_stall prints by step): each A's token is one, they
+    # span the restore, and the last one ends at B's first token
+    steps, ttft = out["b_steps_s"], out["b_ttft_s"][0]
+    assert len(steps) >= len(out["a_gaps_during_b_s"]) >= 5, steps
+    assert all(0 <= start and dur > 0 for start, dur in steps), steps
+    assert steps[-1][0] + steps[-1][1] - steps[0][0] >= load["seconds"], (steps, load["seconds"])
+    assert abs(steps[-1][0] + steps[-1][1] - ttft) < 1e-6
 
 
 def test_concurrent_restores_stay_within_the_budget(engines, model, served, cold, prompts):
