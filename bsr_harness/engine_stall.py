@@ -40,38 +40,63 @@ def measure_stall(llm, tokens_a: Sequence[int], tokens_b: Sequence[int] | Sequen
     run = next(_ids)
     a_id = f"stall-a-{run}"
     engine.add_request(a_id, {"prompt_token_ids": list(tokens_a)}, _params(a_max_tokens))
-    a_times: list[float] = []
+    seen = _Seen(a_id)
     b_ids: list[str] = []
     b_arrival = b_done_first = None
-    b_first: dict[str, float] = {}
-    b_out: dict[str, Any] = {}
     steps: list[tuple[float, float]] = []  # (start, end) of every step
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
         steps.append((t0, now))
+        seen.take(outs, now)
+        if not b_ids and len(seen.a_times) >= b_after:
+            b_arrival = time.perf_counter()
+            b_ids = _add_bs(engine, bs, run, b_salt, b_max_tokens)
+        if b_ids and b_done_first is None and len(seen.b_first) == len(b_ids):
+            b_done_first = now
+    return _result(seen, b_ids, b_arrival, b_done_first, steps)
+
+
+class _Seen:
+    """What the steps gave: A's token times, each B's first-token time and its finished output."""
+
+    def __init__(self, a_id: str) -> None:
+        self.a_id = a_id
+        self.a_times: list[float] = []
+        self.b_first: dict[str, float] = {}
+        self.b_out: dict[str, Any] = {}
+
+    def take(self, outs, now: float) -> None:
         for o in outs:
             n = len(o.outputs[0].token_ids)
-            if o.request_id == a_id:
-                a_times.extend([now] * (n - len(a_times)))
-            elif n and o.request_id not in b_first:
-                b_first[o.request_id] = now
-            if o.finished and o.request_id != a_id:
+            if o.request_id == self.a_id:
+                self.a_times.extend([now] * (n - len(self.a_times)))
+            elif n and o.request_id not in self.b_first:
+                self.b_first[o.request_id] = now
+            if o.finished and o.request_id != self.a_id:
                 c = o.outputs[0]
-                b_out[o.request_id] = (list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)],
-                                       o.num_cached_tokens)
-        if not b_ids and len(a_times) >= b_after:
-            b_arrival = time.perf_counter()
-            for i, t in enumerate(bs):
-                rid = f"stall-b{i}-{run}"
-                prompt: dict[str, Any] = {"prompt_token_ids": t}
-                if b_salt is not None:
-                    prompt["cache_salt"] = b_salt
-                engine.add_request(rid, prompt, _params(b_max_tokens))
-                b_ids.append(rid)
-        if b_ids and b_done_first is None and len(b_first) == len(b_ids):
-            b_done_first = now
+                self.b_out[o.request_id] = (list(c.token_ids),
+                                            [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)],
+                                            o.num_cached_tokens)
+
+
+def _add_bs(engine, bs: list[list[int]], run: int, b_salt: str | None, b_max_tokens: int) -> list[str]:
+    """The B requests added now; their ids."""
+    b_ids = []
+    for i, t in enumerate(bs):
+        rid = f"stall-b{i}-{run}"
+        prompt: dict[str, Any] = {"prompt_token_ids": t}
+        if b_salt is not None:
+            prompt["cache_salt"] = b_salt
+        engine.add_request(rid, prompt, _params(b_max_tokens))
+        b_ids.append(rid)
+    return b_ids
+
+
+def _result(seen: _Seen, b_ids: list[str], b_arrival: float | None, b_done_first: float | None,
+            steps: list[tuple[float, float]]) -> dict[str, Any]:
+    a_times, b_first = seen.a_times, seen.b_first
     gaps = [b - a for a, b in zip(a_times, a_times[1:])]
     window_end = b_done_first if b_done_first is not None else a_times[-1]
     during = [b - a for a, b in zip(a_times, a_times[1:]) if b > b_arrival and a < window_end]
@@ -86,5 +111,5 @@ def measure_stall(llm, tokens_a: Sequence[int], tokens_b: Sequence[int] | Sequen
                       if b_arrival is not None and b_done_first is not None and b_arrival < t1 <= b_done_first],
         "b_first_order": sorted(b_first, key=b_first.get),
         "b_ids": b_ids,
-        "b_outputs": [b_out.get(rid) for rid in b_ids],
+        "b_outputs": [seen.b_out.get(rid) for rid in b_ids],
     }
