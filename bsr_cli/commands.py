@@ -15,6 +15,7 @@ from .output import (
     line_plot,
     plot_peaks,
     print_table,
+    ratio,
     rows_table,
     write_json,
 )
@@ -81,24 +82,21 @@ def _sweep_rows(args, reg, tier_names, tokens, windows, progress, repeat=1, max_
                 new = sweep(src, target, tokens, windows, depth=args.depth, fetch_timeout_s=args.timeout,
                             backend=args.backend, expected=expected, dst=dst, repeat=repeat, on_row=on_row)
             if floor:
-                _add_floors(new, target.tier, src, progress, repeat)
+                _add_floors(new, target.tier, src, repeat)
             rows += new
     return rows
 
 
-def _add_floors(rows, tier, src, progress: Progress, repeat: int) -> None:
+def _add_floors(rows, tier, src, repeat: int) -> None:
     """Each row's tier_floor_s: the tier's own reads of the row's objects at its W (None: no floor)."""
-    from bsr_harness.tier_floor import source_floor, tier_floor
+    from bsr_harness.tier_floor import tier_floor
     from bsr_runtime.keys import PrefixKeys
 
     ct = src.reg.chunk_tokens
     for tokens in sorted({r.tokens for r in rows}):
         n = tokens // ct
         windows = sorted({r.window_chunks for r in rows if r.tokens == tokens})
-        keys = PrefixKeys(src.keyspace, src.tokens[: n * ct], ct)
-        floors = tier_floor(tier, keys.window(0, n), windows, repeat)
-        if floors is None:
-            floors = source_floor(tier, PrefixKeys(src.keyspace, src.tokens[: n * ct], ct), n, windows, repeat)
+        floors = tier_floor(tier, PrefixKeys(src.keyspace, src.tokens[: n * ct], ct), n, windows, repeat)
         if floors is None:
             return
         for r in rows:
@@ -169,10 +167,6 @@ def cmd_sweep(args) -> int:
     return 0 if all(r.state_hash_ok for r in rows) else 1
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}" if a is not None and b else "-"
-
-
 def cmd_wlaw(args) -> int:
     progress = Progress(args.quiet)
     reg = load_registration(args.registration, args.scale)
@@ -188,9 +182,9 @@ def cmd_wlaw(args) -> int:
                 [(r.tier, r.window_chunks, human_bytes(r.peak_staging_bytes),
                   human_bytes(min(r.window_chunks, r.chunks) * r.chunk_bytes),
                   "yes" if r.peak_staging_bytes == min(r.window_chunks, r.chunks) * r.chunk_bytes else "NO",
-                  f"{r.seconds:.3f}", _ratio(r.seconds, ref.get(r.tier) and ref[r.tier].seconds),
+                  f"{r.seconds:.3f}", ratio(r.seconds, ref.get(r.tier) and ref[r.tier].seconds),
                   "-" if r.tier_floor_s is None else f"{r.tier_floor_s:.3f}",
-                  _ratio(r.tier_floor_s, ref.get(r.tier) and ref[r.tier].tier_floor_s),
+                  ratio(r.tier_floor_s, ref.get(r.tier) and ref[r.tier].tier_floor_s),
                   *(f"{getattr(r, p + '_s') * 1e3:.1f}" for p in PHASES)) for r in rows])
     if any(r.tier_floor_s is not None for r in rows):
         print("tier's own: the tier's own reads of the same objects, W per call, back to back, nothing installed "

@@ -75,6 +75,11 @@ def rows_table(rows) -> None:
 PHASES = ("prepare", "admit", "submit", "fetch", "install", "sync")
 
 
+def ratio(a: float | None, b: float | None) -> str:
+    """a / b to two places, or "-" when either is missing (or b is 0)."""
+    return f"{a / b:.2f}" if a is not None and b else "-"
+
+
 def baseline_table(rows) -> None:
     """Each length's BSR row beside its whole-plan row (W = 0, one window of every chunk, staging allocated
     before anything is timed): the ratio of their median seconds, and where each spent them (ms)."""
@@ -89,8 +94,7 @@ def baseline_table(rows) -> None:
                  *(["tier's own W / whole"] if floors else []), *PHASES],
                 [(b.tier, b.tokens, b.window_chunks, f"{b.seconds:.4f}", f"{w.seconds:.4f}",
                   f"{b.seconds / w.seconds:.2f}" if w.seconds else "-",
-                  *([f"{b.tier_floor_s / w.tier_floor_s:.2f}" if b.tier_floor_s is not None and w.tier_floor_s
-                     else "-"] if floors else []),
+                  *([ratio(b.tier_floor_s, w.tier_floor_s)] if floors else []),
                   *(f"{getattr(b, p + '_s') * 1e3:.1f} | {getattr(w, p + '_s') * 1e3:.1f}" for p in PHASES))
                  for b, w in pairs])
     if floors:

@@ -50,7 +50,7 @@ def against_whole_plan(rows: list[dict]) -> list[dict]:
                     "windows": r["windows"], "bsr_peak_staging_bytes": r["peak_staging_bytes"],
                     "whole_plan_peak_staging_bytes": b["peak_staging_bytes"], "bsr_s": r["seconds"],
                     "whole_plan_s": b["seconds"], "bsr_vs_whole_plan": r["seconds"] / b["seconds"],
-                    # the tier's bare reads at W against the whole plan's (tier_floor.py; records of 2026-12-04 on)
+                    # the tier's own reads at W against the whole plan's (tier_floor.py; records of 2026-12-04 on)
                     "tier_own_vs_whole_plan": _over(r.get("tier_floor_s"), b.get("tier_floor_s")),
                     "state_hashes_ok": r["state_hash_ok"] and b["state_hash_ok"]})
     return out
@@ -159,7 +159,7 @@ _SECTIONS = [
         "for the longest prefix before anything is timed, the same fetch and install calls as one window of N "
         "chunks. Records of the earlier, handicapped whole plan (a fresh pool per restore, first touched inside "
         "the timed restore) are left out. The 32K rows restore in a few windows, where fixed costs weigh most. "
-        "tier_own_vs_whole_plan: the tier's bare reads of the same objects at W against the whole plan's "
+        "tier_own_vs_whole_plan: the tier's own reads of the same objects at W against the whole plan's "
         "calls (bsr_harness/tier_floor.py; Mooncake and LMCache, records of 2026-12-04 on)."),
         _W, {"rows": SWEEP_COLUMNS}, _sweep, keep=fair_whole_plan),
     Section("bsr_wlaw", "Peak staging against W: `bsr wlaw`", (

@@ -1,4 +1,4 @@
-"""A tier's own floor: what its bare reads of a restore's objects cost at each W, with no BSR code around them.
+"""A tier's own floor: what its own reads of a restore's objects cost at each W, with no BSR code around them.
 
 For the W law (`bsr wlaw`) and BSR against the whole plan (`bsr sweep --baseline`): a window costs BSR the
 tier's read of its objects plus BSR's own per-window work (keys, staging, the hand-off to the tier's
@@ -26,32 +26,33 @@ import statistics
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from .native_log import redirected
 
 
-def tier_floor(tier, keys: Sequence[str], windows: Sequence[int], repeat: int) -> dict[int, float] | None:
-    """{W: median seconds} of the tier's bare reads of `keys` in groups of W (0: the whole plan's gets),
-    the W's runs interleaved; None for a tier type without a floor."""
+def tier_floor(tier, prefix_keys, num_chunks: int, windows: Sequence[int], repeat: int,
+               timeout_s: float = 120.0) -> dict[int, float] | None:
+    """{W: median seconds} of the tier's own reads of the first num_chunks objects of `prefix_keys` (a
+    PrefixKeys), W objects a call (0: the whole plan's calls), the W's runs interleaved; None for a tier
+    without a floor."""
     from bsr_runtime.tiers.mooncake import MooncakeTier
 
+    repeat = max(1, repeat)
     if isinstance(tier, MooncakeTier):
-        return _mooncake_floor(tier, list(keys), list(windows), max(1, repeat))
+        return _mooncake_floor(tier, prefix_keys.window(0, num_chunks), list(windows), repeat)
+    if tier.window_source(prefix_keys, timeout_s) is not None:
+        return _source_floor(tier, prefix_keys, num_chunks, windows, repeat, timeout_s)
     return None
 
 
-def source_floor(tier, prefix_keys, num_chunks: int, windows: Sequence[int], repeat: int,
-                 timeout_s: float = 120.0) -> dict[int, float] | None:
-    """{W: median seconds} of the tier's own window source over the first num_chunks chunks of
-    `prefix_keys`, W chunks a window (0: one window), nothing installed; None for a tier without one."""
+def _source_floor(tier, prefix_keys, num_chunks: int, windows: Sequence[int], repeat: int,
+                  timeout_s: float) -> dict[int, float]:
+    """The tier's own window source over the chunks, W a window, nothing installed."""
     from bsr_runtime.plan import plan_windows
 
-    if tier.window_source(prefix_keys, timeout_s) is None:
-        return None
     times: dict[int, list[float]] = {w: [] for w in windows}
-    for _ in range(max(1, repeat)):
+    for _ in range(repeat):
         for w in windows:
             source = tier.window_source(prefix_keys, timeout_s)
             t0 = time.perf_counter()
@@ -123,6 +124,6 @@ def _check_landed(tier, rows: torch.Tensor, keys: list[str]) -> None:
     headers = rows[:, :HEADER_SIZE].numpy()
     payloads = [rows[i, HEADER_SIZE:].data_ptr() for i in range(len(keys))]
     bad = tier.codec.problems(keys, headers, payloads, [tier.chunk_bytes] * len(keys), verify=True,
-                              landed_crcs=np.asarray(host_crc.crc32c_many(payloads, tier.chunk_bytes)))
+                              landed_crcs=host_crc.crc32c_many(payloads, tier.chunk_bytes))
     if bad:
         raise RuntimeError(f"tier floor: {len(bad)} objects landed wrong, first: {next(iter(bad.values()))}")

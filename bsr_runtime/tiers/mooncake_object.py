@@ -110,7 +110,7 @@ class ObjectCodec:
         mism[:, _ALGO] = False
         bad_header = mism.any(axis=1)
         algos = np.ascontiguousarray(headers[:, _ALGO]).view("<u2").reshape(n)
-        stored = np.ascontiguousarray(headers[:, _CRC_OFF:]).view("<u4").reshape(n)
+        stored = _stored_crcs(headers)
         bad_algo = (algos != CRC32) & (algos != CRC32C)  # two compares: np.isin costs tens of us on a few rows
         bad_crc = np.zeros(n, dtype=bool)
         if verify:
@@ -140,8 +140,7 @@ class ObjectCodec:
             return True
         if self.algo != CRC32C or landed_crcs is None:
             return False
-        stored = np.ascontiguousarray(headers[:, _CRC_OFF:]).view("<u4").reshape(len(exp))
-        return bool(np.array_equal(stored, landed_crcs))
+        return bool(np.array_equal(_stored_crcs(headers), landed_crcs))
 
     def check(self, keys: Sequence[str], headers: np.ndarray, ptrs: Sequence[int], lengths: Sequence[int],
               verify: bool = True, landed_crcs: np.ndarray | None = None) -> None:
@@ -167,6 +166,11 @@ class ObjectCodec:
         if plen != length:
             return f"{key}: header declares {plen:,} B of payload, expected {length:,}"
         return f"{key}: damaged header"
+
+
+def _stored_crcs(headers: np.ndarray) -> np.ndarray:
+    """The CRC each (n, HEADER_SIZE) header row declares for its payload."""
+    return np.ascontiguousarray(headers[:, _CRC_OFF:]).view("<u4").reshape(len(headers))
 
 
 def payload_crcs(algos: np.ndarray, ptrs: Sequence[int], lengths: Sequence[int], rows: np.ndarray,

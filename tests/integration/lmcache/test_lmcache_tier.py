@@ -643,17 +643,17 @@ def test_concurrent_restores_over_a_shared_arena_install_from_l1(stored):
     arena.close()
 
 
-def test_source_floor_reads_every_window_and_raises_on_a_missing_object(stored, small):
+def test_tier_floor_reads_every_window_and_raises_on_a_missing_object(stored, small):
     """The tier's own floor through LMCache (bsr_harness/tier_floor.py, printed by bsr wlaw beside BSR's
     seconds): every window of the prefix prefetched, read and released at each W, L1 back to its baseline;
     a chunk gone from L2 raises instead of giving a time."""
-    from bsr_harness.tier_floor import source_floor
+    from bsr_harness.tier_floor import tier_floor
 
     keys = PrefixKeys(stored.space, stored.tokens, REG.chunk_tokens)
     base = small.sm.get_l1_usage()[0]
-    out = source_floor(small, keys, N, [4, 8], repeat=2)
+    out = tier_floor(small, keys, N, [4, 8], repeat=2)
     assert sorted(out) == [4, 8] and all(s > 0 for s in out.values())
     assert small.sm.get_l1_usage()[0] == base
     with moved_aside(object_path(small, stored.space, stored.tokens, 13)), pytest.raises(Exception, match="missing"):
-        source_floor(small, keys, N, [8], repeat=1)
+        tier_floor(small, keys, N, [8], repeat=1)
     assert small.sm.get_l1_usage()[0] == base
