@@ -120,7 +120,10 @@ def _save_then_restore(tmp_path: Path, kv: dict) -> None:
         saved = U.generate(llm, tokens)
         worker = U.worker_connector().worker
         # saves land in the background: step until they are reported (bounded: a lost save still fails)
-        U.step_until(llm, lambda: sum(s["stored"] for s in worker.saves if s["ok"]) >= CHUNKS, timeout_s=30)
+        try:
+            U.step_until(llm, lambda: sum(s["stored"] for s in worker.saves if s["ok"]) >= CHUNKS, timeout_s=30)
+        except AssertionError as e:  # what was reported, for a failure under load (make test at c06e639: once)
+            raise AssertionError(f"{e}: saves reported {list(worker.saves)}") from e
         saves = list(worker.saves)
     finally:
         U.shutdown(llm)
