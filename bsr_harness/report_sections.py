@@ -393,8 +393,9 @@ def _stall(f: dict) -> str | None:
     rows = sorted(f.get("rows") or [], key=lambda r: (r["model"], r["tokens"]))
     if not rows:
         return None
-    return "; ".join(f"{r['model']} {r['tokens'] // 1024}K: async {r['gap_ratio_async']:.2f}, sync "
-                     f"{r['gap_ratio_sync']:.2f}" for r in rows)
+    return "; ".join(f"{r['model']} {r['tokens']:,}: async {r['gap_ratio_async']:.2f}, sync {r['gap_ratio_sync']:.2f}"
+                     + (f", B's TTFT {r['ttft_ratio_in_run']:.2f}"
+                        if "ttft_ratio_in_run" in r else "") for r in rows)
 
 
 HEADLINES = [
@@ -409,7 +410,8 @@ HEADLINES = [
              _sweep_of("lmcache-mooncake"), _ratios),
     Headline("lmcache_ladder", "LMCache L1 needed to restore", lambda rec: True, _ladder),
     Headline("bsr_demo", "real vLLM engine, restored by a fresh engine", lambda rec: True, _engine),
-    Headline("vllm_stall", "a co-running request's largest gap while a prefix restores / resident prefix",
+    Headline("vllm_stall", "a co-running request A while B's prefix restores: A's largest gap / resident (async, "
+             "sync); B's TTFT / (resident + 1.2x its restore)",
              _setting(models="tiny,kvheavy"), _stall),
     Headline("bsr_faults", "fault matrix, real Mooncake master and files", lambda rec: True, _faults),
     Headline("bench_install", "CPU install (2 threads, W = 32) / contiguous copy", lambda rec: True, _install),

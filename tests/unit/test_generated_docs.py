@@ -63,6 +63,19 @@ def test_the_sweep_headline_reads_records_under_either_tier_name(earlier, curren
         assert "BSR / whole plan" in line and after != before
 
 
+def test_the_stall_headline_gives_each_rows_gap_and_ttft_ratios():
+    """The README's stall line: per model and exact prompt length (32,576 is not "31K"), A's largest gap over
+    resident (async, sync) and B's TTFT over resident + 1.2x its restore where the record has it."""
+    from bsr_harness.report_sections import _stall
+
+    rows = [{"model": "tiny", "tokens": 32576, "gap_ratio_async": 0.9149, "gap_ratio_sync": 1.6,
+             "ttft_ratio_in_run": 1.006},
+            {"model": "kvheavy", "tokens": 131072, "gap_ratio_async": 0.98, "gap_ratio_sync": 1.75}]  # an older record
+    assert _stall({"rows": rows}) == ("kvheavy 131,072: async 0.98, sync 1.75; "
+                                      "tiny 32,576: async 0.91, sync 1.60, B's TTFT 1.01")
+    assert _stall({"rows": []}) is None
+
+
 def test_every_record_names_its_commit_command_and_machine():
     found = records.all_records()
     assert found, "no records in benchmarks/results"
