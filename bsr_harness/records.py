@@ -4,14 +4,15 @@
 A record says what ran, where and on which code, beside its figures:
 
     {"benchmark": "bsr_sweep", "commit": "<git HEAD>[-dirty]", "date": "<UTC ISO 8601>",
-     "machine": {"cpu", "cores", "memory_gib", "gpu", "python", "torch", "packages"},
+     "machine": {"cpu", "isa", "cores", "memory_gib", "gpu", "python", "torch", "packages"},
      "command": "<the command line, shell-quoted>", "settings": {<what identifies the configuration>},
      "figures": {<the numbers>}, "notes": "<optional>"}
 
 "-dirty" marks a tree with uncommitted changes to tracked files outside the generated results and
 documentation (benchmarks/results, docs, *.md), since those do not change what is measured. Outside
 a git checkout the commit is $BSR_COMMIT, else "unknown". `settings` identifies a configuration:
-`bsr_harness.report` renders the latest record of each (benchmark, settings).
+`bsr_harness.report` renders the latest record of each (benchmark, settings) on each kind of machine (its CPU
+model: figures differ between the AVX-512 and the AVX2 machines, and goals must hold on both).
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ def _git(root: Path, *args: str) -> str:
 
 
 def machine() -> dict[str, Any]:
-    """CPU model, cores, memory, GPU (or None), Python, torch and the engine/cache packages present."""
-    info: dict[str, Any] = {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gib": _memory_gib(),
+    """CPU model and vector ISA, cores, memory, GPU (or None), Python, torch and the engine/cache packages present."""
+    info: dict[str, Any] = {"cpu": _cpu_model(), "isa": cpu_isa(), "cores": os.cpu_count(), "memory_gib": _memory_gib(),
                             "gpu": None, "python": platform.python_version(), "torch": None}
     try:
         import torch
@@ -87,6 +88,29 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_isa(cpuinfo: str | None = None) -> str:
+    """The widest x86 vector ISA the CPU flags name ("AVX-512", "AVX2", "x86-64"), else the machine
+    (aarch64, ...). `cpuinfo`: the text of /proc/cpuinfo (read when None)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    if "avx512f" in flags:
+        return "AVX-512"
+    if "avx2" in flags:
+        return "AVX2"
+    return "x86-64" if flags else platform.machine()
+
+
+def machine_kind(rec: dict) -> str:
+    """What the figures of a record depend on beside its settings: the CPU model it ran on (so far AMD EPYC
+    machines with AVX2 and Intel Xeon ones with AVX-512; `isa` is recorded from 2026-12-04 on, so records
+    from before it are keyed alike)."""
+    return str((rec.get("machine") or {}).get("cpu", "?"))
 
 
 def _memory_gib() -> float | None:
@@ -202,10 +226,11 @@ def all_records(results_dir: str | os.PathLike = RESULTS_DIR) -> dict[str, list[
 
 
 def latest(records: Iterable[dict]) -> list[dict]:
-    """The last record appended of each distinct `settings`, in the order each configuration first ran."""
+    """The last record appended of each distinct `settings` on each kind of machine (machine_kind), in the
+    order of their newest runs."""
     newest: dict[str, dict] = {}
     for rec in records:
-        key = json.dumps(rec.get("settings", {}), sort_keys=True)
+        key = json.dumps([rec.get("settings", {}), machine_kind(rec)], sort_keys=True)
         newest.pop(key, None)  # re-inserted: the order follows the newest run
         newest[key] = rec
     return list(newest.values())

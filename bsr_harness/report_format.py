@@ -14,7 +14,8 @@ def short_commit(commit: str) -> str:
 
 def machine_summary(m: dict) -> str:
     gpu = m.get("gpu") or "no GPU"
-    return (f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('memory_gib', '?')} GiB, {gpu}; "
+    isa = f" ({m['isa']})" if m.get("isa") else ""
+    return (f"{m.get('cpu', '?')}{isa}, {m.get('cores', '?')} cores, {m.get('memory_gib', '?')} GiB, {gpu}; "
             f"Python {m.get('python', '?')}, torch {m.get('torch', '?')}")
 
 

@@ -108,6 +108,32 @@ def test_latest_is_per_settings_in_order_of_the_newest_run():
     assert [r["n"] for r in records.latest(recs)] == [2, 3]
 
 
+def test_latest_keeps_each_kind_of_machine():
+    """An Intel (AVX-512) run of a configuration does not hide the AMD (AVX2) one: goals must hold on both."""
+    amd, intel = {"cpu": "AMD EPYC"}, {"cpu": "Intel(R) Xeon(R) Processor", "isa": "AVX-512"}
+    recs = [{"settings": {"tier": "fs"}, "machine": amd, "n": 1},
+            {"settings": {"tier": "fs"}, "machine": intel, "n": 2},
+            {"settings": {"tier": "fs"}, "machine": amd, "n": 3},
+            {"settings": {"tier": "fs"}, "machine": {"cpu": "Intel(R) Xeon(R) Processor"}, "n": 4}]  # before `isa`
+    assert [r["n"] for r in records.latest(recs)] == [3, 4]
+
+
+@pytest.mark.parametrize(("flags", "isa"), [("fpu sse2 avx avx2 avx512f avx512bw", "AVX-512"),
+                                            ("fpu sse2 avx avx2 fma", "AVX2"), ("fpu sse2", "x86-64")])
+def test_cpu_isa_is_the_widest_vector_isa_the_flags_name(flags, isa):
+    cpuinfo = f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n\nprocessor\t: 1\n"
+    assert records.cpu_isa(cpuinfo) == isa
+    assert records.cpu_isa("") not in {"AVX-512", "AVX2"}  # no flags line (not x86): the machine's name
+
+
+def test_the_machine_line_names_the_isa_when_recorded():
+    from bsr_harness.report_format import machine_summary
+
+    m = {"cpu": "Intel(R) Xeon(R) Processor", "cores": 2, "memory_gib": 23.5, "python": "3.11.7", "torch": "2.13.0"}
+    assert machine_summary(m).startswith("Intel(R) Xeon(R) Processor, 2 cores")
+    assert machine_summary(m | {"isa": "AVX-512"}).startswith("Intel(R) Xeon(R) Processor (AVX-512), 2 cores")
+
+
 def test_bsr_record_option(tmp_path, capsys, monkeypatch):
     for name in [k for k in os.environ if k.startswith(records.ENV_PREFIXES)]:
         monkeypatch.delenv(name)
