@@ -221,11 +221,12 @@ class BoundedRestorer:
         thread-safe: one restorer per thread, or restorers sharing an arena)."""
         num_chunks = check_int("num_chunks", num_chunks, lo=0)
         with self._exclusive():
-            self._check(req, tier, num_chunks)
+            keys = req.prefix_keys(self.reg.chunk_tokens)  # the ids packed and checked once per restore
+            self._check(req, tier, num_chunks, keys)
             installer, report = self._prepare(req, tier, num_chunks)
             if report.ok or report.error:  # nothing to fetch, or a whole plan past the staging capacity
                 return report
-            return self._run(req, tier, num_chunks, installer, report)
+            return self._run(req, tier, num_chunks, keys, installer, report)
 
     def _prepare(self, req: RestoreRequest, tier: Tier, num_chunks: int) -> tuple[WindowInstaller, RestoreReport]:
         """The restore's installer (its destinations checked and prepared) and its report, ok already when
@@ -275,9 +276,9 @@ class BoundedRestorer:
         finally:
             self._busy.release()
 
-    def _check(self, req: RestoreRequest, tier: Tier, num_chunks: int) -> None:
+    def _check(self, req: RestoreRequest, tier: Tier, num_chunks: int, keys: PrefixKeys) -> None:
         reg = self.reg
-        if num_chunks < 0 or num_chunks > req.prefix_keys(reg.chunk_tokens).num_chunks:
+        if num_chunks < 0 or num_chunks > keys.num_chunks:
             raise ValueError(f"confirmed prefix of {num_chunks} chunks exceeds the request's "
                              f"{len(req.tokens)} tokens")
         if req.end_tokens is not None:
@@ -294,7 +295,7 @@ class BoundedRestorer:
             raise ValueError(f"tier {tier.name} was opened for registration {tier.fingerprint}, the engine's is "
                              f"{reg.name} ({reg.fingerprint})")
 
-    def _run(self, req: RestoreRequest, tier: Tier, num_chunks: int, installer: WindowInstaller,
+    def _run(self, req: RestoreRequest, tier: Tier, num_chunks: int, keys: PrefixKeys, installer: WindowInstaller,
              report: RestoreReport) -> RestoreReport:
         """The one restore driver: the windows through the loop, each leasing its run of staging (the shared
         arena, the restorer's own, or for a whole plan without one an arena of the plan's size), fetched from
@@ -303,7 +304,6 @@ class BoundedRestorer:
         reg, cfg = self.reg, self.config
         t0 = time.perf_counter()
         first = req.local_tokens // reg.chunk_tokens
-        keys = req.prefix_keys(reg.chunk_tokens)
         source = tier.window_source(keys, cfg.fetch_timeout_s)
         in_place = source is not None
         if not in_place:
