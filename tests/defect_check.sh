@@ -105,5 +105,10 @@ defect "fs reader: a job freed while another caller waits on it" csrc/bsr_fs_rea
         else
             free_job(r, j);" "        free_job(r, j);" \
   tests/unit/test_fs_native.py
+defect "records: the performance page keeps one record per configuration (one machine's figures hide the other's)" \
+  bsr_harness/records.py \
+  'key = json.dumps([rec.get("settings", {}), machine_kind(rec)], sort_keys=True)' \
+  'key = json.dumps(rec.get("settings", {}), sort_keys=True)' \
+  tests/unit/test_records.py
 git -C "$SRC" worktree remove --force "$W"
 exit $status
