@@ -51,12 +51,6 @@ defect "saver: the put reads its staging before the gather landed" bsr_runtime/s
 defect "window loop: a failed window's fetched staging is not abandoned" bsr_runtime/window_loop.py \
   "            held.abandon(self._loop.stream)" "            pass" \
   tests/unit/test_window_loop.py
-# the Mooncake header check's common-case path (2026-12-04): it must still compare the stored CRCs
-defect "mooncake codec: the all-as-written path accepts without comparing checksums" bsr_runtime/tiers/mooncake_object.py \
-  "        if not verify:
-            return True" "        if True:
-            return True" \
-  tests/integration/mooncake/test_mooncake_object_format.py
 # issue 40: the step waits for a background lookup once (probe_wait_s)
 defect "planner: probe_wait_s ignored" bsr_runtime/planner.py \
   "if not running.waited_in_step and self.probe_wait_s > 0:" "if False:" \

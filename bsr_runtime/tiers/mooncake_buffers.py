@@ -47,8 +47,6 @@ class StoreRegistrations:
     def take(self, ptrs: Sequence[int], size: int | Sequence[int]) -> list[int]:
         """Register the ranges at `ptrs` (of `size` bytes, one size or one each) that no
         registration covers; returns what to hand to give_back()."""
-        if self._one_region_covers(ptrs, size):  # a restore's staging, registered once: nothing to take
-            return []
         ranges: list[list[int]] = []
         lo = np.asarray(ptrs, dtype=np.int64)
         hi = lo + np.asarray(size, dtype=np.int64)
@@ -70,16 +68,6 @@ class StoreRegistrations:
                 self._give_back_locked(taken)
                 raise
         return taken
-
-    def _one_region_covers(self, ptrs: Sequence[int], size: int | Sequence[int]) -> bool:
-        if len(ptrs) == 0 or not self.regions:
-            return len(ptrs) == 0
-        lo = min(ptrs)
-        if hasattr(size, "__len__"):
-            hi = max(p + n for p, n in zip(ptrs, size, strict=True))
-        else:
-            hi = max(ptrs) + int(size)
-        return any(s <= lo and hi <= e for s, e in self.regions)
 
     def _take_one(self, start: int, size: int) -> None:
         held, n = self.temp.get(start, (size, 0))

@@ -103,14 +103,11 @@ class ObjectCodec:
         one vectorized compare; payload checksums are computed in place (no copy, GIL released),
         or taken from `landed_crcs` (CRC-32C of each payload as a checksumming copy landed it)."""
         n = len(keys)
-        exp = self.expected(keys, lengths)
-        if self._all_as_written(headers, exp, verify, landed_crcs):
-            return {}
-        mism = headers[:, :_CRC_OFF] != exp
+        mism = headers[:, :_CRC_OFF] != self.expected(keys, lengths)
         mism[:, _ALGO] = False
         bad_header = mism.any(axis=1)
         algos = np.ascontiguousarray(headers[:, _ALGO]).view("<u2").reshape(n)
-        stored = _stored_crcs(headers)
+        stored = np.ascontiguousarray(headers[:, _CRC_OFF:]).view("<u4").reshape(n)
         bad_algo = (algos != CRC32) & (algos != CRC32C)  # two compares: np.isin costs tens of us on a few rows
         bad_crc = np.zeros(n, dtype=bool)
         if verify:
@@ -127,20 +124,6 @@ class ObjectCodec:
             if first_only:
                 break
         return out
-
-    def _all_as_written(self, headers: np.ndarray, exp: np.ndarray, verify: bool,
-                        landed_crcs: np.ndarray | None) -> bool:
-        """The common case in two compares: every header is byte for byte what this codec writes for its key
-        (its own algorithm included) and, for CRC-32C with the landed checksums given, every stored checksum
-        matches. False sends the window through the full check (which finds and words each problem): a
-        window's Python runs on cold caches after a get, where each numpy step costs several times more."""
-        if headers[:, :_CRC_OFF].tobytes() != exp.tobytes():
-            return False
-        if not verify:
-            return True
-        if self.algo != CRC32C or landed_crcs is None:
-            return False
-        return bool(np.array_equal(_stored_crcs(headers), landed_crcs))
 
     def check(self, keys: Sequence[str], headers: np.ndarray, ptrs: Sequence[int], lengths: Sequence[int],
               verify: bool = True, landed_crcs: np.ndarray | None = None) -> None:
@@ -166,11 +149,6 @@ class ObjectCodec:
         if plen != length:
             return f"{key}: header declares {plen:,} B of payload, expected {length:,}"
         return f"{key}: damaged header"
-
-
-def _stored_crcs(headers: np.ndarray) -> np.ndarray:
-    """The CRC each (n, HEADER_SIZE) header row declares for its payload."""
-    return np.ascontiguousarray(headers[:, _CRC_OFF:]).view("<u4").reshape(len(headers))
 
 
 def payload_crcs(algos: np.ndarray, ptrs: Sequence[int], lengths: Sequence[int], rows: np.ndarray,

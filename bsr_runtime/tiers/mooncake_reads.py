@@ -113,17 +113,6 @@ class _Tails:
             self._mem[self._at] = rows
 
 
-def _copy_headers(hdr: np.ndarray, index: Sequence[int], ptrs: Sequence[int]) -> None:
-    """hdr[i] = the H bytes before ptrs[i], for i in `index` (a row copy each: after a get has just landed,
-    the window's Python runs on cold caches, and one memmove per row costs a fraction of building an array
-    over the span)."""
-    if not index:
-        return
-    base = hdr.ctypes.data
-    for i in index:
-        ctypes.memmove(base + i * H, ptrs[i] - H, H)
-
-
 def _crcs_into(crcs: np.ndarray, index: Sequence[int], ptrs: Sequence[int], sizes: Sequence[int],
                tails: np.ndarray | None = None, tail_of: dict[int, int] | None = None) -> None:
     """crcs[i] = CRC-32C of payload i for i in `index`; for i in `tail_of`, the last H bytes are
@@ -194,14 +183,11 @@ class ReadPaths:
                 rest = self._read_local(codec, keys, ptrs, sizes, headers, verify, collect, problems)
             if rest:
                 done = len(keys) - len(rest)  # header rows [0, done) hold the local objects' headers
-                if done:
-                    sub = (keys, ptrs, sizes) = ([keys[i] for i in rest], [ptrs[i] for i in rest],
-                                                 [sizes[i] for i in rest])
-                else:  # no local object: the read as given
-                    sub = (keys, ptrs, sizes)
+                sub = (keys, ptrs, sizes) = ([keys[i] for i in rest], [ptrs[i] for i in rest],
+                                             [sizes[i] for i in rest])
                 found: Problems = {}
                 try:
-                    sub_rooms = [rooms[i] for i in rest] if done else rooms
+                    sub_rooms = [rooms[i] for i in rest]
                     if self._lands_whole(sub[1], sub[2], any(sub_rooms)):
                         self._landed(codec, *sub, headers[done * H :], deadline, verify, collect, found)
                     else:
@@ -302,20 +288,15 @@ class ReadPaths:
                 landed += more
             if crcs is not None:
                 _crcs_into(crcs, landed, ptrs, sizes)
-            if checks:
-                wait_all(checks)
-                for f in checks:
-                    f.result()
-            if not problems:  # every object landed: checked as they are (no per-row copies)
-                self._check(codec, keys, hdr, ptrs, sizes, verify, collect, problems, range(n), crcs)
-            else:
-                good = [i for i in range(n) if i not in problems]
-                self._check(codec, [keys[i] for i in good], hdr[good], [ptrs[i] for i in good],
-                            [sizes[i] for i in good], verify, collect, problems, good,
-                            None if crcs is None else crcs[good])
+            wait_all(checks)
+            for f in checks:
+                f.result()
+            good = [i for i in range(n) if i not in problems]
+            self._check(codec, [keys[i] for i in good], hdr[good], [ptrs[i] for i in good],
+                        [sizes[i] for i in good], verify, collect, problems, good,
+                        None if crcs is None else crcs[good])
         finally:
-            if checks:
-                wait_all(checks)
+            wait_all(checks)
             self._registrations.give_back(taken)
 
     def _land(self, keys, ptrs, sizes, whole, base, hdr, todo, later, first, deadline, collect, problems,
@@ -340,7 +321,8 @@ class ReadPaths:
                 codes = per_key(self._store().batch_get_into_multi_buffers(names, bufs, lens),
                                 len(part), "batch_get_into_multi_buffers")
             good = self._check_codes(keys, sizes, part, codes, collect, problems)
-            _copy_headers(hdr, [i for i in good if whole[i]], ptrs)  # landed in the room or the view before
+            inner = [i for i in good if whole[i]]
+            hdr[inner] = _Tails(ptrs, inner).read()  # headers that landed in the room or the view before
             landed += good
         return landed, False
 
