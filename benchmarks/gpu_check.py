@@ -315,11 +315,7 @@ def window_row(w, cols, *, reg, host, devs, bulk_dst, kv, tables, tables_cpu, st
     run("bulk-H2D", lambda: bulk_dst[:nbytes].copy_(host[:nbytes], non_blocking=True))
     pairs = block_copies(reg, kv, [t.cpu() for t in a_host.block_tables], host, w)  # as the kernels read them
 
-    def loop():
-        for d, s in pairs:
-            d.copy_(s, non_blocking=True)
-
-    run("loop-H2D", loop)
+    run("loop-H2D", lambda: copy_runs(pairs, stream))
     if have_cuda:
         dma_runs(reg, pairs, kv, a_host, stream, run, rep, w)
 
@@ -352,24 +348,45 @@ def dma_runs(reg, pairs, kv, a_host, stream, run, rep, w) -> None:
         if fn(dst.data_ptr(), src.data_ptr(), size.data_ptr(), len(pairs), stream.cuda_stream) != 0:
             raise RuntimeError(f"{name}: {lib.bsr_last_error().decode(errors='replace')}")
 
+    def written_by(copy) -> list[torch.Tensor]:
+        # The poison is written on the current stream and the copy runs on `stream` (a non-blocking
+        # one): without the device-wide synchronize the fill can land after the copy.
+        for t in kv:
+            t.view(torch.uint8).fill_(POISON)
+        torch.cuda.synchronize()
+        copy()
+        torch.cuda.synchronize()
+        return [t.clone() for t in kv]
+
     try:
-        for t in kv:
-            t.view(torch.uint8).fill_(POISON)
-        dma("bsr_copy_batch")
-        stream.synchronize()
-        by_dma = [t.clone() for t in kv]
-        for t in kv:
-            t.view(torch.uint8).fill_(POISON)
-        cuda_backend.install(reg, a_host, stream, True)
-        stream.synchronize()
-        if not all(torch.equal(a, b) for a, b in zip(by_dma, kv, strict=True)):
-            rep.add(f"  W={w} dma-batch: writes differ from the CUDA kernel's (timing skipped)")
+        by_kernel = written_by(lambda: cuda_backend.install(reg, a_host, stream, True))
+        by_dma = written_by(lambda: dma("bsr_copy_batch"))
+        if not same(by_dma, by_kernel):
+            by_loop = written_by(lambda: copy_runs(pairs, stream))
+            loop = "agree with it" if same(by_loop, by_kernel) else "differ too: " + differing(by_loop, by_kernel)
+            rep.add(f"  W={w} dma-batch: writes differ from the CUDA kernel's (timing skipped): "
+                    f"{differing(by_dma, by_kernel)}; the same runs by torch copy_ {loop}")
             return
     except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
         rep.add(f"  W={w} dma-batch check: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         return
     run("dma-batch", lambda: dma("bsr_copy_batch"))
     run("dma-loop", lambda: dma("bsr_copy_loop"))
+
+
+def copy_runs(pairs, stream: torch.cuda.Stream) -> None:
+    """The kernel's runs as one torch copy_ each, on `stream` (the loop-H2D baseline)."""
+    with torch.cuda.stream(stream):
+        for d, s in pairs:
+            d.copy_(s, non_blocking=True)
+
+
+def differing(a: list[torch.Tensor], b: list[torch.Tensor]) -> str:
+    """Which tensors differ and by how many bytes, for a mismatch's one line."""
+    bad = [(i, int((x.view(torch.uint8) != y.view(torch.uint8)).sum())) for i, (x, y) in enumerate(zip(a, b))]
+    bad = [(i, n) for i, n in bad if n]
+    return (f"{len(bad)} of {len(a)} tensors, {sum(n for _, n in bad):,} bytes (first: "
+            + ", ".join(f"#{i} {n:,} B" for i, n in bad[:3]) + ")")
 
 
 # -- main ----------------------------------------------------------------------------------------
