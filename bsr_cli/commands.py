@@ -174,18 +174,27 @@ def cmd_wlaw(args) -> int:
     print(reg.describe())
     rows = _sweep_rows(args, reg, tier_names(args), [args.tokens], windows, progress, repeat=args.repeat,
                        floor=True)
-    from bsr_harness.report_sections import WLAW_REFERENCE_W
+    from bsr_harness.report_sections import WLAW_REFERENCE_W, per_window_extra_s
 
     ref = {r.tier: r for r in rows if r.window_chunks == WLAW_REFERENCE_W}
+
+    def extra_us(r) -> str:
+        x = per_window_extra_s(r.seconds, r.windows, ref[r.tier].seconds if r.tier in ref else None,
+                               ref[r.tier].windows if r.tier in ref else None)
+        return "-" if x is None else f"{x * 1e6:.0f}"
+
     print_table(["tier", "W", "peak staging", "W*c", "peak == W*c", "seconds", f"/ W={WLAW_REFERENCE_W}",
-                 "tier's own s", f"tier's own / W={WLAW_REFERENCE_W}", *(f"{p} ms" for p in PHASES)],
+                 "tier's own s", f"tier's own / W={WLAW_REFERENCE_W}", f"us / window vs W={WLAW_REFERENCE_W}",
+                 *(f"{p} ms" for p in PHASES)],
                 [(r.tier, r.window_chunks, human_bytes(r.peak_staging_bytes),
                   human_bytes(min(r.window_chunks, r.chunks) * r.chunk_bytes),
                   "yes" if r.peak_staging_bytes == min(r.window_chunks, r.chunks) * r.chunk_bytes else "NO",
                   f"{r.seconds:.3f}", ratio(r.seconds, ref.get(r.tier) and ref[r.tier].seconds),
                   "-" if r.tier_floor_s is None else f"{r.tier_floor_s:.3f}",
-                  ratio(r.tier_floor_s, ref.get(r.tier) and ref[r.tier].tier_floor_s),
+                  ratio(r.tier_floor_s, ref.get(r.tier) and ref[r.tier].tier_floor_s), extra_us(r),
                   *(f"{getattr(r, p + '_s') * 1e3:.1f}" for p in PHASES)) for r in rows])
+    print(f"us / window vs W={WLAW_REFERENCE_W}: (seconds - W={WLAW_REFERENCE_W}'s) / (windows - "
+          f"W={WLAW_REFERENCE_W}'s): what each extra window costs beyond its bytes (the same bytes move at every W)")
     if any(r.tier_floor_s is not None for r in rows):
         print("tier's own: the tier's own reads of the same objects, W per call, back to back, nothing installed "
               "(Mooncake: bare gets, nothing checked; LMCache: its prefetch, read and release; "

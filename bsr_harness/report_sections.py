@@ -81,6 +81,16 @@ def _over(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def per_window_extra_s(seconds: float, windows: int, ref_seconds: float | None,
+                       ref_windows: int | None) -> float | None:
+    """What each window beyond the reference W's count cost: (T(W) - T(ref)) / (windows(W) - windows(ref)).
+    The same bytes move at every W, so this is the per-window fixed cost (admit, hand-offs, tier calls,
+    install calls) the W law pays: small against a window's bytes at real chunk sizes, not at 1/64."""
+    if ref_seconds is None or ref_windows is None or windows == ref_windows:
+        return None
+    return (seconds - ref_seconds) / (windows - ref_windows)
+
+
 def _wlaw(figures: dict) -> dict:
     w32 = {r["tier"]: r for r in figures["rows"] if r["window_chunks"] == WLAW_REFERENCE_W}
     return {"rows": [r | {"w_times_c_bytes": min(r["window_chunks"], r["chunks"]) * r["chunk_bytes"],
@@ -88,8 +98,15 @@ def _wlaw(figures: dict) -> dict:
                           * r["chunk_bytes"],
                           "seconds_vs_w32": _over(r["seconds"], w32.get(r["tier"], {}).get("seconds")),
                           "tier_own_s": r.get("tier_floor_s"),
-                          "tier_own_vs_w32": _over(r.get("tier_floor_s"), w32.get(r["tier"], {}).get("tier_floor_s"))}
+                          "tier_own_vs_w32": _over(r.get("tier_floor_s"), w32.get(r["tier"], {}).get("tier_floor_s")),
+                          "extra_per_window_vs_w32_us": _us(per_window_extra_s(
+                              r["seconds"], r["windows"], w32.get(r["tier"], {}).get("seconds"),
+                              w32.get(r["tier"], {}).get("windows")))}
                      for r in figures["rows"]]}
+
+
+def _us(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e6
 
 
 def _vllm_stall(figures: dict) -> dict:
@@ -179,10 +196,14 @@ _SECTIONS = [
         "`--repeat` runs, the W's interleaved). tier_own: the tier's own reads of the same objects, W per call, "
         "back to back, nothing installed (Mooncake: bare gets, nothing checked; LMCache: its prefetch, read and "
         "release; bsr_harness/tier_floor.py, records of 2026-12-04 on): no restore through that tier goes "
-        "below it."), _W,
-        {"rows": ["tier", "tokens", "window_chunks", "windows", "peak_staging_bytes", "w_times_c_bytes",
-                  "peak_is_w_times_c", "seconds", "seconds_vs_w32", "tier_own_s", "tier_own_vs_w32",
-                  "state_hash_ok"]}, _wlaw),
+        "below it. extra per window vs w32: (seconds - W = 32's) / (windows - W = 32's), what each window "
+        "costs beyond its bytes (the same bytes move at every W): tens to a few hundred microseconds (thread "
+        "hand-offs, tier calls, install calls), a large part of a window at scale 1/64 (c = 256 KB: a W = 8 "
+        "window at depth 2 is 1 MB), a small one at 1/16 (c = 1 MB) and none to speak of at DeepSeek-V4's "
+        "real c of 16 MB."), _W,
+        {"rows": ["tier", "tokens", "window_chunks", "windows", "peak_staging_bytes",
+                  "w_times_c_bytes", "peak_is_w_times_c", "seconds", "seconds_vs_w32", "extra_per_window_vs_w32_us",
+                  "tier_own_s", "tier_own_vs_w32", "state_hash_ok"]}, _wlaw),
     Section("bsr_ladder", "Whole-plan capacity ladder beside BSR: `bsr ladder`", (
         "The whole plan's staging capacity raised through doubling rungs until the prefix restores, beside BSR "
         "at capacity W*c."), _W),

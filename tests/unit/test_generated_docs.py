@@ -76,6 +76,24 @@ def test_the_stall_headline_gives_each_rows_gap_and_ttft_ratios():
     assert _stall({"rows": []}) is None
 
 
+def test_the_w_law_table_gives_each_windows_extra_cost_against_w32():
+    """W = 8 restores the same bytes in 4x the windows of W = 32: what the extra windows cost, per window,
+    is (T8 - T32) / (n8 - n32); W = 32 itself has none, nor a tier without a W = 32 row."""
+    from bsr_harness.report_sections import _wlaw
+
+    def row(tier, w, n, seconds):
+        return {"tier": tier, "window_chunks": w, "windows": n, "chunks": 1024, "chunk_bytes": 100,
+                "peak_staging_bytes": w * 100, "seconds": seconds}
+
+    rows = _wlaw({"rows": [row("fs", 8, 256, 0.091), row("fs", 32, 64, 0.063), row("fs", 64, 32, 0.061),
+                           row("mc", 8, 128, 0.3)]})["rows"]
+    extra = [r["extra_per_window_vs_w32_us"] for r in rows]
+    assert extra[0] == pytest.approx(28_000 / 192)  # 28 ms over 192 more windows
+    assert extra[1] is None and extra[3] is None
+    assert extra[2] == pytest.approx(-2_000 / -32)  # 32 fewer windows, 2 ms less
+    assert rows[0]["seconds_vs_w32"] == pytest.approx(0.091 / 0.063)
+
+
 def test_every_record_names_its_commit_command_and_machine():
     found = records.all_records()
     assert found, "no records in benchmarks/results"
