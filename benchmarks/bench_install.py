@@ -108,15 +108,34 @@ def one_shot_vs_prepared(scales=SCALES, windows=WINDOWS, min_time: float = 2.0, 
     return lines
 
 
+def parse_scales(text: str) -> tuple[float, ...]:
+    """"1/16,1/64" -> (0.0625, 0.015625): each a fraction 1/k or a number in (0, 1]."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            num, _, den = item.partition("/")
+            value = float(num) / float(den) if den else float(num)
+        except (ValueError, ZeroDivisionError):
+            raise argparse.ArgumentTypeError(f"--scales: {item!r} is not a number or a fraction like 1/16") from None
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"--scales: {item!r} is outside (0, 1]")
+        out.append(value)
+    return tuple(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scales", type=parse_scales, default=SCALES,
+                   help="entry-width scales of the DeepSeek-V4-Flash preset (default 1/16,1/64; 1 = real widths: "
+                        "spans 64x those of 1/64)")
     p.add_argument("--windows", default=",".join(map(str, WINDOWS)))
     p.add_argument("--min-time", type=float, default=2.0, help="seconds of interleaved rounds per row")
     add_record_options(p)
     args = p.parse_args()
     rows: list[dict] = []
     one_shot_rows: list[dict] = []
-    print(run(windows=[int(w) for w in args.windows.split(",")], min_time=args.min_time, rows=rows,
+    print(run(scales=args.scales, windows=[int(w) for w in args.windows.split(",")], min_time=args.min_time, rows=rows,
               one_shot_rows=one_shot_rows))
     record_script(args, "bench_install", {"rows": rows, "one_shot_vs_prepared": one_shot_rows})
 

@@ -43,3 +43,13 @@ def test_benchmark_takes_window_chunks(script, monkeypatch):
     assert parsed(script, ["--window-chunks", "3"], monkeypatch).window == 3
     with pytest.raises(SystemExit):
         parsed(script, ["--window-chunks", "x"], monkeypatch)
+
+
+def test_bench_install_takes_scales_as_fractions(monkeypatch, capsys):
+    args = parsed("bench_install", ["--scales", "1/4, 1/64,1", "--windows", "8"], monkeypatch)
+    assert args.scales == (0.25, 0.015625, 1.0)
+    assert parsed("bench_install", [], monkeypatch).scales == (1 / 16, 1 / 64)
+    for bad, why in (("1/0", "not a number"), ("2", "outside (0, 1]"), ("x", "not a number"), ("0", "outside")):
+        with pytest.raises(SystemExit):
+            parsed("bench_install", ["--scales", bad], monkeypatch)
+        assert why in capsys.readouterr().err
