@@ -59,7 +59,8 @@ def main(argv=None) -> int:
         for conc in (1, 4):
             files = drop_page_cache(root)
             with LMCacheTier.create(reg, l1, [fs_l2_config(root, load_concurrency=conc)]) as tier:
-                cfg = RestoreConfig(window_chunks=args.window, pipeline_depth=tier.preferred_pipeline_depth)
+                depth = tier.preferred_pipeline_depth(args.window * reg.chunk_bytes)
+                cfg = RestoreConfig(window_chunks=args.window, pipeline_depth=depth)
                 dst.poison()
                 measure = tier.l1_tracker.start()
                 with BoundedRestorer(reg, cfg) as restorer:

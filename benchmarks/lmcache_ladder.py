@@ -47,7 +47,7 @@ def attempt(tier: LMCacheTier, src, dst: Destinations, n: int, w: int, expected:
     """(restored hash-equal, report, seconds, LMCache's L1 peak above its baseline) of one restore."""
     dst.poison()
     req = RestoreRequest(f"ladder-{n}-{w}", src.tokens, src.keyspace, dst.kv, dst.tables)
-    cfg = RestoreConfig(window_chunks=w, pipeline_depth=tier.preferred_pipeline_depth)
+    cfg = RestoreConfig(window_chunks=w, pipeline_depth=tier.preferred_pipeline_depth(w * src.reg.chunk_bytes))
     measure = tier.l1_tracker.start()
     t = time.perf_counter()
     with BoundedRestorer(src.reg, cfg) as restorer:

@@ -103,20 +103,26 @@ def source_hashes(src: SourceState, chunk_counts: Sequence[int]) -> dict[int, st
     return {n: state_hash(src.reg, src.kv, src.block_tables, n) for n in sorted(set(chunk_counts))}
 
 
+def pipeline_depth(tier: Tier, depth: int | None, window_bytes: int) -> int:
+    """`depth` as given, else the tier's preferred one for windows of `window_bytes`."""
+    return tier.preferred_pipeline_depth(window_bytes) if depth is None else depth
+
+
 class TierTarget:
     """What a sweep restores from: a BSR tier (LMCache's too), restored by one BoundedRestorer per W."""
 
     def __init__(self, tier: Tier, reg: Registration, windows: Sequence[int], *, depth: int | None = None,
                  fetch_timeout_s: float = 120.0, backend: str = "auto", name: str | None = None,
                  whole_plan_chunks: int | None = None) -> None:
-        """`depth` None: the tier's preferred pipeline depth; `name` the rows' tier (default the tier's name).
+        """`depth` None: the tier's preferred pipeline depth at each W; `name` the rows' tier (default the tier's name).
         `whole_plan_chunks`: the largest prefix W = 0 restores; its staging is allocated for that once,
         before any restore (the whole plan at its best, as a system that sized its cache up front)."""
         self.tier = tier
         self.name = name or tier.name
-        depth = tier.preferred_pipeline_depth if depth is None else depth
         whole = None if whole_plan_chunks is None else whole_plan_chunks * reg.chunk_bytes
-        self.restorers = {w: BoundedRestorer(reg, RestoreConfig(window_chunks=w, pipeline_depth=depth,
+        self.restorers = {w: BoundedRestorer(reg, RestoreConfig(window_chunks=w,
+                                                                pipeline_depth=pipeline_depth(tier, depth,
+                                                                                              w * reg.chunk_bytes),
                                                                 fetch_timeout_s=fetch_timeout_s, backend=backend,
                                                                 max_staging_bytes=whole if w == 0 else None))
                           for w in windows}
@@ -201,11 +207,10 @@ def ladder(src: SourceState, tier: Tier, tokens: int, window: int, *, first_rung
         raise ValueError(f"ladder prefix of {tokens} tokens: need 1..{src.num_chunks} chunks")
     dst = dst or Destinations(reg, src.num_chunks, seed=1)
     expected = state_hash(reg, src.kv, src.block_tables, n)
-    depth = tier.preferred_pipeline_depth if depth is None else depth
-
     def attempt(w: int, capacity: int):
         dst.poison()
-        cfg = RestoreConfig(window_chunks=w, pipeline_depth=depth, max_staging_bytes=capacity)
+        cfg = RestoreConfig(window_chunks=w, pipeline_depth=pipeline_depth(tier, depth, w * reg.chunk_bytes),
+                            max_staging_bytes=capacity)
         with BoundedRestorer(reg, cfg) as restorer:
             req = RestoreRequest(f"ladder-{tokens}-{w}-{capacity}", src.tokens, src.keyspace, dst.kv, dst.tables)
             rep = restorer.restore(req, tier, n)

@@ -272,9 +272,8 @@ class FaultyTier(Tier):
             raise AttributeError(name)
         return getattr(inner, name)
 
-    @property
-    def preferred_pipeline_depth(self) -> int:
-        return self.inner.preferred_pipeline_depth
+    def preferred_pipeline_depth(self, window_bytes: int) -> int:
+        return self.inner.preferred_pipeline_depth(window_bytes)
 
     @property
     def overwrites(self) -> bool:

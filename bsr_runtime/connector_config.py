@@ -113,7 +113,7 @@ class Tuning(Schema):
     """Knobs with working defaults (`tuning` in the config): how restores are pipelined, threaded and
     staged, what a chunk is."""
 
-    pipeline_depth: Depth | None = None  # None: the first tier's preferred depth (Tier.preferred_pipeline_depth)
+    pipeline_depth: Depth | None = None  # None: the first tier's preferred depth at W (Tier.preferred_pipeline_depth)
     backend: Backend = "auto"  # the install backend (bsr_kernels/backends.py)
     chunk_tokens: ChunkTokens = 256
     max_concurrent_restores: Annotated[int, Field(ge=1, le=1024)] = 8  # loader threads
@@ -195,9 +195,11 @@ class ConnectorConfig(Schema):
 
     def restore_config(self, tiers: Sequence[Tier]) -> RestoreConfig:
         """The restores' configuration; without a configured pipeline depth the first (planning) tier's
-        preferred one: 1 for Mooncake over tcp and LMCache, 2 for the filesystem."""
+        preferred one for windows of W chunks: 1 for LMCache, 2 for the filesystem, for Mooncake over tcp
+        by the window's size (tiers/mooncake.py: tcp_pipeline_depth)."""
         depth = self.tuning.pipeline_depth
-        depth = depth if depth is not None else tiers[0].preferred_pipeline_depth
+        if depth is None:
+            depth = tiers[0].preferred_pipeline_depth(self.window_chunks * tiers[0].chunk_bytes)
         return RestoreConfig(window_chunks=self.window_chunks, pipeline_depth=depth,
                              fetch_timeout_s=self.timeouts.fetch_s, backend=self.tuning.backend,
                              admission_timeout_s=self.timeouts.staging_wait_s)

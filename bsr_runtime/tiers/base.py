@@ -136,12 +136,11 @@ class Tier(ABC):
         raises TierError, never returns. `headroom`: the bytes before each view are scratch the tier may
         overwrite (never the views)."""
 
-    @property
-    def preferred_pipeline_depth(self) -> int:
-        """The pipeline depth a caller that does not choose one restores from this tier at. 2 overlaps
-        window j+1's fetch with window j's install, which pays where the fetch leaves the host's cores
-        to the install (DMA, one page-cache reader thread); 1 where the fetch itself keeps the cores
-        busy (MooncakeTier over tcp)."""
+    def preferred_pipeline_depth(self, window_bytes: int) -> int:
+        """The pipeline depth a caller that does not choose one restores windows of `window_bytes` (W * c)
+        from this tier at. 2 overlaps window j+1's fetch with window j's install, which pays where the fetch
+        leaves the host's cores to the install (DMA, one page-cache reader thread); 1 where the fetch itself
+        keeps the cores busy (MooncakeTier over tcp, below windows of tens of MB: tcp_pipeline_depth)."""
         return 2
 
     def window_source(self, keys: PrefixKeys, timeout_s: float) -> InPlaceSource | None:

@@ -414,9 +414,12 @@ def test_faulty_close_fails_late_completions(store):
         inner.probe(keys)
 
 
-def test_preferred_pipeline_depth(store, faulty):
-    """Mooncake over tcp restores at depth 1 when the caller does not choose (its fetch keeps the host's
-    cores busy); the filesystem and memory tiers at 2. A FaultyTier reports its inner tier's."""
-    want = 1 if store.kind in MOONCAKE_PATHS else 2
-    assert store.tier().preferred_pipeline_depth == want
-    assert faulty.preferred_pipeline_depth == want
+@pytest.mark.parametrize("window_mib,mooncake_depth", [(8, 1), (31, 1), (32, 2), (1024, 2)])
+def test_preferred_pipeline_depth(store, faulty, window_mib, mooncake_depth):
+    """Mooncake over tcp restores windows below 32 MiB (half windows below 16 MiB) at depth 1 when the caller
+    does not choose (its fetch keeps the host's cores busy: depth 2's half windows pay their fixed costs twice),
+    larger ones at 2; the filesystem and memory tiers at 2 always. A FaultyTier reports its inner tier's."""
+    want = mooncake_depth if store.kind in MOONCAKE_PATHS else 2
+    window_bytes = window_mib << 20
+    assert store.tier().preferred_pipeline_depth(window_bytes) == want
+    assert faulty.preferred_pipeline_depth(window_bytes) == want

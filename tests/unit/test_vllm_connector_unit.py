@@ -80,7 +80,11 @@ def test_pipeline_depth_is_the_first_tiers_unless_configured(tmp_path):
     from bsr_runtime.tiers import FilesystemTier
 
     class PrefersOne(MemoryTier):  # stands for Mooncake over tcp or LMCache (tested in test_tier_contract.py)
-        preferred_pipeline_depth = 1
+        asked: list[int] = []
+
+        def preferred_pipeline_depth(self, window_bytes: int) -> int:
+            self.asked.append(window_bytes)
+            return 1
 
     fs = FilesystemTier(tmp_path, 4096, "f" * 16)
     one = PrefersOne(4096, "f" * 16)
@@ -89,6 +93,7 @@ def test_pipeline_depth_is_the_first_tiers_unless_configured(tmp_path):
         assert cfg.tuning.pipeline_depth is None
         assert cfg.restore_config([fs, one]).pipeline_depth == 2
         assert cfg.restore_config([one, fs]).pipeline_depth == 1
+        assert PrefersOne.asked == [8 * 4096]  # asked for its windows: W * c
         rc = cfg.restore_config([fs])
         assert (rc.window_chunks, rc.fetch_timeout_s, rc.backend) == (8, cfg.timeouts.fetch_s, cfg.tuning.backend)
         set_one = ConnectorConfig.from_extra({"tiers": [{"type": "filesystem", "root": "/x"}],

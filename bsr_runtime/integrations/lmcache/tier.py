@@ -116,8 +116,7 @@ class LMCacheTier(Tier):
     def _spec(self, okeys: list[ObjectKey], **kw) -> PrefetchTaskSpec:
         return PrefetchTaskSpec([GroupedObjectKeys(okeys, 0, self.layout)], **kw)
 
-    @property
-    def preferred_pipeline_depth(self) -> int:
+    def preferred_pipeline_depth(self, window_bytes: int) -> int:
         """1, as LMCache's own retrieve: each fetch pays LMCache's per-request work (CPU, not latency),
         and depth 2's half-size windows pay it twice as often (a depth-2 retrieve, a temporary patch
         recorded in benchmarks/results/sweep_lmcache_fs_scale64_r5.txt: 1.34-1.99x the whole plan
