@@ -357,11 +357,15 @@ def _setting(**want) -> Callable[[dict], bool]:
     return lambda rec: all(rec.get("settings", {}).get(k) == v for k, v in want.items())
 
 
-def _sweep_of(*names: str) -> Callable[[dict], bool]:
-    """A `bsr sweep --baseline` record of a tier under any of its `names`: its current one, then the
-    earlier ones older records were written with (fs, lmcache-fs: history, kept as written)."""
+DEFAULT_SCALE = 1 / 64  # bsr's --scale default (bsr_cli/args.py): records without the setting ran at it
+
+
+def _sweep_of(*names: str, scale: float = DEFAULT_SCALE) -> Callable[[dict], bool]:
+    """A `bsr sweep --baseline` record of a tier under any of its `names` (its current one, then the
+    earlier ones older records were written with: fs, lmcache-fs, history kept as written) at `scale`:
+    the chunk size decides how much the per-window fixed costs weigh, so each scale has its own line."""
     return lambda rec: (rec.get("settings", {}).get("tier") in names and rec["settings"].get("baseline") is True
-                        and fair_whole_plan(rec))
+                        and rec["settings"].get("scale", DEFAULT_SCALE) == scale and fair_whole_plan(rec))
 
 
 def _span(values: list[float]) -> str:
@@ -435,14 +439,13 @@ def _stall(f: dict) -> str | None:
 
 HEADLINES = [
     Headline("bsr_demo", "peak staging", lambda rec: True, _peaks),
-    Headline("bsr_sweep", "restore time, BSR / whole plan, filesystem tier", _sweep_of("filesystem", "fs"),
-             _ratios),
-    Headline("bsr_sweep", "restore time, BSR / whole plan, Mooncake store host over tcp", _sweep_of("mooncake"),
-             _ratios),
-    Headline("bsr_sweep", "restore time, BSR / whole plan, through LMCache (FS L2)",
-             _sweep_of("lmcache-filesystem", "lmcache-fs"), _ratios),
-    Headline("bsr_sweep", "restore time, BSR / whole plan, through LMCache (Mooncake L2)",
-             _sweep_of("lmcache-mooncake"), _ratios),
+    *(Headline("bsr_sweep", f"restore time, BSR / whole plan, {what}, {chunk}", _sweep_of(*names, scale=scale),
+               _ratios)
+      for what, names in (("filesystem tier", ("filesystem", "fs")),
+                          ("Mooncake store host over tcp", ("mooncake",)),
+                          ("through LMCache (FS L2)", ("lmcache-filesystem", "lmcache-fs")),
+                          ("through LMCache (Mooncake L2)", ("lmcache-mooncake",)))
+      for scale, chunk in ((1 / 64, "c = 256 KB (scale 1/64)"), (1 / 16, "c = 1 MB (scale 1/16)"))),
     Headline("lmcache_ladder", "LMCache L1 needed to restore", lambda rec: True, _ladder),
     Headline("bsr_demo", "real vLLM engine, restored by a fresh engine", lambda rec: True, _engine),
     Headline("vllm_stall", "a co-running request A while B's prefix restores: A's largest gap / resident (async, "

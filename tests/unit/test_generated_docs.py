@@ -63,6 +63,31 @@ def test_the_sweep_headline_reads_records_under_either_tier_name(earlier, curren
         assert "BSR / whole plan" in line and after != before
 
 
+def test_the_sweep_headline_keeps_a_line_per_chunk_scale():
+    """A newer record at scale 1/16 does not hide the 1/64 one (the chunk size decides how much the per-window
+    costs weigh): each gets the line naming its c; a record without the setting ran at bsr's default, 1/64."""
+    recs = {k: list(v) for k, v in records.all_records().items()}
+    from bsr_harness.report_sections import fair_whole_plan
+
+    base = next(r for r in recs["bsr_sweep"] if r["settings"]["tier"] == "mooncake" and r["settings"]["baseline"]
+                and fair_whole_plan(r))
+    for scale, commit in ((1 / 64, "a" * 40), (1 / 16, "b" * 40), (None, "c" * 40)):
+        rec = json.loads(json.dumps(base))
+        rec["commit"] = commit
+        if scale is None:
+            rec["settings"].pop("scale", None)
+        else:
+            rec["settings"]["scale"] = scale
+        recs["bsr_sweep"].append(rec)
+        lines = report.render_readme_table(recs).splitlines()
+        (line,) = [line for line in lines if f"`{commit[:12]}`" in line]
+        assert ("c = 1 MB (scale 1/16)" if scale == 1 / 16 else "c = 256 KB (scale 1/64)") in line
+        assert "Mooncake store host over tcp" in line
+    table = report.render_readme_table(recs)
+    assert "`" + "b" * 12 + "`" in table and "`" + "c" * 12 + "`" in table  # the newest of each scale
+    assert "`" + "a" * 12 + "`" not in table  # replaced by the newer 1/64 record
+
+
 def test_the_stall_headline_gives_each_rows_gap_and_ttft_ratios():
     """The README's stall line: per model and exact prompt length (32,576 is not "31K"), A's largest gap over
     resident (async, sync) and B's TTFT over resident + 1.2x its restore where the record has it."""
