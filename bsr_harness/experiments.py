@@ -207,6 +207,7 @@ def ladder(src: SourceState, tier: Tier, tokens: int, window: int, *, first_rung
         raise ValueError(f"ladder prefix of {tokens} tokens: need 1..{src.num_chunks} chunks")
     dst = dst or Destinations(reg, src.num_chunks, seed=1)
     expected = state_hash(reg, src.kv, src.block_tables, n)
+
     def attempt(w: int, capacity: int):
         dst.poison()
         cfg = RestoreConfig(window_chunks=w, pipeline_depth=pipeline_depth(tier, depth, w * reg.chunk_bytes),

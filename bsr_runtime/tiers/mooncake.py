@@ -97,8 +97,9 @@ from .mooncake_reads import ReadPaths
 # halves each window (twice the windows, each with its fixed cost): it pays only where a half window is large
 # enough for its fixed costs to vanish. Measured on 2 vCPUs (`bsr wlaw --tier mooncake --depth {1,2}`,
 # dsv4-flash): depth 2 slower with half windows of 4 MB (1/16 at W = 8: 1.40 s against 1.06 s; 1/64 at
-# W = 32) and 8 MB (1/16, W = 16: 1.14 against 1.01 s), as fast or faster from 16 MB (1/16, W = 32: 0.93
-# against 0.97 s; 1/4, W = 8 and 16: 0.75 / 0.70 against 0.89 / 0.88 s; 1/16, W = 64: 0.98 both).
+# W = 32) and 8 MB (1/16, W = 16: 1.14 against 1.01 s); from 16 MB mostly as fast or faster (1/16, W = 32:
+# 0.93 against 0.97 s; 1/4, W = 8 and 16: 0.75 / 0.70 against 0.89 / 0.88 s; 1/16, W = 64: 0.98 both; but
+# 1/4, W = 32: 0.87 against 0.84 s). One run of 5 each; runs of the same command differ by up to a tenth.
 TCP_DEPTH2_HALF_WINDOW_BYTES = 16 << 20
 
 
