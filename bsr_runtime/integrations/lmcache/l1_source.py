@@ -59,12 +59,15 @@ class L1Source:
     L1 objects this restore made LMCache allocate (loaded from L2 for a window) while a window pins
     them; objects already resident in L1 before the fetch are LMCache's cache, only read-locked, and
     not counted. `peak_room_bytes` is their alignment padding (LMCache allocates align_up(c, align)):
-    auxiliary state, like a staging arena's header room."""
+    auxiliary state, like a staging arena's header room. A window's loads are known once its prefetch
+    result is taken, but may sit in L1 from its submission on: at depth 2 window j+1's loads land while
+    window j installs, so they count together with those of every window still open at its submission."""
 
     def __init__(self, l1: L1Reads, keys: PrefixKeys, timeout_s: float) -> None:
         self.l1, self.keys, self.timeout_s = l1, keys, timeout_s
         self.live_objects = 0
         self.peak_objects = 0
+        self._open: list[L1Window] = []  # submitted, not yet released or abandoned
 
     @property
     def peak_bytes(self) -> int:
@@ -82,11 +85,22 @@ class L1Source:
         deadline = time.monotonic() + self.timeout_s
         spec = PrefetchTaskSpec([GroupedObjectKeys(okeys, 0, l1.layout)], num_kv_readers=1, fetching_policy="prefix")
         handle = l1.sm.submit_prefetch_task(spec, external_request_id=WINDOW_TAG)
-        return L1Window(self, keys, okeys, handle, deadline)
+        window = L1Window(self, keys, okeys, handle, deadline, overlaps=list(self._open))
+        self._open.append(window)
+        return window
 
-    def _hold(self, objects: int) -> None:
+    def _hold(self, window: L1Window, objects: int) -> None:
+        """`window`'s L2 loads, now known: held until it is released, and in L1 beside the loads of the
+        windows open when it was submitted."""
+        window.loaded = objects
         self.live_objects += objects
-        self.peak_objects = max(self.peak_objects, self.live_objects)
+        beside = objects + sum(w.loaded for w in window.overlaps)
+        self.peak_objects = max(self.peak_objects, self.live_objects, beside)
+
+    def _close(self, window: L1Window) -> None:
+        if window in self._open:
+            self._open.remove(window)
+        window.overlaps = []  # its count stays; the windows before it need not (no chain over the restore)
 
 
 class L1Window:
@@ -96,8 +110,10 @@ class L1Window:
     -> reading (inside `read_prefetched_results`: the loop installs from the objects) -> done."""
 
     def __init__(self, source: L1Source, bsr_keys: list[str], keys: list[ObjectKey], handle: PrefetchHandle,
-                 deadline: float) -> None:
+                 deadline: float, overlaps: list[L1Window] | None = None) -> None:
         self.source, self.bsr_keys, self.keys, self.handle, self.deadline = source, bsr_keys, keys, handle, deadline
+        self.overlaps = overlaps or []  # the source's windows still open when this one was submitted
+        self.loaded = 0  # its L2 loads, once its prefetch result is taken
         self.l1 = source.l1
         self.sm = source.l1.sm
         self.result = self.owners = self._read = None
@@ -117,7 +133,7 @@ class L1Window:
             raise MissingObjectError(f"LMCache holds {len(hit)}/{n} objects; {self.bsr_keys[missing]} is missing "
                                      "(not in L1 or L2, damaged, or L1 had no room)")
         self._held = len(result.l2_hit_cells[0].get_indices_list())
-        self.source._hold(self._held)
+        self.source._hold(self, self._held)
         self.owners = _owners(result, self.keys)
         read = self.sm.read_prefetched_results(self.keys, self.owners)
         objs = read.__enter__()  # raising here (before it yields): the read locks are still ours (_LOCKED)
@@ -172,6 +188,7 @@ class L1Window:
     def _unhold(self) -> None:
         self.source.live_objects -= self._held
         self._held = 0
+        self.source._close(self)
 
 
 def l1_runs(objs, chunk_bytes: int, stride: int) -> Iterator[tuple[int, int, torch.Tensor]]:

@@ -192,6 +192,23 @@ def test_windowed_restore_small_l1(stored, small, w):
     assert rep.peak_staging_bytes == min(w, N) * C  # BSR's staging: W*c
 
 
+@pytest.mark.parametrize("w", [2, 8])
+def test_depth_two_reports_both_windows_loads(stored, small, w):
+    """At depth 2 window j+1's prefetch loads its objects into L1 while window j installs: the reported peak
+    staging counts both half windows (W chunks' objects, all loaded from L2 here), not one, and stays within
+    W*c; LMCache's own L1 peak (sampled) is within the same W objects above its baseline."""
+    sm = small.sm
+    req = stored.request(seed=90 + w, rid=f"d2-{w}")
+    base = sm.get_l1_usage()[0]
+    with Sampler(sm) as s, BoundedRestorer(REG, RestoreConfig(window_chunks=w, pipeline_depth=2)) as restorer:
+        rep = restorer.restore(req, small, N)
+    assert rep.ok, rep.error
+    assert rep.windows == -(-N // (w // 2)) and rep.pipeline_depth == 2
+    assert state_hash(REG, req.kv, req.block_tables, N) == stored.hash[N]
+    assert rep.peak_staging_bytes == w * C  # ceil(W/2) + floor(W/2) chunks' loads held together
+    assert s.peak - base <= w * OBJ_4K and sm.get_l1_usage()[0] == base
+
+
 def test_prefix_eight_times_larger_than_l1(stored):
     """L1 holds 5 objects, the prefix 40 (8x): W = 4 restores it hash-equal, LMCache's own L1
     usage (sampled on another thread throughout) never above one window; W = 0 gets nothing."""
