@@ -239,7 +239,7 @@ def add_common(p: argparse.ArgumentParser, *, tier_default: str = "filesystem") 
     r = p.add_argument_group("restore")
     r.add_argument("--depth", type=int, choices=(1, 2), default=None,
                    help="pipeline depth: 2 fetches window j+1 while window j installs (default: the tier's, "
-                        "1 for Mooncake over tcp, 2 for the others; LMCache retrieves at 1)")
+                        "2 for the filesystem; Mooncake over tcp and LMCache 2 from windows of 32 MiB, else 1)")
     r.add_argument("--timeout", type=seconds_type, default=120.0,
                    help="fetch timeout per window, seconds (default 120)")
     r.add_argument("--backend", default="auto", choices=BACKEND_CHOICES,

@@ -195,8 +195,8 @@ class ConnectorConfig(Schema):
 
     def restore_config(self, tiers: Sequence[Tier]) -> RestoreConfig:
         """The restores' configuration; without a configured pipeline depth the first (planning) tier's
-        preferred one for windows of W chunks: 1 for LMCache, 2 for the filesystem, for Mooncake over tcp
-        by the window's size (tiers/mooncake.py: tcp_pipeline_depth)."""
+        preferred one for windows of W chunks: 2 for the filesystem, for LMCache and Mooncake over tcp
+        by the window's size (tiers/base.py: depth_by_window)."""
         depth = self.tuning.pipeline_depth
         if depth is None:
             depth = tiers[0].preferred_pipeline_depth(self.window_chunks * tiers[0].chunk_bytes)

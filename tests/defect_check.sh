@@ -104,10 +104,10 @@ defect "records: the performance page keeps one record per configuration (one ma
   'key = json.dumps([rec.get("settings", {}), machine_kind(rec)], sort_keys=True)' \
   'key = json.dumps(rec.get("settings", {}), sort_keys=True)' \
   tests/unit/test_records.py
-defect "mooncake: tcp restores at depth 1 whatever the window (large windows lose the overlap)" \
-  bsr_runtime/tiers/mooncake.py \
-  "return 2 if window_bytes // 2 >= TCP_DEPTH2_HALF_WINDOW_BYTES else 1" "return 1" \
-  tests/unit/test_tier_contract.py
+defect "tiers: Mooncake over tcp and LMCache restore at depth 1 whatever the window (large windows lose the overlap)" \
+  bsr_runtime/tiers/base.py \
+  "return 2 if window_bytes // 2 >= DEPTH2_HALF_WINDOW_BYTES else 1" "return 1" \
+  tests/unit/test_tier_contract.py tests/integration/lmcache/test_lmcache_tier.py
 defect "gpu_check: the copy-engine baselines' runs miss a block (the baseline moves other bytes)" \
   benchmarks/gpu_check.py \
   "            if b < 0:" "            if b < 0 or k == 1:" \

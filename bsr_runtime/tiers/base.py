@@ -104,6 +104,25 @@ def put_replacing(tier: Tier, keys: Sequence[str], views: Sequence[torch.Tensor]
     tier.put(keys, views, headroom=headroom)
 
 
+# A tier whose fetch keeps the host's cores busy (Mooncake over tcp: socket copies, the transfer engine's threads,
+# a store host on the same machine; LMCache: its per-request work) competes with an install overlapped with the
+# next fetch, and depth 2 halves each window (twice the windows, each with its fixed cost): it pays only where a
+# half window is large enough for its fixed costs to vanish. Measured on 2 vCPUs, dsv4-flash, one run of 5 each:
+# `bsr wlaw --tier mooncake --depth {1,2}`: depth 2 slower with half windows of 4 MB (1/16 at W = 8: 1.40 s
+# against 1.06 s; 1/64 at W = 32) and 8 MB (1/16, W = 16: 1.14 against 1.01 s); from 16 MB mostly as fast or
+# faster (1/16, W = 32: 0.93 against 0.97 s; 1/4, W = 8 and 16: 0.75 / 0.70 against 0.89 / 0.88 s; 1/16, W = 64:
+# 0.98 both; but 1/4, W = 32: 0.87 against 0.84 s). `bsr wlaw --tier lmcache-mooncake --scale 0.0625 --depth
+# {1,2}`: W = 8 and 16 1.60 / 1.21 s against 1.18 / 1.10 s, W = 32 and 64 0.91 / 0.93 s against 1.09 / 1.05 s.
+# Runs of the same command differ by up to a tenth.
+DEPTH2_HALF_WINDOW_BYTES = 16 << 20
+
+
+def depth_by_window(window_bytes: int) -> int:
+    """Depth 2 from half windows of DEPTH2_HALF_WINDOW_BYTES up (any W of DeepSeek-V4's real 16 MB chunks),
+    else 1: for tiers whose fetch competes with the install for the cores."""
+    return 2 if window_bytes // 2 >= DEPTH2_HALF_WINDOW_BYTES else 1
+
+
 class Tier(ABC):
     """One storage tier. Implementations: FilesystemTier, MooncakeTier, the LMCache tiers (the harness: MemoryTier)."""
 
@@ -140,7 +159,7 @@ class Tier(ABC):
         """The pipeline depth a caller that does not choose one restores windows of `window_bytes` (W * c)
         from this tier at. 2 overlaps window j+1's fetch with window j's install, which pays where the fetch
         leaves the host's cores to the install (DMA, one page-cache reader thread); 1 where the fetch itself
-        keeps the cores busy (MooncakeTier over tcp, below windows of tens of MB: tcp_pipeline_depth)."""
+        keeps the cores busy (MooncakeTier over tcp, LMCache: below windows of 32 MiB, depth_by_window)."""
         return 2
 
     def window_source(self, keys: PrefixKeys, timeout_s: float) -> InPlaceSource | None:

@@ -74,6 +74,7 @@ from .base import (
     Tier,
     TierError,
     TierUnavailableError,
+    depth_by_window,
 )
 from .mooncake_buffers import StoreRegistrations
 from .mooncake_client import (
@@ -91,22 +92,6 @@ from .mooncake_local import LocalSegmentReader
 from .mooncake_object import HEADER_SIZE, LEGACY_META_SUFFIX, ObjectCodec, RegisteredBuffers, size_problem
 from .mooncake_options import MooncakeTierOptions
 from .mooncake_reads import ReadPaths
-
-# Over tcp the socket copies, the transfer engine's threads and a store host on the same machine take the
-# cores in proportion to the bytes, so an install overlapped with the next fetch competes with it, and depth 2
-# halves each window (twice the windows, each with its fixed cost): it pays only where a half window is large
-# enough for its fixed costs to vanish. Measured on 2 vCPUs (`bsr wlaw --tier mooncake --depth {1,2}`,
-# dsv4-flash): depth 2 slower with half windows of 4 MB (1/16 at W = 8: 1.40 s against 1.06 s; 1/64 at
-# W = 32) and 8 MB (1/16, W = 16: 1.14 against 1.01 s); from 16 MB mostly as fast or faster (1/16, W = 32:
-# 0.93 against 0.97 s; 1/4, W = 8 and 16: 0.75 / 0.70 against 0.89 / 0.88 s; 1/16, W = 64: 0.98 both; but
-# 1/4, W = 32: 0.87 against 0.84 s). One run of 5 each; runs of the same command differ by up to a tenth.
-TCP_DEPTH2_HALF_WINDOW_BYTES = 16 << 20
-
-
-def tcp_pipeline_depth(window_bytes: int) -> int:
-    """Depth 2 over tcp from half windows of TCP_DEPTH2_HALF_WINDOW_BYTES up (any W of DeepSeek-V4's real
-    16 MB chunks), else 1."""
-    return 2 if window_bytes // 2 >= TCP_DEPTH2_HALF_WINDOW_BYTES else 1
 
 
 class MooncakeTier(Tier):
@@ -165,8 +150,9 @@ class MooncakeTier(Tier):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bsr-mooncake-fetch")
 
     def preferred_pipeline_depth(self, window_bytes: int) -> int:
-        """Over tcp by the window's size (tcp_pipeline_depth); RDMA moves bytes without the cores: 2."""
-        return tcp_pipeline_depth(window_bytes) if self.protocol == "tcp" else 2
+        """Over tcp by the window's size (base.depth_by_window: the socket copies, the transfer engine's
+        threads and a store host on the same machine take the cores); RDMA moves bytes without them: 2."""
+        return depth_by_window(window_bytes) if self.protocol == "tcp" else 2
 
     # -- helpers ---------------------------------------------------------------------------
     def _live_store(self):

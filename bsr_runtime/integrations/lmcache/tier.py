@@ -50,6 +50,7 @@ from ...tiers.base import (
     MissingObjectError,
     Tier,
     TierError,
+    depth_by_window,
 )
 from .config import align_up, build_storage_manager, fs_l2_config, load_adapter_config, mooncake_l2_config
 from .l1_source import L1Reads, L1Source
@@ -117,11 +118,12 @@ class LMCacheTier(Tier):
         return PrefetchTaskSpec([GroupedObjectKeys(okeys, 0, self.layout)], **kw)
 
     def preferred_pipeline_depth(self, window_bytes: int) -> int:
-        """1, as LMCache's own retrieve: each fetch pays LMCache's per-request work (CPU, not latency),
-        and depth 2's half-size windows pay it twice as often (a depth-2 retrieve, a temporary patch
-        recorded in benchmarks/results/sweep_lmcache_fs_scale64_r5.txt: 1.34-1.99x the whole plan
-        against 1.20-1.56x at depth 1)."""
-        return 1
+        """By the window's size (base.depth_by_window): each fetch pays LMCache's per-request work (CPU, not
+        latency), and depth 2's half windows pay it twice as often, which costs more than the overlap saves
+        below half windows of 16 MiB (at scale 1/64 a depth-2 retrieve, a temporary patch recorded in
+        benchmarks/results/sweep_lmcache_fs_scale64_r5.txt: 1.34-1.99x the whole plan against 1.20-1.56x at
+        depth 1) and less from there (figures beside depth_by_window)."""
+        return depth_by_window(window_bytes)
 
     def probe(self, keys: Sequence[str]) -> list[bool]:
         if not keys:

@@ -209,6 +209,12 @@ def test_depth_two_reports_both_windows_loads(stored, small, w):
     assert s.peak - base <= w * OBJ_4K and sm.get_l1_usage()[0] == base
 
 
+def test_preferred_depth_by_window_size(small):
+    """LMCache's per-request work makes depth 2's half windows dear below half windows of 16 MiB: the tier
+    prefers depth 1 there and 2 from windows of 32 MiB (what a caller that does not choose gets)."""
+    assert [small.preferred_pipeline_depth(mib << 20) for mib in (0, 1, 16, 31, 32, 64, 1024)] == [1, 1, 1, 1, 2, 2, 2]
+
+
 def test_prefix_eight_times_larger_than_l1(stored):
     """L1 holds 5 objects, the prefix 40 (8x): W = 4 restores it hash-equal, LMCache's own L1
     usage (sampled on another thread throughout) never above one window; W = 0 gets nothing."""
