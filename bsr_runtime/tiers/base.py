@@ -113,12 +113,12 @@ def put_replacing(tier: Tier, keys: Sequence[str], views: Sequence[torch.Tensor]
 # faster (1/16, W = 32: 0.93 against 0.97 s; 1/4, W = 8 and 16: 0.75 / 0.70 against 0.89 / 0.88 s; 1/16, W = 64:
 # 0.98 both; but 1/4, W = 32: 0.87 against 0.84 s). `bsr wlaw --tier lmcache-mooncake --scale 0.0625 --depth
 # {1,2}`: W = 8 and 16 1.60 / 1.21 s against 1.18 / 1.10 s, W = 32 and 64 0.91 / 0.93 s against 1.09 / 1.05 s.
-# Runs of the same command differ by up to a tenth.
+# Runs of the same command differ by up to a fifth here.
 DEPTH2_HALF_WINDOW_BYTES = 16 << 20
 
 
 def depth_by_window(window_bytes: int) -> int:
-    """Depth 2 from half windows of DEPTH2_HALF_WINDOW_BYTES up (any W of DeepSeek-V4's real 16 MB chunks),
+    """Depth 2 from half windows of DEPTH2_HALF_WINDOW_BYTES up (any W >= 3 of DeepSeek-V4's real 16 MB chunks),
     else 1: for tiers whose fetch competes with the install for the cores."""
     return 2 if window_bytes // 2 >= DEPTH2_HALF_WINDOW_BYTES else 1
 
