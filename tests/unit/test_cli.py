@@ -186,7 +186,7 @@ def test_sweep_on_mooncake_starts_and_stops_its_master(tmp_path, capsys):
     assert rc == 0
     rows = json.loads(js.read_text())
     assert {r["tier"] for r in rows} == {"mooncake"} and all(r["state_hash_ok"] for r in rows)
-    assert {r["pipeline_depth"] for r in rows} == {1}  # Mooncake over tcp prefers depth 1
+    assert {r["pipeline_depth"] for r in rows} == {1}  # Mooncake over tcp prefers depth 1 for windows below 32 MiB
     after = {p.pid for p in psutil.Process().children(recursive=True)}
     assert after <= before
 
