@@ -18,7 +18,8 @@ from pathlib import Path
 
 from .records import REPO_ROOT, RESULTS_DIR, all_records, latest
 from .report_format import cell, header, machine_summary, short_commit, table
-from .report_sections import GROUPS, HEADLINES, SECTIONS, Section
+from .report_headlines import HEADLINES
+from .report_sections import GROUPS, SECTIONS, Section
 
 PERFORMANCE = REPO_ROOT / "docs" / "performance.md"
 README = REPO_ROOT / "README.md"

@@ -91,7 +91,7 @@ def test_the_sweep_headline_keeps_a_line_per_chunk_scale():
 def test_the_stall_headline_gives_each_rows_gap_and_ttft_ratios():
     """The README's stall line: per model and exact prompt length (32,576 is not "31K"), A's largest gap over
     resident (async, sync) and B's TTFT over resident + 1.2x its restore where the record has it."""
-    from bsr_harness.report_sections import _stall
+    from bsr_harness.report_headlines import _stall
 
     rows = [{"model": "tiny", "tokens": 32576, "gap_ratio_async": 0.9149, "gap_ratio_sync": 1.6,
              "ttft_ratio_in_run": 1.006},

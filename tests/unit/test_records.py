@@ -196,7 +196,8 @@ def test_the_sweep_section_shows_only_the_whole_plan_at_its_best():
     """A record whose whole plan got a fresh pool per length (capacity N*c each) is not shown as a ratio, in the
     docs nor in the README's headline; one whose whole plan was sized once for the longest prefix is."""
     from bsr_harness.report import render_section
-    from bsr_harness.report_sections import _SECTIONS, HEADLINES
+    from bsr_harness.report_headlines import HEADLINES
+    from bsr_harness.report_sections import _SECTIONS
 
     fair, handicapped = _sweep_record("bsr sweep fair", [800, 800]), _sweep_record("bsr sweep old", [400, 800])
     (section,) = [s for s in _SECTIONS if s.benchmark == "bsr_sweep"]
