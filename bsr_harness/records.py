@@ -66,8 +66,10 @@ def _git(root: Path, *args: str) -> str:
 
 def machine() -> dict[str, Any]:
     """CPU model and vector ISA, cores, memory, GPU (or None), Python, torch and the engine/cache packages present."""
-    info: dict[str, Any] = {"cpu": _cpu_model(), "isa": cpu_isa(), "cores": os.cpu_count(), "memory_gib": _memory_gib(),
-                            "gpu": None, "python": platform.python_version(), "torch": None}
+    cpuinfo = _cpuinfo()
+    info: dict[str, Any] = {"cpu": _cpu_model(cpuinfo), "isa": cpu_isa(cpuinfo), "cores": os.cpu_count(),
+                            "memory_gib": _memory_gib(), "gpu": None, "python": platform.python_version(),
+                            "torch": None}
     try:
         import torch
 
@@ -80,13 +82,17 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def _cpu_model() -> str:
+def _cpuinfo() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        return ""
+
+
+def _cpu_model(cpuinfo: str) -> str:
+    for line in cpuinfo.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 
@@ -94,10 +100,7 @@ def cpu_isa(cpuinfo: str | None = None) -> str:
     """The widest x86 vector ISA the CPU flags name ("AVX-512", "AVX2", "x86-64"), else the machine
     (aarch64, ...). `cpuinfo`: the text of /proc/cpuinfo (read when None)."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
+        cpuinfo = _cpuinfo()
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
     if "avx512f" in flags:
         return "AVX-512"
