@@ -6,7 +6,8 @@ csrc/bsr_install_cpu.c is the install/gather; the same library carries the worke
 One call per window walks the descriptor table (bsr_kernels.descriptors, shared with Triton and
 CUDA) and memcpy's contiguous runs; single-threaded by default, two threads from the library's
 size threshold up (`threads` forces a count; the worker is kept off the caller's CPU,
-`pool_spread`); installs write with non-temporal stores, gathers from the last-level cache size
+`pool_spread`, and takes pieces of the window beside the caller, which never waits for a worker
+that has not started, `pool_hold`); installs write with non-temporal stores, gathers from the last-level cache size
 up (`stream_bytes`). No torch ABI coupling: raw data pointers only.
 
 Where the library comes from, first hit wins:
@@ -143,6 +144,16 @@ def pool_spread(on: bool | None = None) -> bool:
     if lib is None:
         raise RuntimeError(f"CPU backend unavailable: {load_error()}")
     return bool(lib.bsr_cpu_pool_spread(-1 if on is None else int(on)))
+
+
+def pool_hold(on: bool | None = None) -> bool:
+    """Tests: while on, the library's pool workers start no task, as if the scheduler never ran them; a
+    call with threads > 1 then runs all its work in the caller's thread (csrc/bsr_cpu_pool.h). `on` sets
+    it; returns the previous setting."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"CPU backend unavailable: {load_error()}")
+    return bool(lib.bsr_cpu_pool_hold(-1 if on is None else int(on)))
 
 
 STREAM_INTO = ("staging", "destinations")  # csrc/bsr_stream.h: BSR_INTO_STAGING, BSR_INTO_DESTINATIONS

@@ -22,7 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define BSR_CPU_ABI_VERSION 6005
+#define BSR_CPU_ABI_VERSION 6006
 #define BSR_CUDA_ABI_VERSION 3
 
 #ifdef __cplusplus
@@ -46,6 +46,10 @@ BSR_CPU_API int64_t bsr_cpu_parallel_bytes(void);
 /* Keep the pool's workers off the caller's CPU (1), let the scheduler place them (0), or read the
  * setting (-1); returns the previous one (bsr_cpu_pool.h). */
 BSR_CPU_API int bsr_cpu_pool_spread(int on);
+
+/* Tests: while on (1) the pool's workers start no task, as if the scheduler never ran them; 0 lets them
+ * again, -1 only reads it; returns the previous setting (bsr_cpu_pool.h). */
+BSR_CPU_API int bsr_cpu_pool_hold(int on);
 
 /* Calls moving at least `bytes` into staging (into = 0) or destinations (1) use non-temporal stores
  * (bsr_stream.h); bytes < 0 only reads it. Returns the previous value. */

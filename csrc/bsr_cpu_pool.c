@@ -18,12 +18,13 @@ static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
 /* Workers kept off the caller's CPU (see bsr_pool_spread): -1 unset (BSR_CPU_SPREAD, default on). */
 static int g_spread = -1;
 static int g_kept_off = -1; /* the CPU the workers' affinity excludes now; -1: none */
+static int g_hold = 0;      /* tests (bsr_pool_hold): while on, no worker starts a task */
 
 static void* worker_main(void* arg) {
     const int me = (int)(intptr_t)arg;
     pthread_mutex_lock(&g_mu);
     for (;;) {
-        while (!g_assigned[me]) pthread_cond_wait(&g_work, &g_mu);
+        while (!g_assigned[me] || g_hold) pthread_cond_wait(&g_work, &g_mu);
         const bsr_task* job = g_assigned[me];
         g_assigned[me] = NULL;
         pthread_mutex_unlock(&g_mu);
@@ -104,7 +105,18 @@ int bsr_pool_spread(int on) {
     return was;
 }
 
-void bsr_pool_run(const bsr_task* tasks, int64_t n) {
+int bsr_pool_hold(int on) {
+    pthread_mutex_lock(&g_mu);
+    const int was = g_hold;
+    if (on >= 0) {
+        g_hold = on != 0;
+        if (!g_hold) pthread_cond_broadcast(&g_work);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return was;
+}
+
+void bsr_pool_share(const bsr_task* work, int64_t n) {
     int64_t helpers = 0;
     if (n > BSR_CPU_MAX_THREADS) n = BSR_CPU_MAX_THREADS;
     const int pooled = n > 1 && pthread_mutex_trylock(&g_pool_use) == 0;
@@ -127,15 +139,20 @@ void bsr_pool_run(const bsr_task* tasks, int64_t n) {
         }
         helpers = n - 1 < g_workers ? n - 1 : g_workers;
         if (helpers > 0 && spread_on()) keep_workers_off_caller();
-        for (int64_t i = 0; i < helpers; ++i) g_assigned[i] = &tasks[i + 1];
+        for (int64_t i = 0; i < helpers; ++i) g_assigned[i] = work;
         g_pending = (int)helpers;
         pthread_cond_broadcast(&g_work);
         pthread_mutex_unlock(&g_mu);
     }
-    for (int64_t i = helpers + 1; i < n; ++i) tasks[i].run(tasks[i].arg);
-    tasks[0].run(tasks[0].arg);
+    work->run(work->arg); /* returns when no item is left to take */
     if (pooled) {
         pthread_mutex_lock(&g_mu);
+        for (int64_t i = 0; i < helpers; ++i) { /* withdraw what no worker has started: nothing left for it */
+            if (g_assigned[i]) {
+                g_assigned[i] = NULL;
+                --g_pending;
+            }
+        }
         while (g_pending > 0) pthread_cond_wait(&g_done, &g_mu);
         pthread_mutex_unlock(&g_mu);
         pthread_mutex_unlock(&g_pool_use);

@@ -254,16 +254,15 @@ static uint32_t update(uint32_t r, const uint8_t* p, size_t n) {
 }
 
 typedef struct copy_job {
-    int64_t begin, end;
+    bsr_items items; /* objects, taken in pieces by every run (bsr_pool_share) */
     const int64_t *src, *dst_head, *dst_body;
     int64_t head_bytes, body_bytes;
     uint32_t* crcs;
     int stream; /* the call moves >= bsr_stream_threshold(BSR_INTO_STAGING) bytes (bsr_stream.h) */
 } copy_job;
 
-static void copy_crc_range(void* arg) {
-    const copy_job* j = (const copy_job*)arg;
-    for (int64_t i = j->begin; i < j->end; ++i) {
+static void copy_crc_piece(const copy_job* j, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
         const uint8_t* s = (const uint8_t*)(uintptr_t)j->src[i];
         if (j->head_bytes > 0) memcpy((void*)(uintptr_t)j->dst_head[i], s, (size_t)j->head_bytes);
         s += j->head_bytes;
@@ -282,28 +281,29 @@ static void copy_crc_range(void* arg) {
         }
         j->crcs[i] = ~r;
     }
+}
+
+static void copy_crc_range(void* arg) {
+    copy_job* j = (copy_job*)arg;
+    int64_t begin, end;
+    while (bsr_items_take(&j->items, &begin, &end)) copy_crc_piece(j, begin, end);
     if (j->stream) bsr_stream_fence();
 }
 
 static void crc_range(void* arg) {
-    const copy_job* j = (const copy_job*)arg;
-    for (int64_t i = j->begin; i < j->end; ++i)
-        j->crcs[i] = ~update(0xFFFFFFFFu, (const uint8_t*)(uintptr_t)j->src[i], (size_t)j->body_bytes);
+    copy_job* j = (copy_job*)arg;
+    int64_t begin, end;
+    while (bsr_items_take(&j->items, &begin, &end))
+        for (int64_t i = begin; i < end; ++i)
+            j->crcs[i] = ~update(0xFFFFFFFFu, (const uint8_t*)(uintptr_t)j->src[i], (size_t)j->body_bytes);
 }
 
 static void run_split(void (*fn)(void*), copy_job proto, int64_t n, int64_t threads) {
     if (threads <= 0) threads = n * proto.body_bytes >= BSR_CRC_PARALLEL_BYTES ? 2 : 1;
     if (threads > BSR_CPU_MAX_THREADS) threads = BSR_CPU_MAX_THREADS;
     if (threads > n) threads = n;
-    copy_job jobs[BSR_CPU_MAX_THREADS];
-    bsr_task tasks[BSR_CPU_MAX_THREADS];
-    for (int64_t t = 0; t < threads; ++t) {
-        jobs[t] = proto;
-        jobs[t].begin = n * t / threads;
-        jobs[t].end = n * (t + 1) / threads;
-        tasks[t] = (bsr_task){fn, &jobs[t]};
-    }
-    bsr_pool_run(tasks, threads);
+    proto.items = (bsr_items){0, n, n / (threads * 8) > 1 ? n / (threads * 8) : 1};
+    bsr_pool_share(&(bsr_task){fn, &proto}, threads);
 }
 
 /* ---- C ABI (prototypes and their description: bsr_abi.h) ----------------------------------------- */
@@ -322,7 +322,7 @@ BSR_CPU_API int bsr_crc32c_many(int64_t n, const int64_t* ptrs, int64_t nbytes, 
     init();
     if (n < 0 || nbytes < 0 || (n > 0 && (!ptrs || !crcs))) return -1;
     if (n == 0) return 0;
-    copy_job proto = {0, 0, ptrs, NULL, NULL, 0, nbytes, crcs, 0};
+    copy_job proto = {{0, 0, 1}, ptrs, NULL, NULL, 0, nbytes, crcs, 0};
     run_split(crc_range, proto, n, threads);
     return 0;
 }
@@ -334,7 +334,7 @@ BSR_CPU_API int bsr_copy_crc32c(int64_t n, const int64_t* src, const int64_t* ds
         (n > 0 && head_bytes > 0 && !dst_head))
         return -1;
     if (n == 0) return 0;
-    copy_job proto = {0, 0, src, dst_head, dst_body, head_bytes, body_bytes, crcs,
+    copy_job proto = {{0, 0, 1}, src, dst_head, dst_body, head_bytes, body_bytes, crcs,
                       n * (head_bytes + body_bytes) >= bsr_stream_threshold(BSR_INTO_STAGING)};
     run_split(copy_crc_range, proto, n, threads);
     return 0;

@@ -14,11 +14,12 @@
  * by default: every window); a gather writes staging the tier reads next, so it streams from
  * bsr_stream_threshold(BSR_INTO_STAGING) up (the last-level cache).
  *
- * Threads: `threads` = 1 runs in the caller's thread; n > 1 splits the items by bytes over n
- * threads (the caller plus n-1 workers of the pool in bsr_cpu_pool.c); 0 picks 1, or 2 from
+ * Threads: `threads` = 1 runs in the caller's thread; n > 1 shares the items with up to n-1 workers
+ * of the pool in bsr_cpu_pool.c (each takes pieces until none is left); 0 picks 1, or 2 from
  * BSR_CPU_PARALLEL_BYTES up (below it, waking a worker costs more than it saves:
  * benchmarks/bench_install.py times cpu:1t beside cpu:2t).
  */
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -152,25 +153,38 @@ static int copy_segment(const window* w, int64_t c, int64_t t) {
     return BSR_OK;
 }
 
-typedef struct slice {
+/* One window's items shared by the runs of bsr_pool_share: item k = chunk k / num_tensors, tensor
+ * k % num_tensors. A failing run records its item and error; items after the first failure are
+ * skipped, items before it still run, so the error reported is the first failing item's whatever
+ * the threads did (pieces are taken in item order). */
+typedef struct shared_window {
     const window* w;
-    int64_t begin, end; /* items [begin, end): item k = chunk k / num_tensors, tensor k % num_tensors */
+    bsr_items items;
+    int64_t failed_item; /* INT64_MAX: none yet; written under mu */
+    pthread_mutex_t mu;
     int rc;
     char error[1024];
-} slice;
+} shared_window;
 
-static void run_slice(void* arg) {
-    slice* sl = (slice*)arg;
-    sl->rc = BSR_OK;
-    for (int64_t k = sl->begin; k < sl->end && sl->rc == BSR_OK; ++k)
-        sl->rc = copy_segment(sl->w, k / sl->w->num_tensors, k % sl->w->num_tensors);
-    if (sl->w->stream) bsr_stream_fence();
-    if (sl->rc != BSR_OK) snprintf(sl->error, sizeof(sl->error), "%s", g_error);
-}
-
-static int64_t item_bytes(const window* w, int64_t k) {
-    const int64_t* r = w->desc + (k % w->num_tensors) * BSR_DESC_COLS;
-    return r[BSR_DESC_ENTRIES_PER_CHUNK] * r[BSR_DESC_ENTRY_BYTES];
+static void run_shared(void* arg) {
+    shared_window* sw = (shared_window*)arg;
+    const window* w = sw->w;
+    int64_t begin, end;
+    while (bsr_items_take(&sw->items, &begin, &end)) {
+        for (int64_t k = begin; k < end && k < __atomic_load_n(&sw->failed_item, __ATOMIC_RELAXED); ++k) {
+            const int rc = copy_segment(w, k / w->num_tensors, k % w->num_tensors);
+            if (rc == BSR_OK) continue;
+            pthread_mutex_lock(&sw->mu);
+            if (k < sw->failed_item) {
+                __atomic_store_n(&sw->failed_item, k, __ATOMIC_RELAXED);
+                sw->rc = rc;
+                snprintf(sw->error, sizeof(sw->error), "%s", g_error);
+            }
+            pthread_mutex_unlock(&sw->mu);
+            break;
+        }
+    }
+    if (w->stream) bsr_stream_fence();
 }
 
 static int run_window(window* w, int64_t threads) {
@@ -198,29 +212,14 @@ static int run_window(window* w, int64_t threads) {
     if (threads <= 0) threads = total >= BSR_CPU_PARALLEL_BYTES ? 2 : 1;
     if (threads > BSR_CPU_MAX_THREADS) threads = BSR_CPU_MAX_THREADS;
     if (threads > items) threads = items;
-    slice sl[BSR_CPU_MAX_THREADS];
-    bsr_task tasks[BSR_CPU_MAX_THREADS];
-    /* split the items into `threads` slices of about equal bytes */
-    int64_t k = 0, acc = 0;
-    for (int64_t s = 0; s < threads; ++s) {
-        sl[s].w = w;
-        sl[s].begin = k;
-        const int64_t goal = total * (s + 1) / threads;
-        while (k < items && (s == threads - 1 || acc + item_bytes(w, k) / 2 <= goal)) acc += item_bytes(w, k++);
-        sl[s].end = k;
-        sl[s].rc = BSR_OK;
-        sl[s].error[0] = 0;
-        tasks[s] = (bsr_task){run_slice, &sl[s]};
-    }
-    bsr_pool_run(tasks, threads);
-    int rc = BSR_OK;
-    for (int64_t s = 0; s < threads; ++s) {
-        if (sl[s].rc != BSR_OK && rc == BSR_OK) {
-            rc = sl[s].rc;
-            snprintf(g_error, sizeof(g_error), "%s", sl[s].error);
-        }
-    }
-    return rc;
+    /* pieces of about 1/16 of a thread's share: a worker that wakes late leaves the caller at most
+     * one piece to wait for */
+    shared_window sw = {w, {0, items, items / (threads * 16) > 1 ? items / (threads * 16) : 1}, INT64_MAX,
+                        PTHREAD_MUTEX_INITIALIZER, BSR_OK, ""};
+    bsr_pool_share(&(bsr_task){run_shared, &sw}, threads);
+    pthread_mutex_destroy(&sw.mu);
+    if (sw.rc != BSR_OK) snprintf(g_error, sizeof(g_error), "%s", sw.error);
+    return sw.rc;
 }
 
 /* ---- C ABI (prototypes and their description: bsr_abi.h) ----------------------------------------- */
@@ -231,6 +230,8 @@ BSR_CPU_API int bsr_cpu_abi_version(void) { return BSR_CPU_ABI_VERSION; }
 BSR_CPU_API int64_t bsr_cpu_parallel_bytes(void) { return BSR_CPU_PARALLEL_BYTES; }
 
 BSR_CPU_API int bsr_cpu_pool_spread(int on) { return bsr_pool_spread(on); }
+
+BSR_CPU_API int bsr_cpu_pool_hold(int on) { return bsr_pool_hold(on); }
 
 BSR_CPU_API int64_t bsr_cpu_stream_bytes(int into, int64_t bytes) { return bsr_stream_set_threshold(into, bytes); }
 

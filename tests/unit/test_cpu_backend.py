@@ -116,6 +116,67 @@ def test_bad_block_in_the_last_chunk_is_reported(threads):
         cpu_backend.install(reg, args, threads)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_first_bad_block_is_the_error_whichever_thread_meets_it(threads):
+    """Two out-of-range block ids, chunk 3's and the last chunk's: the call reports chunk 3's (the
+    first in item order), however the threads shared the items."""
+    from bsr_kernels.validate import WindowArgs
+
+    reg = presets.dsv4_flash(scale=1 / 64)
+    case = make_case(reg, 0, 16, seed=8, hole_frac=0.0)
+    tables = [t.clone() for t in case.tables]
+    assert tables[2].numel() == 16  # group 2: one block per chunk
+    tables[2][3], tables[2][-1] = 10_000_003, 10_000_015  # bypass validation on purpose
+    args = WindowArgs(case.staging, tuple(poisoned(reg, case.num_blocks)), tuple(tables), 0, 16, reg.chunk_bytes)
+    for _ in range(5):
+        with pytest.raises(RuntimeError, match="chunk 3: block id 10000003 outside"):
+            cpu_backend.install(reg, args, threads)
+
+
+def test_a_worker_that_never_starts_does_not_hold_the_call(large_window):
+    """While the pool's workers start nothing (held, as a worker the scheduler does not run), a
+    two-thread install, gather and checksumming copy return with every byte moved by the caller alone;
+    released, the workers take tasks again. A call that waited for its worker's share would hang here."""
+    import threading
+
+    import google_crc32c
+    import numpy as np
+
+    from bsr_kernels import host_crc
+
+    case, ref, ref_gathered = large_window
+    reg = case.reg
+    kv = poisoned(reg, case.num_blocks)
+    out = torch.full((16 * reg.chunk_bytes,), POISON, dtype=torch.uint8)
+    n, body = 8, 1 << 20
+    src = np.random.default_rng(3).integers(0, 256, n * body, dtype=np.uint8)
+    dst = np.zeros(n * body, dtype=np.uint8)
+    results = {}
+
+    def calls():
+        install_window(case.staging, reg, kv, case.tables, 2, 16, backend="cpu", cpu_threads=2)
+        gather_window(out, reg, kv, case.tables, 2, 16, backend="cpu", cpu_threads=2)
+        results["crcs"] = host_crc.copy_crc32c([src.ctypes.data + i * body for i in range(n)], None,
+                                               [dst.ctypes.data + i * body for i in range(n)], 0, body, threads=2)
+
+    was = cpu_backend.pool_hold(True)
+    try:
+        assert cpu_backend.pool_hold() is True
+        t = threading.Thread(target=calls, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "a two-thread call waited for a worker that never started"
+    finally:
+        cpu_backend.pool_hold(was)
+    same_bytes(kv, ref, "install by the caller alone")
+    assert torch.equal(out, ref_gathered)
+    assert np.array_equal(dst, src)
+    assert results["crcs"].tolist() == [google_crc32c.value(src[i * body : (i + 1) * body].tobytes()) for i in range(n)]
+    kv2 = poisoned(reg, case.num_blocks)  # released: the workers run again
+    install_window(case.staging, reg, kv2, case.tables, 2, 16, backend="cpu", cpu_threads=2)
+    same_bytes(kv2, ref, "install with the workers released")
+
+
 def test_auto_threads_above_threshold_match_oracle():
     """A window larger than the library's parallel threshold (two threads under auto)."""
     reg = presets.dsv4_flash(scale=1 / 16)
