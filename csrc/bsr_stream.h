@@ -16,7 +16,7 @@
  * bsr_stream_threshold(into): bytes per call from which copies into that kind stream; the
  * environment sets it at first use, bsr_stream_set_threshold at any time (0: always; huge: never).
  * bsr_copy_nt(dst, src, n): memcpy whose 64-byte aligned middle is written with non-temporal
- * stores (n < 128 B, or not x86-64: plain memcpy). A thread that streamed calls
+ * stores (n < 128 B, or no AVX2: plain memcpy). A thread that streamed calls
  * bsr_stream_fence() before it reports its work done.
  */
 #ifndef BSR_STREAM_H
