@@ -21,7 +21,7 @@ def store(tier, reg: Registration, space: KeySpace, tokens: Sequence[int], kv: l
 
 def restore(tier, req: RestoreRequest, num_chunks: int, window_chunks: int, *, fetch_timeout_s: float = 30.0,
             **config) -> RestoreReport:
-    """One restore of chunks 0..num_chunks-1 from the tier at W = window_chunks (depth 1: the tier's)."""
+    """One restore of chunks 0..num_chunks-1 from the tier at W = window_chunks, at the tier's depth for that W."""
     depth = tier.preferred_pipeline_depth(window_chunks * tier.reg.chunk_bytes)
     cfg = RestoreConfig(window_chunks=window_chunks, pipeline_depth=depth,
                         fetch_timeout_s=fetch_timeout_s, **config)

@@ -156,8 +156,8 @@ class ReadPaths:
     def _lands_whole(self, ptrs: Sequence[int], sizes: Sequence[int], room: bool) -> bool:
         """`room`: some views have scratch bytes before them: in place (one get, no copy) unless
         land_whole=True. Without room, land_whole None (tcp): land whole when the read fits one
-        landing buffer (one get and one copy, against two gets in place: in a restore of 4 MB windows
-        over tcp the second get cost more than the copy, benchmarks/results/sweep_mooncake_scale64_r5.txt)
+        landing buffer (one get and one copy, against two gets in place: over tcp the second get cost more
+        than the copy, benchmarks/mooncake_tier_throughput.py's get_path beside in_place_path)
         or when no two views are adjacent (nothing to land in place)."""
         if room:
             return self.land_whole is True

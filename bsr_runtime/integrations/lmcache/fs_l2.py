@@ -25,8 +25,8 @@ eventfd wakes when the task is done: a store is one job, a load `load_concurrenc
 (per key: open, header into a small buffer, payload straight into the preallocated L1 memory object
 the prefetch controller passed in, CRC in place), and a lookup of at most INLINE_LOOKUP_KEYS keys (a
 restore window's) runs on the controller thread itself, its stat calls costing less than two hand-offs.
-On this 2-vCPU host each hand-off costs tens of microseconds, and a windowed retrieve pays them once
-per window (benchmarks/results/sweep_lmcache_fs_scale64_r5.txt). Every task completes, whatever it
+On this 2-vCPU host each hand-off costs tens of microseconds (benchmarks/thread_handoff.py), and a
+windowed retrieve pays them once per window. Every task completes, whatever it
 raises, so the controller never waits for one forever.
 
     {"type": "plugin", "module_path": "bsr_runtime.integrations.lmcache.fs_l2",

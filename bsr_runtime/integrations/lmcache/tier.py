@@ -120,9 +120,8 @@ class LMCacheTier(Tier):
     def preferred_pipeline_depth(self, window_bytes: int) -> int:
         """By the window's size (base.depth_by_window): each fetch pays LMCache's per-request work (CPU, not
         latency), and depth 2's half windows pay it twice as often, which costs more than the overlap saves
-        below half windows of 16 MiB (at scale 1/64 a depth-2 retrieve, a temporary patch recorded in
-        benchmarks/results/sweep_lmcache_fs_scale64_r5.txt: 1.34-1.99x the whole plan against 1.20-1.56x at
-        depth 1) and less from there (figures beside depth_by_window)."""
+        below half windows of 16 MiB and less from there (`bsr wlaw --tier lmcache-mooncake --depth {1,2}`,
+        figures beside depth_by_window)."""
         return depth_by_window(window_bytes)
 
     def probe(self, keys: Sequence[str]) -> list[bool]:
